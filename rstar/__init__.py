@@ -1,3 +1,28 @@
-"""rstar: the intrinsic rank r* of attention tasks, estimated from data alone."""
+"""rstar: the intrinsic rank r* of attention tasks, estimated from data alone.
+
+Data-only estimators (an inversion composed with a rank rule) are importable
+from the top level; trained students live in :mod:`rstar.students` (needs the
+``torch`` extra, imported lazily).
+"""
+
+from .estimators import (
+    EnergyRankEstimator,
+    MPRankEstimator,
+    NumericalRankEstimator,
+    RStarEstimator,
+    SoftmaxInversionEstimator,
+)
+from .exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "NumericalRankEstimator",
+    "MPRankEstimator",
+    "EnergyRankEstimator",
+    "SoftmaxInversionEstimator",
+    "RStarEstimator",
+    "IllConditionedInversionWarning",
+    "UnidentifiableRankWarning",
+    "__version__",
+]

@@ -40,6 +40,7 @@ __all__ = [
     "tracy_widom_quantile",
     "largest_eigenvalue_quantile",
     "estimate_noise_variance",
+    "fit_mp_bulk",
 ]
 
 _GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(64)
@@ -410,3 +411,84 @@ def estimate_noise_variance(eigenvalues, n_columns, n_spikes=0):
         return 0.0
     return med / mp_median((p - k) / float(n_columns))
 
+
+
+def _empirical_quantile(sorted_asc, q):
+    return float(np.quantile(sorted_asc, q, method="hazen"))
+
+
+def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigma2=None):
+    """Fit both MP parameters (noise variance and ratio) to the quartiles of a bulk.
+
+    When the bulk is wider than white noise with ``n_columns`` columns would
+    give (e.g. the structured residual of a non-linear inversion), the
+    effective ratio is found from the bulk's spread: the ratio of its upper to
+    its lower quartile is matched to the MP law's, then the variance by the
+    median. Quartiles are untouched by a few undetected spikes. The ratio is
+    never below the nominal ``(p - k) / n_columns``.
+
+    Parameters
+    ----------
+    eigenvalues : array-like of shape (p,)
+    n_columns : float
+        Nominal number of columns ``m``.
+    n_spikes : int, default=0
+        Largest eigenvalues ``k`` to set aside.
+    quantiles : tuple of two floats, default=(0.25, 0.75)
+    sigma2 : float or None, default=None
+        A known noise variance: then only the ratio is fitted, from the lower
+        quantile alone (``sigma2 * F^{-1}(q_low) = empirical q_low quantile``),
+        which stays in the bulk even when most eigenvalues are spikes.
+
+    Returns
+    -------
+    sigma2 : float
+    n_columns_eff : float
+        ``(p - k) / ratio_eff``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.marchenko_pastur import fit_mp_bulk
+    >>> rng = np.random.default_rng(0)
+    >>> W = rng.standard_normal((200, 2000))
+    >>> lam = np.linalg.eigvalsh(W @ W.T / 2000)
+    >>> s2, m_eff = fit_mp_bulk(lam, n_columns=20000)   # true m is 2000
+    >>> round(s2, 1), bool(1500 < m_eff < 2500)
+    (1.0, True)
+    """
+    lam = np.sort(np.asarray(eigenvalues, dtype=np.float64))[::-1]
+    p = lam.size
+    k = int(n_spikes)
+    bulk = np.sort(lam[k:])
+    q_lo, q_hi = quantiles
+    if bulk.size < 4:
+        return estimate_noise_variance(lam, n_columns, k), float(n_columns)
+    ratio_nom = (p - k) / float(n_columns)
+    low, med, high = (float(np.quantile(bulk, q, method="hazen")) for q in (q_lo, 0.5, q_hi))
+    if low <= 0:
+        return estimate_noise_variance(lam, n_columns, k), float(n_columns)
+    if sigma2 is not None:
+        sigma2 = _check_sigma2(sigma2)
+        target = low / sigma2
+        if target >= _unit_quantile(q_lo, ratio_nom):
+            return sigma2, float(n_columns)
+        if target <= _unit_quantile(q_lo, 1.0):
+            return sigma2, float(p - k)
+        ratio = optimize.brentq(lambda g: _unit_quantile(q_lo, g) - target, ratio_nom, 1.0, xtol=1e-12,
+                                rtol=1e-6)
+        return sigma2, float((p - k) / ratio)
+    observed = high / low
+
+    def spread(ratio):
+        return _unit_quantile(q_hi, ratio) / _unit_quantile(q_lo, ratio)
+
+    ratio = ratio_nom
+    if observed > spread(ratio_nom):
+        hi = 1.0
+        if observed >= spread(hi):
+            ratio = hi
+        else:
+            ratio = optimize.brentq(lambda g: spread(g) - observed, ratio_nom, hi, xtol=1e-12, rtol=1e-6)
+    sigma2 = med / _unit_quantile(0.5, ratio)
+    return float(sigma2), float((p - k) / ratio)

@@ -1,0 +1,115 @@
+"""Closed-form fit of a rank-constrained bilinear "sandwich" model from moment sums.
+
+Model, for per-sample targets ``T_i`` (a x e) and regressors ``Z_i`` (b x c)::
+
+    T_i ~ L Z_i R,   L = U B  (U: a x r orthonormal, known),  R: c x e
+
+fitted by alternating least squares (each step an exact linear solve) using
+only the sums
+
+    HZ[b, c, b', c'] = sum_i w_i Z_i[b, c] Z_i[b', c']
+    FZ[b, c, a, e]   = sum_i w_i Z_i[b, c] T_i[a, e]
+
+so that the fit streams with ``partial_fit``. The linear proxy is
+``Y_i ~ A X_i V`` (Z_i = X_i); the query–key inversion is
+``M_i ~ K G_i V`` (Z_i = X_i^T X_i).
+"""
+
+import numpy as np
+
+from ._linalg import solve_psd, sym
+
+
+def moment_sums(Z, Tgt, w):
+    """Weighted moment sums of one batch.
+
+    Parameters
+    ----------
+    Z : ndarray of shape (n, b, c)
+    Tgt : ndarray of shape (n, a, e)
+    w : ndarray of shape (n,)
+
+    Returns
+    -------
+    HZ : ndarray of shape (b, c, b, c)
+    FZ : ndarray of shape (b, c, a, e)
+    """
+    n, b, c = Z.shape
+    _, a, e = Tgt.shape
+    Zf = Z.reshape(n, b * c)
+    Zw = Zf * w[:, None]
+    HZ = (Zw.T @ Zf).reshape(b, c, b, c)
+    FZ = (Zw.T @ Tgt.reshape(n, a * e)).reshape(b, c, a, e)
+    return HZ, FZ
+
+
+class _Contractions:
+    """The moment sums rearranged once so every ALS step is a matrix-vector product."""
+
+    def __init__(self, HZ, FZ):
+        b, c = HZ.shape[:2]
+        a, e = FZ.shape[2:]
+        self.shape = (a, b, c, e)
+        self.H = HZ.transpose(0, 2, 1, 3).reshape(b * b, c * c)  # [(b,B),(c,C)]
+        self.F_b = FZ.transpose(2, 0, 1, 3).reshape(a * b, c * e)  # [(a,b),(c,e)]
+        self.F_r = FZ.transpose(0, 2, 1, 3).reshape(b * a, c * e)  # [(b,a),(c,e)]
+
+    def b_step(self, U, R):
+        a, b, c, e = self.shape
+        lhs = (self.H @ (R @ R.T).ravel()).reshape(b, b)
+        rhs = (self.F_b @ R.ravel()).reshape(a, b)
+        return solve_psd(sym(lhs), (U.T @ rhs).T).T
+
+    def r_step(self, U, B):
+        a, b, c, e = self.shape
+        lhs = ((B.T @ B).ravel() @ self.H).reshape(c, c)
+        rhs = ((B.T @ U.T).ravel() @ self.F_r).reshape(c, e)
+        return solve_psd(sym(lhs), rhs)
+
+
+def fit_bilinear(HZ, FZ, U, R_known=None, max_iter=500, tol=1e-9):
+    """Fit ``L = U B`` and ``R`` of the sandwich model by alternating least squares.
+
+    Parameters
+    ----------
+    HZ, FZ : ndarray
+        Moment sums from :func:`moment_sums` (accumulated over all batches).
+    U : ndarray of shape (a, r)
+        Orthonormal basis of the range of L (from the rank rule).
+    R_known : ndarray of shape (c, e) or None
+        A known right factor (e.g. a known value map): then only ``B`` is
+        solved, in one step.
+    max_iter : int, default=500
+    tol : float, default=1e-9
+        Stop when the relative change of ``B`` and ``R`` falls below it.
+
+    Returns
+    -------
+    L : ndarray of shape (a, b)
+    R : ndarray of shape (c, e)
+    """
+    b, c = HZ.shape[:2]
+    a, e = FZ.shape[2:]
+    r = U.shape[1]
+    if r == 0:
+        return np.zeros((a, b)), (np.zeros((c, e)) if R_known is None else R_known)
+    ops = _Contractions(HZ, FZ)
+    if R_known is not None:
+        return U @ ops.b_step(U, R_known), R_known
+    # initial guess: L = U U^T restricted to the first r rows/cols of Z's range
+    B = U.T[:, :b] if a == b else np.eye(r, b)
+    R = ops.r_step(U, B)
+    tiny = np.finfo(float).tiny
+    for _ in range(max_iter):
+        B_prev, R_prev = B, R
+        B = ops.b_step(U, R)
+        norm = np.linalg.norm(B)
+        if norm == 0:
+            break
+        B = B / norm  # fix the scale ambiguity (B, R) ~ (sB, R/s)
+        R = ops.r_step(U, B)
+        change = np.linalg.norm(B - B_prev) / max(np.linalg.norm(B), tiny) + np.linalg.norm(
+            R - R_prev) / max(np.linalg.norm(R), tiny)
+        if change < tol:
+            break
+    return U @ B, R

@@ -1,0 +1,72 @@
+"""Small dense linear-algebra helpers shared by the inversions (pure functions)."""
+
+import numpy as np
+from scipy import linalg
+
+
+def sym(A):
+    return (A + A.T) / 2
+
+
+def psd_power(A, power, rcond=1e-12):
+    """``A**power`` for a symmetric PSD matrix; eigenvalues below
+    ``rcond * max`` are treated as zero (pseudo-inverse for negative powers)."""
+    w, Q = np.linalg.eigh(sym(A))
+    top = w.max() if w.size else 0.0
+    keep = w > rcond * top if top > 0 else np.zeros_like(w, dtype=bool)
+    wp = np.zeros_like(w)
+    wp[keep] = w[keep] ** power
+    return (Q * wp) @ Q.T
+
+
+def solve_psd(A, B, rcond=1e-12):
+    """Solution of ``A Z = B`` for symmetric PSD ``A``: Cholesky when ``A`` is
+    well conditioned, else the least-squares (pseudo-inverse) solution."""
+    A = sym(A)
+    if A.size and np.all(np.isfinite(A)):
+        try:
+            factor = linalg.cho_factor(A, check_finite=False)
+            diag = np.abs(np.diag(factor[0]))
+            if diag.min() > np.sqrt(rcond) * diag.max():
+                return linalg.cho_solve(factor, B, check_finite=False)
+        except linalg.LinAlgError:
+            pass
+    return psd_power(A, -1.0, rcond) @ B
+
+
+def batched_pseudo_inverse(X, rcond=1e-10):
+    """Per-sample pseudo-inverse factors of a stack of token matrices.
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, T, d)
+
+    Returns
+    -------
+    U : ndarray of shape (n, T, k)
+    inv_s : ndarray of shape (n, k)
+        ``1 / s`` for kept singular values, 0 otherwise (``k = min(T, d)``).
+    Wt : ndarray of shape (n, k, d)
+        So that ``X^+ = Wt^T diag(inv_s) U^T`` and
+        ``(X^T X)^+ = Wt^T diag(inv_s**2) Wt``.
+    smallest : ndarray of shape (n,)
+        Smallest kept squared singular value (0 for an all-zero sample).
+    rank : ndarray of shape (n,)
+    """
+    U, s, Wt = np.linalg.svd(X, full_matrices=False)
+    top = s[:, :1]
+    keep = (s > rcond * np.maximum(top, np.finfo(float).tiny)) & (top > 0)
+    inv_s = np.where(keep, 1.0 / np.where(keep, s, 1.0), 0.0)
+    smallest = np.where(keep, s**2, np.inf).min(axis=1)
+    smallest = np.where(np.isfinite(smallest), smallest, 0.0)
+    return U, inv_s, Wt, smallest, keep.sum(axis=1)
+
+
+def orthonormal_rows(V):
+    """Orthonormal basis (as rows) of the span of the columns of ``V`` (p x k)."""
+    if V.shape[1] == 0:
+        return np.zeros((0, V.shape[0]))
+    Q, R = np.linalg.qr(V)
+    signs = np.sign(np.diag(R))
+    signs[signs == 0] = 1.0
+    return (Q * signs).T

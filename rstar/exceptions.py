@@ -1,0 +1,12 @@
+"""Warnings raised when the data cannot identify r* reliably."""
+
+__all__ = ["IllConditionedInversionWarning", "UnidentifiableRankWarning"]
+
+
+class IllConditionedInversionWarning(UserWarning):
+    """The inversion amplifies noise (e.g. T close to d); see the message for the fallback used."""
+
+
+class UnidentifiableRankWarning(UserWarning):
+    """The spectrum cannot separate signal from noise (too few bulk eigenvalues, or
+    more spikes than bulk); see the message for the fallback used."""

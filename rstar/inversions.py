@@ -1,0 +1,529 @@
+"""Inversions: samples (X, Y) -> a symmetric statistic whose signal part has rank r*.
+
+Each inversion (theory §4) accumulates *sums over samples* in a dict of
+arrays (``new_stats`` / ``update`` / :func:`merge_stats`), so streaming
+(``partial_fit``) and map-reduce come for free. ``whiten`` turns the sums into
+a :class:`WhitenedStatistic`: the eigen-decomposition of
+``N^{-1/2} C N^{-1/2}``, where ``N`` is the noise Gram, scaled so that pure
+noise of variance ``sigma2`` gives a Marchenko–Pastur bulk around ``sigma2``
+with ``n_columns`` effective columns. ``fit_operator`` fits the operator in
+closed form at a given rank from the same sums (used by ``predict``).
+
+All arrays passed in are already validated and rescaled to unit RMS by the
+estimator (so results do not depend on the units of X and Y).
+
+Available inversions:
+
+- :class:`TokenInversion` (B0, linear proxy ``Y = A X V``): ``C = sum Y Y^T``.
+- :class:`QueryKeyInversion` (B1, linear QK ``Y = X K X^T X V / c``):
+  ``M_i = X_i^+ Y_i = K G_i V + X_i^+ E_i``; with ``centred=True`` it is the
+  first-order softmax inversion applied to ``(P X, P Y)``.
+- :class:`SoftmaxExactInversion` (B2 with a known V and ``d, d_v >= T``):
+  weighted least squares on ``log S_i`` where ``S_i = Y_i (X_i V)^+``.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy import special
+
+from . import _bilinear
+from ._linalg import batched_pseudo_inverse, orthonormal_rows, psd_power, solve_psd, sym
+from .exceptions import IllConditionedInversionWarning
+
+__all__ = [
+    "WhitenedStatistic",
+    "Inversion",
+    "TokenInversion",
+    "QueryKeyInversion",
+    "SoftmaxExactInversion",
+    "merge_stats",
+]
+
+# Moment sums for the closed-form operator are skipped above this many entries
+# (e.g. T*d > 4096 for the linear proxy): predict() then says so.
+MAX_MOMENT_ENTRIES = 2**25
+# Residual degrees of freedom needed before the residual noise estimate is used.
+MIN_NOISE_DOF = 50
+# Aspect ratio min(T, d) / max(T, d) above which X_i^+ is ill-conditioned
+# (hard edge of the MP law at ratio 1).
+ILL_CONDITIONED_ASPECT = 0.9
+
+
+@dataclass
+class WhitenedStatistic:
+    """The output of an inversion: a whitened symmetric statistic.
+
+    Attributes
+    ----------
+    eigenvalues : ndarray of shape (p,)
+        Descending eigenvalues of ``N^{-1/2} C N^{-1/2}``; pure noise of
+        variance ``sigma2`` gives an MP bulk with ratio ``p / n_columns``
+        scaled by ``sigma2``.
+    eigenvectors : ndarray of shape (p, p)
+        Matching eigenvectors (columns), in whitened coordinates.
+    unwhiten : ndarray of shape (p, p)
+        ``N^{1/2}``: maps whitened directions back to the original space.
+    n_columns : float
+        Effective number of independent columns ``m``.
+    noise_variance : float or None
+        An estimate of ``sigma2`` independent of the spectrum (residual of
+        a model that holds under the operator), or None.
+    noise_dof : float
+        Degrees of freedom of ``noise_variance``.
+    structured_bulk : bool
+        True when the bulk holds more than white noise (e.g. the higher-order
+        terms of the first-order softmax inversion): rules should then fit
+        its width instead of trusting ``n_columns``.
+    warnings : list of (Warning subclass, str)
+        Conditions the estimator must report.
+    """
+
+    eigenvalues: np.ndarray
+    eigenvectors: np.ndarray
+    unwhiten: np.ndarray
+    n_columns: float
+    noise_variance: float = None
+    noise_dof: float = 0.0
+    warnings: list = field(default_factory=list)
+    structured_bulk: bool = False
+
+    @property
+    def dim(self):
+        return self.eigenvalues.size
+
+    def components(self, k):
+        """Orthonormal basis (rows) of the top-``k`` subspace in original coordinates."""
+        return orthonormal_rows(self.unwhiten @ self.eigenvectors[:, :k])
+
+
+def merge_stats(a, b):
+    """Sum two statistics dicts from the same inversion (map-reduce)."""
+    out = {}
+    for key in a:
+        if key == "dims":
+            if a[key] != b[key]:
+                raise ValueError(f"cannot merge statistics of different shapes {a[key]} and {b[key]}.")
+            out[key] = a[key]
+        elif a[key] is None or b[key] is None:
+            out[key] = None
+        else:
+            out[key] = a[key] + b[key]
+    return out
+
+
+def _eigh_desc(W):
+    w, Q = np.linalg.eigh(sym(W))
+    return w[::-1].copy(), Q[:, ::-1].copy()
+
+
+def _whiten(C, N):
+    """Eigen-decomposition of N^{-1/2} C N^{-1/2} and the map N^{1/2}."""
+    N_isqrt = psd_power(N, -0.5)
+    lam, vecs = _eigh_desc(N_isqrt @ C @ N_isqrt)
+    return lam, vecs, psd_power(N, 0.5)
+
+
+class Inversion:
+    """Base class: subclasses implement ``new_stats``, ``update``, ``whiten``
+    and ``fit_operator``.
+
+    Parameters
+    ----------
+    value_map : ndarray of shape (d, d_v) or None
+        Known value matrix V (already in the estimator's internal units).
+    """
+
+    #: which space ``components_`` live in: "tokens" (T) or "features" (d)
+    space = "features"
+
+    def __init__(self, value_map=None):
+        self.value_map = value_map
+
+    def statistic_dim(self, T, d):
+        return d
+
+    def min_samples(self, T, d, d_v):
+        return 2
+
+    def new_stats(self, T, d, d_v):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def update(self, stats, X, Y):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def whiten(self, stats):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def fit_operator(self, stats, basis):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _moments_fit(T, d, d_v, b, c, a, e):
+    return b * c * b * c <= MAX_MOMENT_ENTRIES and b * c * a * e <= MAX_MOMENT_ENTRIES
+
+
+class TokenInversion(Inversion):
+    """Token inversion for the linear proxy ``Y = A* X V* + E`` (theory §4).
+
+    ``C = sum_i Y_i Y_i^T / (n d_v)`` (T x T): signal of rank r* = rank(A*),
+    noise ``sigma2 I_T`` with ``m = n d_v`` columns. The noise variance comes
+    from the residual of the unconstrained linear regression of ``vec Y`` on
+    ``vec X`` when ``n > T d`` (it is exact under the linear proxy), else
+    from the bulk. ``fit_operator`` fits ``A = U B`` and ``V`` by alternating
+    least squares on the moment sums.
+    """
+
+    space = "tokens"
+
+    def statistic_dim(self, T, d):
+        return T
+
+    def new_stats(self, T, d, d_v):
+        moments = _moments_fit(T, d, d_v, T, d, T, d_v)
+        return {
+            "dims": (T, d, d_v),
+            "n": 0,
+            "YY": np.zeros((T, T)),
+            "yy": 0.0,
+            "HZ": np.zeros((T, d, T, d)) if moments else None,
+            "FZ": np.zeros((T, d, T, d_v)) if moments else None,
+        }
+
+    def update(self, stats, X, Y):
+        stats["n"] += X.shape[0]
+        stats["YY"] += np.einsum("nta,nsa->ts", Y, Y, optimize=True)
+        stats["yy"] += float(np.sum(Y**2))
+        if stats["HZ"] is not None:
+            HZ, FZ = _bilinear.moment_sums(X, Y, np.ones(X.shape[0]))
+            stats["HZ"] += HZ
+            stats["FZ"] += FZ
+
+    def whiten(self, stats):
+        n = stats["n"]
+        T, _, d_v = stats["dims"]
+        m = n * d_v
+        lam, vecs = _eigh_desc(stats["YY"] / m)
+        noise, dof = None, 0.0
+        if stats["HZ"] is not None:
+            Td = stats["HZ"].shape[0] * stats["HZ"].shape[1]
+            H = stats["HZ"].reshape(Td, Td)
+            F = stats["FZ"].reshape(Td, -1)
+            w, Q = np.linalg.eigh(sym(H))
+            keep = w > 1e-10 * max(w.max(), np.finfo(float).tiny)
+            rank_H = int(keep.sum())
+            dof = T * d_v * n - rank_H * T * d_v
+            if dof >= MIN_NOISE_DOF:
+                proj = Q[:, keep].T @ F
+                fitted = float(np.sum(proj**2 / w[keep, None]))
+                noise = max(stats["yy"] - fitted, 0.0) / dof
+        return WhitenedStatistic(lam, vecs, np.eye(T), float(m), noise, float(max(dof, 0)))
+
+    def fit_operator(self, stats, basis):
+        if stats["HZ"] is None:
+            return None
+        L, R = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T, R_known=self.value_map)
+        return _LinearProxyOperator(L, R)
+
+
+class _LinearProxyOperator:
+    def __init__(self, A, V):
+        self.A, self.V = A, V
+
+    def predict(self, X):
+        return np.einsum("st,ntd,dv->nsv", self.A, X, self.V, optimize=True)
+
+
+class QueryKeyInversion(Inversion):
+    """Query–key inversion ``M_i = X_i^+ Y_i`` (theory §4; B1, and B2 to first order).
+
+    Columns of ``M_i = K* G_i V* + X_i^+ E_i`` lie in range(K*) whatever V* is.
+    ``C = sum_i w_i M_i M_i^T`` and noise Gram ``N = d_v sum_i w_i (X_i^T X_i)^+``
+    with sample weights ``w_i = sigma_min(X_i)^2``: each weighted sample then
+    has noise covariance at most ``sigma2 I``, which tames the heavy tail of
+    ``(X_i^T X_i)^{-1}`` near ``T = d`` (MP hard edge) without moving the
+    columns out of range(K*). The effective number of MP columns is
+    ``d_v (sum_i w_i tr G_i^+)^2 / sum_i (w_i tr G_i^+)^2``.
+
+    Parameters
+    ----------
+    centred : bool, default=False
+        Centre X and Y over tokens first (``P X``, ``P Y``): the first-order
+        softmax inversion, since ``P softmax(Z) X V ~ P Z P X V / T`` near
+        uniform attention; it also holds exactly for linear-QK data.
+    residual_noise : bool, default=True
+        Estimate ``sigma2`` from the part of ``Y_i`` outside ``col(X_i)``
+        (exact for linear QK when ``T > d``). For softmax data this residual
+        also holds the higher-order terms, and its power per degree of freedom
+        matches the level of the structured bulk they leave inside
+        ``col(X_i)`` (checked numerically: within 5% over T = 16..64,
+        d = 8..32, logit scale 1..6).
+    structured_bulk : bool or None
+        Flag the bulk as wider than white noise (default: ``centred``).
+    value_map : ndarray or None
+        Known V: used by ``fit_operator``.
+    """
+
+    def __init__(self, centred=False, residual_noise=True, value_map=None, structured_bulk=None):
+        super().__init__(value_map)
+        self.centred = centred
+        self.residual_noise = residual_noise
+        self.structured_bulk = centred if structured_bulk is None else structured_bulk
+
+    def min_samples(self, T, d, d_v):
+        return 2
+
+    def new_stats(self, T, d, d_v):
+        moments = _moments_fit(T, d, d_v, d, d, d, d_v)
+        return {
+            "dims": (T, d, d_v),
+            "n": 0,
+            "C": np.zeros((d, d)),
+            "N": np.zeros((d, d)),
+            "s1": 0.0,
+            "s2": 0.0,
+            "res": 0.0,
+            "res_dof": 0.0,
+            "n_deficient": 0,
+            "HZ": np.zeros((d, d, d, d)) if moments else None,
+            "FZ": np.zeros((d, d, d, d_v)) if moments else None,
+            "xbar_xbar": np.zeros((d, d)),
+            "xbar_ybar": np.zeros((d, d_v)),
+        }
+
+    def _tokens_eff(self, T):
+        return T - 1 if self.centred else T
+
+    def update(self, stats, X, Y):
+        n, T, d = X.shape
+        d_v = Y.shape[2]
+        xbar, ybar = X.mean(axis=1), Y.mean(axis=1)
+        if self.centred:
+            Xc, Yc = X - xbar[:, None, :], Y - ybar[:, None, :]
+        else:
+            Xc, Yc = X, Y
+        G = np.einsum("nta,ntb->nab", Xc, Xc, optimize=True)
+        U, inv_s, Wt, smallest, rank = batched_pseudo_inverse(Xc)
+        # M_i = X_i^+ Y_i and (X_i^T X_i)^+ from one SVD per sample
+        M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Yc, optimize=True)
+        G_pinv = np.einsum("nka,nk,nkb->nab", Wt, inv_s**2, Wt, optimize=True)
+        w = smallest
+        stats["n"] += n
+        stats["C"] += np.einsum("n,nav,nbv->ab", w, M, M, optimize=True)
+        stats["N"] += np.einsum("n,nab->ab", w, G_pinv)
+        tr = np.trace(G_pinv, axis1=1, axis2=2) * w
+        stats["s1"] += float(tr.sum())
+        stats["s2"] += float(np.sum(tr**2))
+        fitted = np.einsum("nta,nav->ntv", Xc, M, optimize=True)
+        stats["res"] += float(np.sum(Yc**2) - np.sum(fitted**2))
+        stats["res_dof"] += float(np.sum(np.maximum(self._tokens_eff(T) - rank, 0)) * d_v)
+        stats["n_deficient"] += int(np.sum(rank < min(self._tokens_eff(T), d)))
+        if stats["HZ"] is not None:
+            HZ, FZ = _bilinear.moment_sums(G, M, w)
+            stats["HZ"] += HZ
+            stats["FZ"] += FZ
+        stats["xbar_xbar"] += xbar.T @ xbar
+        stats["xbar_ybar"] += xbar.T @ ybar
+
+    def whiten(self, stats):
+        T, d, d_v = stats["dims"]
+        warnings = []
+        if stats["s1"] <= 0:
+            # every sample degenerate (e.g. T = 1 with centring): no information
+            lam = np.zeros(d)
+            return WhitenedStatistic(lam, np.eye(d), np.eye(d), float(max(stats["n"] * d_v, 1)), None, 0.0,
+                                     warnings)
+        m_eff = d_v * stats["s1"] ** 2 / stats["s2"]
+        lam, vecs, unwhiten = _whiten(stats["C"], d_v * stats["N"])
+        T_eff = self._tokens_eff(T)
+        aspect = min(T_eff, d) / max(T_eff, d)
+        if aspect > ILL_CONDITIONED_ASPECT:
+            warnings.append((IllConditionedInversionWarning,
+                             f"the query-key inversion is ill-conditioned: {'T-1' if self.centred else 'T'}"
+                             f"={T_eff} tokens is close to d={d} features (hard edge of the Marchenko-Pastur "
+                             "law), so X_i^+ amplifies noise. Fallback in use: samples are weighted by "
+                             "sigma_min(X_i)^2 and the noise Gram is whitened; the estimate rests on the "
+                             "better-conditioned samples and may be unreliable. Use T >= 1.5 d or more samples."))
+        noise, dof = None, stats["res_dof"]
+        if self.residual_noise and dof >= MIN_NOISE_DOF:
+            noise = max(stats["res"], 0.0) / dof
+        return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), noise, float(dof), warnings,
+                                 structured_bulk=self.structured_bulk)
+
+    def fit_operator(self, stats, basis):
+        if stats["HZ"] is None:
+            return None
+        T, d, _ = stats["dims"]
+        V = self.value_map
+        if not self.centred:
+            L, R = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T, R_known=V)
+            return _LinearQKOperator(L, R)
+        # First-order softmax: M_i ~ K (X^T P X) V / (T sqrt(d)), scale (K, V) ~ (aK, V/a).
+        c = T * np.sqrt(d)
+        if V is not None:
+            L, _ = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T, R_known=V / c)
+            return _SoftmaxOperator(L, V)
+        Sxx, Sxy = stats["xbar_xbar"], stats["xbar_ybar"]
+        if basis.shape[0] == 0:
+            return _SoftmaxOperator(np.zeros((d, d)), solve_psd(Sxx, Sxy))
+        L, R = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T)
+        # token means: mean_t Y ~ mean_t X V to first order, which fixes the scale of V
+        denom = float(np.sum(R * (Sxx @ R)))
+        beta = float(np.sum(Sxy * R)) / denom if denom > 0 else 0.0
+        if beta == 0.0 or not np.isfinite(beta):
+            return _SoftmaxOperator(np.zeros((d, d)), solve_psd(Sxx, Sxy))
+        return _SoftmaxOperator(L * c / beta, beta * R)
+
+
+class _LinearQKOperator:
+    def __init__(self, K, V):
+        self.K, self.V = K, V
+
+    def predict(self, X):
+        return np.einsum("nta,ab,nsb,nsc,cv->ntv", X, self.K, X, X, self.V, optimize=True)
+
+
+class _SoftmaxOperator:
+    def __init__(self, K, V):
+        self.K, self.V = K, V
+
+    def predict(self, X):
+        d = X.shape[-1]
+        logits = np.einsum("nta,ab,nsb->nts", X, self.K, X, optimize=True) / np.sqrt(d)
+        return special.softmax(logits, axis=-1) @ (X @ self.V)
+
+
+class SoftmaxExactInversion(Inversion):
+    """Exact softmax inversion with a known V (theory §4), for ``d, d_v >= T``.
+
+    ``S_i = Y_i (X_i V)^+`` recovers the attention matrix; each entry gives the
+    equation ``x_j^T K x_k / sqrt(d) - c_ij = log S_ijk`` with a per-row
+    nuisance ``c_ij`` (the log-normaliser). Noisy ``S`` is clipped to
+    ``[clip / T, 1]`` before the log, and the equations are weighted by
+    ``(T S_ijk)^2`` (delta method: ``Var log S ~ Var S / S^2``); the row
+    nuisances are removed by weighted centring (Frisch–Waugh). ``K`` is the
+    weighted least-squares solution of the pooled system. The statistic is
+    ``K~ K~^T / d`` with ``K~ = A^{1/2} K B^{1/2}``, where ``A (x) B`` is the
+    nearest Kronecker product (Van Loan & Pitsianis 1993) to the normal
+    matrix; its noise part is MP with ratio 1 scaled by the log-domain
+    residual variance.
+
+    Parameters
+    ----------
+    value_map : ndarray of shape (d, d_v)
+    clip : float, default=1e-3
+    """
+
+    def __init__(self, value_map, clip=1e-3):
+        super().__init__(value_map)
+        self.clip = clip
+
+    def min_samples(self, T, d, d_v):
+        return 2
+
+    def new_stats(self, T, d, d_v):
+        return {"dims": (T, d, d_v), "n": 0, "H": np.zeros((d * d, d * d)), "rhs": np.zeros(d * d), "ll": 0.0, "n_eq": 0.0,
+                "n_rows": 0.0, "n_clipped": 0.0, "n_entries": 0.0}
+
+    def update(self, stats, X, Y, chunk=256):
+        n, T, d = X.shape
+        V = self.value_map
+        for start in range(0, n, chunk):
+            Xb, Yb = X[start:start + chunk], Y[start:start + chunk]
+            XV = Xb @ V
+            gram = XV @ np.swapaxes(XV, 1, 2)
+            S = np.swapaxes(np.linalg.solve(gram, XV @ np.swapaxes(Yb, 1, 2)), 1, 2)
+            lo = self.clip / T
+            stats["n_clipped"] += float(np.sum((S < lo) | (S > 1)))
+            stats["n_entries"] += float(S.size)
+            S = np.clip(S, lo, 1.0)
+            w = (T * S) ** 2
+            logS = np.log(S)
+            wsum = w.sum(axis=2, keepdims=True)
+            # weighted centring over k within each row j
+            xk_mean = np.einsum("njk,nkb->njb", w, Xb) / wsum
+            l_mean = np.sum(w * logS, axis=2, keepdims=True) / wsum
+            lt = logS - l_mean
+            Xt = Xb[:, None, :, :] - xk_mean[:, :, None, :]  # (n, j, k, d): x_k - weighted mean
+            phi = np.einsum("nja,njkb->njkab", Xb, Xt, optimize=True).reshape(-1, d * d) / np.sqrt(d)
+            wf = w.reshape(-1)
+            stats["H"] += (phi * wf[:, None]).T @ phi
+            stats["rhs"] += phi.T @ (wf * lt.reshape(-1))
+            stats["ll"] += float(np.sum(wf * lt.reshape(-1) ** 2))
+            stats["n_eq"] += float(wf.size)
+            stats["n_rows"] += float(Xb.shape[0] * T)
+        stats["n"] += n
+
+    def _solve(self, stats):
+        return solve_psd(stats["H"], stats["rhs"])
+
+    def whiten(self, stats):
+        d = stats["dims"][1]
+        k = self._solve(stats)
+        dof = stats["n_eq"] - stats["n_rows"] - d * d
+        resid = stats["ll"] - float(k @ stats["H"] @ k)
+        tau2 = max(resid, 0.0) / dof if dof > 0 else None
+        A, B = nearest_kronecker_product(stats["H"], d)
+        A_half, B_half = psd_power(A, 0.5), psd_power(B, 0.5)
+        K = k.reshape(d, d)
+        Kt = A_half @ K @ B_half
+        lam, vecs = _eigh_desc(Kt @ Kt.T / d)
+        warnings = []
+        frac = stats["n_clipped"] / max(stats["n_entries"], 1.0)
+        if frac > 0.05:
+            warnings.append((IllConditionedInversionWarning,
+                             f"{100 * frac:.1f}% of the recovered attention weights fell outside "
+                             f"[{self.clip}/T, 1] and were clipped before the log: the exact softmax "
+                             "inversion is noise-dominated; the clipped equations carry little weight."))
+        return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), tau2, float(max(dof, 0)), warnings)
+
+    def fit_operator(self, stats, basis):
+        d = stats["dims"][1]
+        U = basis.T
+        r = U.shape[1]
+        if r == 0:
+            return _SoftmaxOperator(np.zeros((d, d)), self.value_map)
+        J = np.kron(U, np.eye(d))  # vec_row(U B) = J vec_row(B)
+        b = solve_psd(J.T @ stats["H"] @ J, J.T @ stats["rhs"])
+        return _SoftmaxOperator(U @ b.reshape(r, d), self.value_map)
+
+
+def nearest_kronecker_product(H, d, n_iter=100):
+    """Symmetric PSD ``A, B`` (d x d) with ``kron(A, B)`` closest to ``H`` in Frobenius norm.
+
+    Van Loan & Pitsianis (1993): the rearrangement
+    ``R[(i,k),(j,l)] = H[(i,j),(k,l)]`` turns the problem into a rank-one
+    approximation, solved here by power iteration.
+
+    Parameters
+    ----------
+    H : ndarray of shape (d*d, d*d)
+    d : int
+
+    Returns
+    -------
+    A, B : ndarray of shape (d, d)
+    """
+    R = H.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)
+    v = np.eye(d).ravel() / np.sqrt(d)
+    for _ in range(n_iter):
+        u = R @ v
+        nu = np.linalg.norm(u)
+        if nu == 0:
+            break
+        u /= nu
+        v_new = R.T @ u
+        s = np.linalg.norm(v_new)
+        v_new /= s
+        if np.linalg.norm(v_new - v) < 1e-12:
+            v = v_new
+            break
+        v = v_new
+    s = float(u @ R @ v)
+    A, B = sym(u.reshape(d, d)), sym(v.reshape(d, d))
+    if np.trace(A) < 0:
+        A, B = -A, -B
+    if np.trace(B) < 0:
+        A, B, s = A, -B, -s
+    scale = np.sqrt(abs(s))
+    return psd_power(A, 1.0) * scale, psd_power(B, 1.0) * scale

@@ -1,0 +1,180 @@
+"""Torch modules of the student classes B0–B3 (theory §2 and §6).
+
+Every module exposes the learned operator through :meth:`operator` (the
+token-mixing matrix ``A = P Q^T`` for B0, the query–key kernel
+``K = W_Q W_K^T`` for B1–B3) and can evaluate the network with an explicit
+operator in its place (:meth:`forward_with_operator`), which is what the
+finite-sample noise level of the learned operator is computed from.
+
+Parameters are drawn from a :class:`torch.Generator` on the CPU, so a seeded
+student starts from the same weights whatever device it trains on.
+
+This module imports torch; it is only imported by
+:class:`rstar.students.AttentionStudent` when a student is fitted.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["LinearProxy", "LinearQK", "LinearQKFull", "SoftmaxAttention", "AttentionBlock", "build_module"]
+
+
+def _normal(shape, std, generator):
+    return nn.Parameter(torch.randn(*shape, generator=generator, dtype=torch.float64) * std)
+
+
+class _Student(nn.Module):
+    """Common interface: ``forward(X) = forward_with_operator(X, operator())``."""
+
+    def operator(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward_with_operator(self, X, K):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, X):
+        return self.forward_with_operator(X, self.operator())
+
+
+class _Factored(_Student):
+    """Operator ``L R^T`` from two factors of inner dimension ``width``, or a full matrix."""
+
+    def _init_operator(self, rows, cols, rank, init_scale, generator, full=False):
+        if full:
+            self.K = _normal((rows, cols), init_scale, generator)
+        else:
+            width = min(rows, cols) if rank is None else rank
+            self.L = _normal((rows, width), init_scale, generator)
+            self.R = _normal((cols, width), init_scale, generator)
+        self.full = full
+
+    def operator(self):
+        return self.K if self.full else self.L @ self.R.T
+
+
+class LinearProxy(_Factored):
+    """B0, token mixing ``Y = A X V`` with ``A = P Q^T`` (T x T, rank <= r).
+
+    Parameters
+    ----------
+    seq_len : int
+        T; the operator is T x T, so the module only accepts T tokens.
+    n_features, value_dim : int
+        d and d_v.
+    rank : int or None
+        Inner dimension r of ``P Q^T``; None means T (over-parameterised).
+    init_scale : float
+        Standard deviation of the entries of P and Q.
+    generator : torch.Generator
+    """
+
+    def __init__(self, seq_len, n_features, value_dim, rank, init_scale, generator):
+        super().__init__()
+        self._init_operator(seq_len, seq_len, rank, init_scale, generator)
+        self.V = _normal((n_features, value_dim), 1.0 / math.sqrt(n_features), generator)
+
+    def forward_with_operator(self, X, A):
+        # X: (n, T, d) -> (n, T, d_v)
+        return A @ (X @ self.V)
+
+
+class LinearQK(_Factored):
+    """B1, linear query–key attention ``Y = (X W_Q)(X W_K)^T X V / c``.
+
+    ``c`` is a fixed normaliser (``sqrt(T d)`` with the T seen in ``fit``,
+    as in :func:`rstar.datasets.make_attention_task`); it changes no rank.
+    With ``full=True`` the kernel is an unconstrained d x d matrix (B1c).
+    """
+
+    def __init__(self, n_features, value_dim, rank, init_scale, generator, normalizer, full=False):
+        super().__init__()
+        self._init_operator(n_features, n_features, rank, init_scale, generator, full=full)
+        self.V = _normal((n_features, value_dim), 1.0 / math.sqrt(n_features), generator)
+        self.normalizer = float(normalizer)
+
+    def forward_with_operator(self, X, K):
+        scores = X @ K @ X.transpose(-1, -2)  # (n, T, T)
+        return scores @ (X @ self.V) / self.normalizer
+
+
+class LinearQKFull(LinearQK):
+    """B1c, the control: B1 with an unconstrained full-rank d x d kernel."""
+
+    def __init__(self, n_features, value_dim, init_scale, generator, normalizer):
+        super().__init__(n_features, value_dim, None, init_scale, generator, normalizer, full=True)
+
+
+class SoftmaxAttention(_Factored):
+    """B2, ``Y = softmax(X W_Q W_K^T X^T / sqrt(d)) X V`` (row softmax)."""
+
+    def __init__(self, n_features, value_dim, rank, init_scale, generator):
+        super().__init__()
+        self._init_operator(n_features, n_features, rank, init_scale, generator)
+        self.V = _normal((n_features, value_dim), 1.0 / math.sqrt(n_features), generator)
+        self.scale = 1.0 / math.sqrt(n_features)
+
+    def attend(self, X, K, V):
+        logits = (X @ K @ X.transpose(-1, -2)) * self.scale
+        return torch.softmax(logits, dim=-1) @ (X @ V)
+
+    def forward_with_operator(self, X, K):
+        return self.attend(X, K, self.V)
+
+
+class AttentionBlock(SoftmaxAttention):
+    """B3, one post-LayerNorm transformer block and a linear read-out.
+
+    ``H = LN(X + softmax(X K X^T / sqrt(d)) X V)``,
+    ``Z = LN(H + W_2 gelu(W_1 H + b_1) + b_2)``, ``Y = Z W_out + b_out``,
+    with ``K = W_Q W_K^T`` of inner dimension r, V d x d, an FFN of width
+    ``ffn_mult * d`` (Vaswani et al. 2017, post-LN variant).
+    """
+
+    def __init__(self, n_features, value_dim, rank, init_scale, generator, ffn_mult=4):
+        super().__init__(n_features, n_features, rank, init_scale, generator)
+        d, h = n_features, ffn_mult * n_features
+        self.ln1 = nn.LayerNorm(d, dtype=torch.float64)
+        self.ln2 = nn.LayerNorm(d, dtype=torch.float64)
+        self.W1 = _normal((d, h), 1.0 / math.sqrt(d), generator)
+        self.b1 = nn.Parameter(torch.zeros(h, dtype=torch.float64))
+        self.W2 = _normal((h, d), 1.0 / math.sqrt(h), generator)
+        self.b2 = nn.Parameter(torch.zeros(d, dtype=torch.float64))
+        self.W_out = _normal((d, value_dim), 1.0 / math.sqrt(d), generator)
+        self.b_out = nn.Parameter(torch.zeros(value_dim, dtype=torch.float64))
+
+    def forward_with_operator(self, X, K):
+        H = self.ln1(X + self.attend(X, K, self.V))
+        F = torch.nn.functional.gelu(H @ self.W1 + self.b1) @ self.W2 + self.b2
+        return self.ln2(H + F) @ self.W_out + self.b_out
+
+
+def build_module(kind, *, seq_len, n_features, value_dim, rank, init_scale, generator):
+    """Construct the module of a student class (float64, on the CPU).
+
+    Parameters
+    ----------
+    kind : {"linear_proxy", "linear_qk", "linear_qk_full", "softmax", "block"}
+    seq_len, n_features, value_dim : int
+        T, d and d_v of the training data.
+    rank : int or None
+    init_scale : float
+    generator : torch.Generator
+
+    Returns
+    -------
+    torch.nn.Module
+    """
+    if kind == "linear_proxy":
+        return LinearProxy(seq_len, n_features, value_dim, rank, init_scale, generator)
+    normalizer = math.sqrt(seq_len * n_features)
+    if kind == "linear_qk":
+        return LinearQK(n_features, value_dim, rank, init_scale, generator, normalizer)
+    if kind == "linear_qk_full":
+        return LinearQKFull(n_features, value_dim, init_scale, generator, normalizer)
+    if kind == "softmax":
+        return SoftmaxAttention(n_features, value_dim, rank, init_scale, generator)
+    if kind == "block":
+        return AttentionBlock(n_features, value_dim, rank, init_scale, generator)
+    raise ValueError(f"unknown student kind {kind!r}")

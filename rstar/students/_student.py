@@ -1,0 +1,440 @@
+"""AttentionStudent: the trained students B0–B3 as a scikit-learn regressor."""
+
+import copy
+import numbers
+import time
+
+import numpy as np
+from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.metrics import r2_score
+from sklearn.utils.validation import check_is_fitted
+
+from .._validation import check_positive, check_random_state, check_tokens, check_X_Y
+from ._rank import mp_corrected_rank, operator_entry_variance
+
+__all__ = ["AttentionStudent", "KINDS"]
+
+#: student kinds and the class names used in the paper
+KINDS = {
+    "linear_proxy": "B0",
+    "linear_qk": "B1",
+    "linear_qk_full": "B1c",
+    "softmax": "B2",
+    "block": "B3",
+}
+_LINEAR_KINDS = ("linear_proxy", "linear_qk", "linear_qk_full")
+_FISHER_SAMPLES = 512
+_FISHER_CHUNK = 64
+
+
+def _import_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:  # torch missing or blocked
+        raise ImportError(
+            "rstar.students needs PyTorch, which is not installed. Install it with: pip install \"rstar[torch]\""
+        ) from exc
+    return torch
+
+
+def _check_int(value, name, minimum, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        extra = "None or " if allow_none else ""
+        raise ValueError(f"{name} must be {extra}an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _resolve_device(device, torch):
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or a torch device string, got {device!r}.") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available; use device='auto' or 'cpu'.")
+    return dev
+
+
+class AttentionStudent(RegressorMixin, BaseEstimator):
+    """A trained attention student (classes B0–B3), fitted by full- or large-batch Adam.
+
+    Learns ``Y ≈ f_theta(X)`` for token arrays ``X`` of shape ``(n, T, d)`` and
+    targets ``Y`` of shape ``(n, T, d_v)`` by minimising the mean squared
+    error, then measures the learned operator: its rank above the
+    finite-sample noise level (``rank_``) and its effective rank
+    (``effective_rank_``), theory §6.
+
+    Parameters
+    ----------
+    kind : {"linear_qk", "linear_proxy", "linear_qk_full", "softmax", "block"}, default="linear_qk"
+        The student class:
+
+        - ``"linear_proxy"`` (B0): ``Y = A X V`` with ``A = P Q^T`` (T x T).
+          A is tied to token positions, so ``predict`` needs the T seen in ``fit``.
+        - ``"linear_qk"`` (B1): ``Y = (X W_Q)(X W_K)^T X V / c``, ``c = sqrt(T d)``
+          fixed at fit time (the normaliser of
+          :func:`rstar.datasets.make_attention_task`).
+        - ``"linear_qk_full"`` (B1c): B1 with an unconstrained d x d kernel K
+          (the control; ``rank`` must be None).
+        - ``"softmax"`` (B2): ``Y = softmax(X W_Q W_K^T X^T / sqrt(d)) X V``.
+        - ``"block"`` (B3): B2 followed by residual, LayerNorm, a GELU FFN of
+          width 4d, residual, LayerNorm and a linear read-out to d_v.
+    rank : int or None, default=None
+        Inner dimension r of ``P Q^T`` / ``W_Q W_K^T`` (1 <= r <= T for B0,
+        1 <= r <= d otherwise). None is over-parameterised: full width
+        (T or d) with the small initialisation ``init_scale``.
+    max_epochs : int, default=3000
+        Maximum number of passes over the data.
+    lr : float, default=1e-2
+        Adam learning rate.
+    init_scale : float, default=1e-2
+        Standard deviation of the entries of the operator's factors
+        (P, Q, W_Q, W_K or K) at initialisation; the value map and the other
+        weights use ``1/sqrt(fan_in)``.
+    batch_size : int or None, default=None
+        Mini-batch size; None is full-batch gradient descent.
+    device : str, default="auto"
+        ``"auto"`` uses CUDA when it is available, else the CPU.
+    random_state : int, RandomState instance or None, default=None
+        Seeds the initialisation and the batch order. With a fixed seed, CPU
+        runs are deterministic (bit-for-bit on the same machine and torch).
+    verbose : int, default=0
+        > 0 shows a tqdm progress bar with the current loss.
+    tol : float, default=1e-4
+        Relative improvement of the training loss that resets the plateau counter.
+    patience : int, default=100
+        Epochs without such an improvement that make a plateau. On a plateau the
+        learning rate is halved; after ``max_lr_drops`` halvings the next
+        plateau stops training (early stopping).
+    max_lr_drops : int, default=3
+    weight_decay : float, default=0.0
+        Adam's L2 penalty (0 keeps the implicit bias of small initialisation alone).
+    alpha : float, default=0.05
+        False-alarm level of the noise threshold used for ``rank_``.
+    dtype : {"float32", "float64"}, default="float32"
+        Precision of training.
+
+    Attributes
+    ----------
+    rank_ : int
+        MP-corrected rank of the learned operator: the number of its singular
+        values above ``noise_threshold_`` (see Notes).
+    effective_rank_ : float
+        R_eff (entropy, eq. 1) for the linear kinds, R̃_eff (energy, eq. 2)
+        for ``"softmax"`` and ``"block"``, computed on the singular values
+        above ``noise_threshold_`` only.
+    raw_effective_rank_ : float
+        The same measure on all singular values (no correction).
+    kernel_ : ndarray of shape (T, T) for B0, (d, d) otherwise
+        The learned operator ``A = P Q^T`` or ``K = W_Q W_K^T``.
+    kernel_singular_values_ : ndarray
+        Its singular values, descending.
+    noise_threshold_ : float
+        The finite-sample noise level tau of the operator's singular values.
+    kernel_entry_variance_ : float
+        Average per-entry variance s^2 of the operator's estimation error.
+    noise_variance_ : float
+        Per-entry residual variance of the training targets.
+    history_ : list of float
+        Training risk (mean per-sample ``||Y - Y_hat||_F^2``) at each epoch.
+    train_risk_ : float
+        Final training risk, comparable with the noise floor ``sigma^2 T d_v``.
+    n_iter_ : int
+        Number of epochs run.
+    n_features_in_ : int
+        d.
+    seq_len_ : int
+        T seen in ``fit``.
+    n_outputs_ : int
+        d_v.
+    device_ : str
+        The device trained on.
+    fit_time_ : float
+        Seconds spent in training (excluding the rank computation).
+
+    Notes
+    -----
+    ``rank_``: near the optimum the learned operator is the population
+    operator plus a Gaussian error with covariance ``sigma^2 F^{-1}``,
+    ``F = J^T J`` the Fisher information of the operator's entries (the other
+    weights held at their fitted values). Replacing it by the isotropic matrix
+    of equal total variance, pure noise reaches at most the Tracy–Widom
+    corrected Marchenko–Pastur edge ``~ s (sqrt(p) + sqrt(q))`` with
+    probability ``1 - alpha``; only singular values above it count. ``F`` is
+    computed with forward-mode autodiff on at most 512 training samples and
+    rescaled to n. See :func:`rstar.students.mp_corrected_rank`.
+
+    Examples
+    --------
+    >>> from rstar.datasets import make_attention_task
+    >>> from rstar.students import AttentionStudent
+    >>> X, Y = make_attention_task(200, kind="linear_qk", seq_len=8, n_features=6,
+    ...                            rank=2, random_state=0)
+    >>> student = AttentionStudent(kind="linear_qk", max_epochs=300, random_state=0)
+    >>> student.fit(X, Y).rank_
+    2
+    >>> student.predict(X).shape
+    (200, 8, 6)
+    """
+
+    def __init__(self, kind="linear_qk", rank=None, max_epochs=3000, lr=1e-2, init_scale=1e-2, batch_size=None,
+                 device="auto", random_state=None, verbose=0, tol=1e-4, patience=100, max_lr_drops=3,
+                 weight_decay=0.0, alpha=0.05, dtype="float32"):
+        self.kind = kind
+        self.rank = rank
+        self.max_epochs = max_epochs
+        self.lr = lr
+        self.init_scale = init_scale
+        self.batch_size = batch_size
+        self.device = device
+        self.random_state = random_state
+        self.verbose = verbose
+        self.tol = tol
+        self.patience = patience
+        self.max_lr_drops = max_lr_drops
+        self.weight_decay = weight_decay
+        self.alpha = alpha
+        self.dtype = dtype
+
+    # ------------------------------------------------------------------ checks
+    def _check_params(self, T, d):
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {list(KINDS)}, got {self.kind!r}.")
+        rank = _check_int(self.rank, "rank", 1, allow_none=True)
+        if self.kind == "linear_qk_full" and rank is not None:
+            raise ValueError("kind='linear_qk_full' (B1c) has an unconstrained d x d kernel: rank must be None, "
+                             f"got {self.rank!r}. Use kind='linear_qk' for a rank-constrained kernel.")
+        limit, what = (T, "T (A is T x T)") if self.kind == "linear_proxy" else (d, "d (K is d x d)")
+        if rank is not None and rank > limit:
+            raise ValueError(f"rank must be <= {what} = {limit} for kind={self.kind!r}, got {rank}.")
+        _check_int(self.max_epochs, "max_epochs", 1)
+        check_positive(self.lr, "lr", allow_none=False)
+        check_positive(self.init_scale, "init_scale", allow_none=False)
+        _check_int(self.batch_size, "batch_size", 1, allow_none=True)
+        _check_int(self.verbose, "verbose", 0)
+        check_positive(self.tol, "tol", allow_none=False, strict=False)
+        _check_int(self.patience, "patience", 1)
+        _check_int(self.max_lr_drops, "max_lr_drops", 0)
+        check_positive(self.weight_decay, "weight_decay", allow_none=False, strict=False)
+        check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}.")
+        return rank
+
+    # --------------------------------------------------------------- fitting
+    def fit(self, X, Y):
+        """Train the student on ``(X, Y)`` and measure its learned operator.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, T, d) or (n_samples, d)
+        Y : array-like of shape (n_samples, T, d_v) or (n_samples, d_v)
+
+        Returns
+        -------
+        self
+        """
+        X, Y = check_X_Y(X, Y)
+        n, T, d = X.shape
+        d_v = Y.shape[2]
+        rank = self._check_params(T, d)
+        torch = _import_torch()
+        from ._modules import build_module
+
+        device = _resolve_device(self.device, torch)
+        dtype = getattr(torch, self.dtype)
+        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
+        gen = torch.Generator().manual_seed(seed)
+
+        self._module_args_ = dict(kind=self.kind, seq_len=T, n_features=d, value_dim=d_v, rank=rank)
+        module = build_module(**self._module_args_, init_scale=self.init_scale, generator=gen)
+        module = module.to(device=device, dtype=dtype)
+        Xt = torch.as_tensor(X, dtype=dtype, device=device)
+        Yt = torch.as_tensor(Y, dtype=dtype, device=device)
+
+        t0 = time.perf_counter()
+        self.history_ = self._train(module, Xt, Yt, gen, torch)
+        self.fit_time_ = time.perf_counter() - t0
+        self.n_iter_ = len(self.history_)
+
+        module.eval()
+        with torch.no_grad():
+            sse = sum(float(((module(xb) - yb) ** 2).sum()) for xb, yb in self._batches(Xt, Yt, 4096))
+        self.train_risk_ = sse / n
+        self.noise_variance_ = sse / (n * T * d_v)
+        self.module_ = module
+        self.n_features_in_, self.seq_len_, self.n_outputs_ = d, T, d_v
+        self.device_ = str(device)
+
+        with torch.no_grad():
+            self.kernel_ = module.operator().detach().cpu().double().numpy()
+        fisher = self._operator_fisher(module, Xt, gen, torch)
+        self.kernel_entry_variance_ = operator_entry_variance(fisher, self.noise_variance_)
+        measure = "entropy" if self.kind in _LINEAR_KINDS else "energy"
+        spec = mp_corrected_rank(self.kernel_, self.kernel_entry_variance_, alpha=self.alpha, measure=measure)
+        self.rank_ = spec.rank
+        self.effective_rank_ = spec.effective_rank
+        self.raw_effective_rank_ = spec.raw_effective_rank
+        self.noise_threshold_ = spec.threshold
+        self.kernel_singular_values_ = spec.singular_values
+        return self
+
+    @staticmethod
+    def _batches(Xt, Yt, size, order=None):
+        n = Xt.shape[0]
+        idx = order if order is not None else None
+        for start in range(0, n, size):
+            if idx is None:
+                yield Xt[start:start + size], Yt[start:start + size]
+            else:
+                sel = idx[start:start + size]
+                yield Xt[sel], Yt[sel]
+
+    def _train(self, module, Xt, Yt, gen, torch):
+        n = Xt.shape[0]
+        per_sample = Yt.shape[1] * Yt.shape[2]  # mean over entries -> per-sample sum
+        batch = n if self.batch_size is None else min(int(self.batch_size), n)
+        lr = float(self.lr)
+        opt = torch.optim.Adam(module.parameters(), lr=lr, weight_decay=float(self.weight_decay))
+        history, best, since_best, drops = [], np.inf, 0, 0
+        bar = None
+        if self.verbose:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=int(self.max_epochs), desc=f"{KINDS[self.kind]} r={self.rank}", leave=False)
+        module.train()
+        try:
+            for _ in range(int(self.max_epochs)):
+                order = None if batch >= n else torch.randperm(n, generator=gen).to(Xt.device)
+                total = 0.0
+                for xb, yb in self._batches(Xt, Yt, batch, order):
+                    opt.zero_grad(set_to_none=True)
+                    loss = torch.mean((module(xb) - yb) ** 2)
+                    loss.backward()
+                    opt.step()
+                    total += float(loss.detach()) * xb.shape[0]
+                risk = total / n * per_sample
+                if not np.isfinite(risk):
+                    raise FloatingPointError(
+                        f"training diverged (loss {risk}) at epoch {len(history) + 1}; lower lr (now {self.lr!r}).")
+                history.append(risk)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(risk=f"{risk:.4g}", lr=f"{lr:.2g}")
+                if risk < best * (1 - self.tol):
+                    best, since_best = risk, 0
+                else:
+                    since_best += 1
+                if since_best >= self.patience:
+                    if drops >= self.max_lr_drops:
+                        break
+                    drops, since_best, lr = drops + 1, 0, lr / 2
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+        finally:
+            if bar is not None:
+                bar.close()
+        return history
+
+    def _operator_fisher(self, module, Xt, gen, torch):
+        """``J^T J`` of the predictions w.r.t. the operator's entries, rescaled to all n samples."""
+        n = Xt.shape[0]
+        m = min(n, _FISHER_SAMPLES)
+        sel = torch.randperm(n, generator=gen)[:m].to(Xt.device)
+        Xs = Xt[sel].double()
+        module = copy.deepcopy(module).double().requires_grad_(False)
+        K0 = module.operator()
+        F = torch.zeros(K0.numel(), K0.numel(), dtype=torch.float64, device=Xt.device)
+        for start in range(0, m, _FISHER_CHUNK):
+            xb = Xs[start:start + _FISHER_CHUNK]
+            J = torch.func.jacfwd(lambda K, xb=xb: module.forward_with_operator(xb, K))(K0)
+            J = J.reshape(-1, K0.numel())
+            F += J.T @ J
+        return (F * (n / m)).cpu().numpy()
+
+    # ------------------------------------------------------------ prediction
+    def predict(self, X):
+        """Predict the targets of token arrays.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, T, d) or (n_samples, d)
+            T must equal the fitted ``seq_len_`` for ``kind="linear_proxy"``.
+
+        Returns
+        -------
+        Y_pred : ndarray of shape (n_samples, T, d_v)
+        """
+        check_is_fitted(self, "module_")
+        X = check_tokens(X, "X")
+        if X.shape[2] != self.n_features_in_:
+            raise ValueError(f"X has {X.shape[2]} features per token, but this student was fitted with "
+                             f"d = {self.n_features_in_} (X must have shape (n_samples, T, {self.n_features_in_})).")
+        if self.kind == "linear_proxy" and X.shape[1] != self.seq_len_:
+            raise ValueError(f"X has T = {X.shape[1]} tokens, but the linear_proxy student mixes tokens with a "
+                             f"fixed {self.seq_len_} x {self.seq_len_} matrix A: X must have shape "
+                             f"(n_samples, {self.seq_len_}, {self.n_features_in_}).")
+        torch = _import_torch()
+        device = _resolve_device(self.device, torch)
+        module = self.module_
+        first = next(module.parameters())
+        if first.device != device:
+            module = module.to(device)
+        Xt = torch.as_tensor(X, dtype=first.dtype, device=device)
+        module.eval()
+        with torch.no_grad():
+            out = [module(Xt[s:s + 4096]).double().cpu().numpy() for s in range(0, X.shape[0], 4096)]
+        return np.concatenate(out, axis=0)
+
+    def score(self, X, Y, sample_weight=None):
+        """Token-wise R²: sklearn's ``r2_score`` on Y reshaped to ``(n·T, d_v)``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, T, d)
+        Y : array-like of shape (n_samples, T, d_v)
+        sample_weight : array-like of shape (n_samples,) or None
+            Repeated over the T tokens of each sample.
+
+        Returns
+        -------
+        float
+        """
+        X, Y = check_X_Y(X, Y)
+        pred = self.predict(X)
+        n, T, d_v = Y.shape
+        if pred.shape[2] != d_v:
+            raise ValueError(f"Y has d_v = {d_v} outputs, but this student predicts {pred.shape[2]}.")
+        w = None if sample_weight is None else np.repeat(np.asarray(sample_weight, dtype=np.float64), T)
+        return float(r2_score(Y.reshape(n * T, d_v), pred.reshape(n * T, d_v), sample_weight=w))
+
+    # ---------------------------------------------------------------- pickle
+    def __getstate__(self):
+        state = super().__getstate__()
+        module = state.pop("module_", None)
+        if module is not None:
+            # CPU numpy arrays: loads on a machine without CUDA
+            state["_module_state_"] = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+            state["_module_dtype_"] = str(next(module.parameters()).dtype).replace("torch.", "")
+        return state
+
+    def __setstate__(self, state):
+        module_state = state.pop("_module_state_", None)
+        dtype = state.pop("_module_dtype_", "float32")
+        super().__setstate__(state)
+        if module_state is not None:
+            torch = _import_torch()
+            from ._modules import build_module
+            module = build_module(**self._module_args_, init_scale=1.0, generator=torch.Generator().manual_seed(0))
+            module = module.to(getattr(torch, dtype))
+            module.load_state_dict({k: torch.as_tensor(v) for k, v in module_state.items()})
+            self.module_ = module
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.target_tags.multi_output = True
+        tags.target_tags.single_output = False
+        tags.non_deterministic = self.random_state is None
+        return tags
