@@ -20,7 +20,7 @@ def _as_real_array(a, name, dtype=np.float64):
         raise ValueError(f"{name} could not be converted to an array: {exc}") from exc
     kind = arr.dtype.kind
     if kind == "c":
-        raise TypeError(f"{name} must be real-valued; complex arrays are not supported (dtype {arr.dtype}).")
+        raise ValueError(f"Complex data not supported: {name} must be real-valued (got dtype {arr.dtype}).")
     if kind in "OUSV" or kind not in "biuf":
         if kind == "O":
             try:
@@ -43,21 +43,23 @@ def check_tokens(X, name="X", *, allow_2d=True):
     Returns a C-contiguous float64 array of shape ``(n, T, d)``.
     """
     X = _as_real_array(X, name)
+    shape = X.shape
+    feat = "d" if name == "X" else "d_v"
     if X.ndim == 2 and allow_2d:
         X = X[:, None, :]
     if X.ndim != 3:
+        hint = " Reshape your data: a single sample needs a leading axis of length 1." if X.ndim < 2 else ""
         raise ValueError(
-            f"{name} must have shape (n_samples, T, {'d' if name == 'X' else 'd_v'}) "
-            f"(or (n_samples, {'d' if name == 'X' else 'd_v'}), read as T=1); got an array with {X.ndim} "
-            f"dimension(s) and shape {X.shape}."
+            f"{name} must have shape (n_samples, T, {feat}) (or (n_samples, {feat}), read as T=1); got an "
+            f"array with {X.ndim} dimension(s) and shape {shape}.{hint}"
         )
     n, T, d = X.shape
     if n == 0:
-        raise ValueError(f"{name} has 0 samples; at least 1 is required (shape {X.shape}).")
+        raise ValueError(f"{name} has 0 sample(s) (shape={shape}) while a minimum of 1 is required.")
     if T == 0:
-        raise ValueError(f"{name} has 0 tokens per sample (shape {X.shape}).")
+        raise ValueError(f"{name} has 0 tokens per sample (shape={shape}) while a minimum of 1 is required.")
     if d == 0:
-        raise ValueError(f"{name} has 0 features (shape {X.shape}); at least 1 is required.")
+        raise ValueError(f"{name} has 0 feature(s) (shape={shape}) while a minimum of 1 is required.")
     if not np.all(np.isfinite(X)):
         raise ValueError(f"{name} contains NaN or infinity.")
     return np.ascontiguousarray(X)
@@ -66,13 +68,19 @@ def check_tokens(X, name="X", *, allow_2d=True):
 def check_X_Y(X, Y):
     """Validate a pair ``(X, Y)``: shapes ``(n, T, d)`` and ``(n, T, d_v)``."""
     X = check_tokens(X, "X")
+    x_ndim = 3 if X.shape[1] != 1 else None  # a 2-D X was read as T = 1
     if Y is None:
-        raise ValueError("Y is required: these estimators are fitted on pairs (X, Y), got Y=None.")
+        raise ValueError("this estimator requires y to be passed, but the target y is None: fit it on pairs (X, Y).")
     Y = _as_real_array(Y, "Y")
     if Y.ndim == 1:
         raise ValueError(
             f"Y must have shape (n_samples, T, d_v) or (n_samples, d_v); got a 1-D array of shape {Y.shape}. "
             "Reshape a single output with Y.reshape(-1, 1)."
+        )
+    if x_ndim == 3 and Y.ndim == 2 and Y.shape[0] == X.shape[0]:
+        raise ValueError(
+            f"Y must have shape (n_samples, T, d_v) = ({X.shape[0]}, {X.shape[1]}, d_v) to match X of shape "
+            f"{X.shape}; got a 2-D array of shape {Y.shape} (2-D Y goes with 2-D X only)."
         )
     Y = check_tokens(Y, "Y")
     if X.shape[0] != Y.shape[0]:

@@ -163,8 +163,12 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
 
     def _fit_batch(self, X, Y):
         self._validate_params_()
-        y_ndim = np.ndim(Y) if Y is not None else None
-        if y_ndim == 1 and np.ndim(X) == 2:
+        if Y is not None and not hasattr(Y, "ndim"):
+            Y = np.asarray(Y)
+        if X is not None and not hasattr(X, "ndim"):
+            X = np.asarray(X)
+        y_ndim = None if Y is None else np.asarray(Y).ndim
+        if y_ndim == 1 and np.asarray(X).ndim == 2:
             Y = np.asarray(Y)[:, None]
         X, Y = check_X_Y(X, Y)
         n, T, d = X.shape
@@ -263,13 +267,14 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
             return Y.reshape(n, -1)
         return Y
 
-    def score(self, X, Y, sample_weight=None):
+    def score(self, X, y, sample_weight=None):
         """Token-wise R² of ``predict(X)`` (same as ``r2_score`` on ``(n*T, d_v)``).
 
         Parameters
         ----------
         X : array-like of shape (n_samples, T, d)
-        Y : array-like of shape (n_samples, T, d_v)
+        y : array-like of shape (n_samples, T, d_v)
+            The targets Y (named ``y`` as scikit-learn passes it by keyword).
         sample_weight : None
             Not supported; must be None.
 
@@ -280,7 +285,7 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
         if sample_weight is not None:
             raise ValueError("sample_weight is not supported by the token-wise R² score.")
         Y_pred = self.predict(X)
-        Y = np.asarray(Y, dtype=np.float64)
+        Y = np.asarray(y, dtype=np.float64)
         if Y.shape != Y_pred.shape:
             raise ValueError(f"Y has shape {Y.shape}, but predict(X) has shape {Y_pred.shape}.")
         return token_r2_score(Y, Y_pred)

@@ -470,12 +470,18 @@ class SoftmaxExactInversion(Inversion):
         lam, vecs = _eigh_desc(Kt @ Kt.T / d)
         warnings = []
         frac = stats["n_clipped"] / max(stats["n_entries"], 1.0)
-        if frac > 0.05:
+        if frac > 0.25:
             warnings.append((IllConditionedInversionWarning,
                              f"{100 * frac:.1f}% of the recovered attention weights fell outside "
-                             f"[{self.clip}/T, 1] and were clipped before the log: the exact softmax "
-                             "inversion is noise-dominated; the clipped equations carry little weight."))
-        return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), tau2, float(max(dof, 0)), warnings)
+                             f"[{self.clip}/T, 1] and were clipped before the log: much of the exact softmax "
+                             "inversion is noise-dominated. Fallback in use: equations are weighted by (T S)^2, "
+                             "so clipped ones carry little weight; check the gap in spectrum_."))
+        # Clipping and the weights leave a bulk wider than MP(ratio 1) at the
+        # residual variance: report tau2, but let the rule fit the bulk.
+        ws = WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), None, float(max(dof, 0)), warnings,
+                               structured_bulk=True)
+        ws.residual_variance = tau2
+        return ws
 
     def fit_operator(self, stats, basis):
         d = stats["dims"][1]

@@ -1,0 +1,36 @@
+import numpy as np
+import pytest
+
+from rstar.datasets import make_attention_task, make_linear_proxy
+
+
+@pytest.fixture(scope="session")
+def table1_task():
+    """The paper's Table 1 task: T=16, d=12, r*=3, sharp gap, sigma=0.05, n=1000."""
+    return make_linear_proxy(1000, seq_len=16, n_features=12, rank=3, noise=0.05, random_state=0,
+                             return_teacher=True)
+
+
+@pytest.fixture(scope="session")
+def linear_qk_task():
+    """Linear-QK teacher, unknown V: T=64, d=32, r*=4, n=2000."""
+    return make_attention_task(2000, kind="linear_qk", seq_len=64, n_features=32, rank=4, random_state=1,
+                               return_teacher=True)
+
+
+@pytest.fixture(scope="session")
+def softmax_task():
+    """Softmax teacher: T=32, d=16, r*=3, logit scale 2, n=2000."""
+    return make_attention_task(2000, kind="softmax", seq_len=32, n_features=16, rank=3, logit_scale=2.0,
+                               random_state=2, return_teacher=True)
+
+
+@pytest.fixture(scope="session")
+def small_qk_task():
+    return make_attention_task(400, kind="linear_qk", seq_len=24, n_features=8, rank=2, random_state=3,
+                               return_teacher=True)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(12345)

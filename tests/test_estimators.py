@@ -1,0 +1,258 @@
+"""Behaviour of the data-only estimators, including the paper's data-only numbers."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from rstar import (
+    EnergyRankEstimator,
+    IllConditionedInversionWarning,
+    MPRankEstimator,
+    NumericalRankEstimator,
+    RStarEstimator,
+    SoftmaxInversionEstimator,
+)
+from rstar.datasets import make_attention_task, make_linear_proxy
+from rstar.metrics import token_r2_score
+
+LINEAR_PROXY_ESTIMATORS = [
+    NumericalRankEstimator(operator="linear_proxy"),
+    MPRankEstimator(operator="linear_proxy"),
+    EnergyRankEstimator(operator="linear_proxy"),
+    RStarEstimator(operator="linear_proxy"),
+]
+
+
+# --- item 7: the paper's data-only numbers --------------------------------------------------
+@pytest.mark.parametrize("est", LINEAR_PROXY_ESTIMATORS, ids=lambda e: type(e).__name__)
+def test_table1_every_estimator_returns_3(est, table1_task):
+    X, Y, teacher = table1_task
+    est.fit(X, Y)
+    assert est.rank_ == teacher.rank == 3
+    assert est.effective_rank_ == pytest.approx(3.0, abs=0.1)
+    assert est.components_.shape == (3, 16)
+    # the recovered token subspace is range(A*)
+    U = np.linalg.svd(teacher.operator)[0][:, :3]
+    assert np.linalg.norm(est.components_ @ U) ** 2 == pytest.approx(3.0, abs=1e-3)
+
+
+def test_table1_noise_variance_and_spectrum(table1_task):
+    X, Y, teacher = table1_task
+    est = RStarEstimator(operator="linear_proxy").fit(X, Y)
+    assert est.noise_variance_ == pytest.approx(0.05**2, rel=0.02)
+    assert est.spectrum_.shape == (16,)
+    assert np.all(np.diff(est.spectrum_) <= 0)
+    assert est.spectrum_[2] > est.threshold_ > est.spectrum_[3]
+    assert est.n_features_in_ == 12 and est.n_samples_seen_ == 1000
+
+
+@pytest.mark.parametrize("operator", ["linear_qk", "softmax"])
+def test_linear_qk_unknown_v_returns_4(linear_qk_task, operator):
+    X, Y, teacher = linear_qk_task
+    est = RStarEstimator(operator=operator).fit(X, Y)
+    assert est.rank_ == teacher.rank == 4
+    U = np.linalg.svd(teacher.kernel)[0][:, :4]
+    assert np.linalg.norm(est.components_ @ U) ** 2 == pytest.approx(4.0, abs=1e-2)
+
+
+def test_linear_qk_noise_from_residual(linear_qk_task):
+    X, Y, _ = linear_qk_task
+    est = MPRankEstimator(operator="linear_qk").fit(X, Y)
+    assert est.rank_ == 4
+    assert est.noise_variance_ == pytest.approx(0.05**2, rel=0.01)
+    assert est.score(X, Y) > 0.99
+
+
+def test_softmax_default_rstar_returns_3(softmax_task):
+    X, Y, teacher = softmax_task
+    est = RStarEstimator().fit(X, Y)
+    assert est.rank_ == teacher.rank == 3
+    U = np.linalg.svd(teacher.kernel)[0][:, :3]
+    assert np.linalg.norm(est.components_ @ U) ** 2 > 2.9
+
+
+@pytest.mark.parametrize("operator", ["linear_proxy", "linear_qk", "softmax"])
+def test_pure_noise_returns_0(operator):
+    # One fixed null task (each rule errs on about alpha = 1% of them: the rate is
+    # checked over many seeds in test_false_alarm_rate_on_null_tasks).
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((1000, 32, 12))
+    Y = 0.05 * rng.standard_normal((1000, 32, 12))
+    for est in (RStarEstimator(operator=operator), MPRankEstimator(operator=operator),
+                EnergyRankEstimator(operator=operator)):
+        est.fit(X, Y)
+        assert est.rank_ == 0
+        assert est.components_.shape[0] == 0
+        assert est.effective_rank_ == 0.0
+
+
+def test_false_alarm_rate_on_null_tasks():
+    """Over 40 pure-noise tasks the MP rule (alpha=0.01) makes at most 2 false detections."""
+    hits = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        X = rng.standard_normal((200, 16, 6))
+        Y = rng.standard_normal((200, 16, 6))
+        hits += MPRankEstimator().fit(X, Y).rank_ > 0
+    assert hits <= 2
+
+
+def test_all_zero_y_gives_rank_zero():
+    X = np.random.default_rng(0).standard_normal((50, 8, 4))
+    for est in LINEAR_PROXY_ESTIMATORS + [RStarEstimator(), MPRankEstimator(operator="linear_qk")]:
+        est.fit(X, np.zeros((50, 8, 3)))
+        assert est.rank_ == 0
+        np.testing.assert_array_equal(est.predict(X), 0.0)
+
+
+# --- streaming -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "est",
+    [RStarEstimator(operator="linear_proxy"), MPRankEstimator(operator="linear_qk"), RStarEstimator(),
+     NumericalRankEstimator(), EnergyRankEstimator(operator="softmax")],
+    ids=lambda e: f"{type(e).__name__}-{e.get_params().get('operator', 'softmax')}",
+)
+def test_partial_fit_equals_fit(est, small_qk_task):
+    X, Y, _ = small_qk_task
+    full = type(est)(**est.get_params()).fit(X, Y)
+    stream = type(est)(**est.get_params())
+    for batch in np.array_split(np.arange(len(X)), 5):
+        stream.partial_fit(X[batch], Y[batch])
+    assert stream.rank_ == full.rank_
+    assert stream.n_samples_seen_ == full.n_samples_seen_ == len(X)
+    np.testing.assert_allclose(stream.spectrum_, full.spectrum_, rtol=1e-8, atol=1e-12 * full.spectrum_[0])
+    assert stream.threshold_ == pytest.approx(full.threshold_, rel=1e-8)
+    assert stream.noise_variance_ == pytest.approx(full.noise_variance_, rel=1e-8)
+    assert stream.effective_rank_ == pytest.approx(full.effective_rank_, rel=1e-8)
+    np.testing.assert_allclose(np.abs(stream.components_ @ full.components_.T), np.eye(full.rank_), atol=1e-6)
+    np.testing.assert_allclose(stream.predict(X[:20]), full.predict(X[:20]), rtol=1e-5, atol=1e-8)
+
+
+def test_partial_fit_checks_shapes(small_qk_task):
+    X, Y, _ = small_qk_task
+    est = RStarEstimator().partial_fit(X[:100], Y[:100])
+    with pytest.raises(ValueError, match="features"):
+        est.partial_fit(X[:10, :, :4], Y[:10])
+    with pytest.raises(ValueError, match="T="):
+        est.partial_fit(X[:10, :5], Y[:10, :5])
+    with pytest.raises(ValueError, match="d_v"):
+        est.partial_fit(X[:10], Y[:10, :, :2])
+
+
+# --- prediction, rank override, units --------------------------------------------------------------
+def test_predict_linear_proxy_closed_form(table1_task):
+    X, Y, teacher = table1_task
+    est = RStarEstimator(operator="linear_proxy").fit(X[:800], Y[:800])
+    clean = np.einsum("st,ntd,dv->nsv", teacher.operator, X[800:], teacher.value_map)
+    # the fitted A V reproduces the noiseless operator on held-out data
+    assert np.sqrt(np.mean((est.predict(X[800:]) - clean) ** 2)) < 0.01
+    assert est.score(X[800:], Y[800:]) == pytest.approx(token_r2_score(Y[800:], est.predict(X[800:])))
+
+
+def test_known_value_map_used_in_predict(small_qk_task):
+    X, Y, teacher = small_qk_task
+    known = MPRankEstimator(operator="linear_qk", value_map=teacher.value_map).fit(X, Y)
+    assert known.rank_ == 2
+    assert known.score(X, Y) > 0.99
+    np.testing.assert_allclose(known.operator_.V, teacher.value_map * known._x_scale / known._y_scale)
+
+
+def test_rank_override_is_a_sweep(table1_task):
+    X, Y, _ = table1_task
+    scores = [RStarEstimator(operator="linear_proxy", rank=r).fit(X[:700], Y[:700]).score(X[700:], Y[700:])
+              for r in range(0, 6)]
+    assert all(scores[r] < scores[r + 1] - 0.05 for r in range(3))  # insufficiency below r*
+    assert max(scores[3:]) - min(scores[3:]) < 1e-3  # flat from r* on
+    est = RStarEstimator(operator="linear_proxy", rank=5).fit(X, Y)
+    assert est.rank_ == 5 and est.components_.shape == (5, 16)
+
+
+def test_max_rank_caps_estimate(table1_task):
+    X, Y, _ = table1_task
+    assert MPRankEstimator(max_rank=2).fit(X, Y).rank_ == 2
+
+
+@pytest.mark.parametrize("scale", [1e-150, 1e150])
+@pytest.mark.parametrize("operator", ["linear_proxy", "linear_qk", "softmax"])
+def test_results_invariant_to_units(scale, operator, small_qk_task):
+    X, Y, _ = small_qk_task
+    ref = RStarEstimator(operator=operator).fit(X, Y)
+    est = RStarEstimator(operator=operator).fit(X * scale, Y * scale)
+    assert est.rank_ == ref.rank_
+    assert est.effective_rank_ == pytest.approx(ref.effective_rank_, rel=1e-6)
+    np.testing.assert_allclose(np.abs(est.components_ @ ref.components_.T), np.eye(ref.rank_), atol=1e-6)
+    if operator != "softmax":  # softmax(X K X^T) is not scale-free, but rank_ above is
+        np.testing.assert_allclose(est.predict(X[:5] * scale) / scale, ref.predict(X[:5]), rtol=1e-6,
+                                   atol=1e-9)
+
+
+def test_array_likes_and_float32(small_qk_task):
+    X, Y, _ = small_qk_task
+    ref = RStarEstimator().fit(X[:100], Y[:100])
+    lists = RStarEstimator().fit(X[:100].tolist(), Y[:100].tolist())
+    f32 = RStarEstimator().fit(X[:100].astype(np.float32), Y[:100].astype(np.float32))
+    assert lists.rank_ == f32.rank_ == ref.rank_
+    np.testing.assert_allclose(f32.spectrum_, ref.spectrum_, rtol=1e-4)
+
+
+def test_two_dimensional_input_is_one_token():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((300, 5))
+    V = rng.standard_normal((5, 2))
+    Y = X @ V + 0.1 * rng.standard_normal((300, 2))
+    est = RStarEstimator(operator="linear_proxy").fit(X, Y)
+    assert est.rank_ == 1
+    assert est.predict(X).shape == (300, 2)
+    assert est.score(X, Y) > 0.99
+    y = Y[:, 0]
+    assert RStarEstimator(operator="linear_proxy").fit(X, y).predict(X).shape == (300,)
+
+
+# --- softmax inversions -------------------------------------------------------------------
+def test_softmax_exact_inversion_with_known_v():
+    X, Y, t = make_attention_task(1500, seq_len=8, n_features=16, rank=3, logit_scale=2.0, random_state=4,
+                                  return_teacher=True)
+    est = SoftmaxInversionEstimator(value_map=t.value_map).fit(X, Y)
+    assert type(est._inv).__name__ == "SoftmaxExactInversion"
+    assert est.rank_ == 3
+    U = np.linalg.svd(t.kernel)[0][:, :3]
+    assert np.linalg.norm(est.components_ @ U) ** 2 == pytest.approx(3.0, abs=1e-3)
+    # predict uses the exact softmax form with the fitted K and the known V
+    assert est.score(X, Y) > 0.9
+    with pytest.raises(ValueError, match="exact"):
+        SoftmaxInversionEstimator(method="exact").fit(X, Y)
+
+
+def test_softmax_first_order_without_v(softmax_task):
+    X, Y, _ = softmax_task
+    est = SoftmaxInversionEstimator().fit(X, Y)
+    assert type(est._inv).__name__ == "QueryKeyInversion" and est._inv.centred
+    assert est.rank_ == 3
+    assert est.score(X, Y) > 0.8
+
+
+def test_ill_conditioned_inversion_warns():
+    X, Y = make_attention_task(300, kind="linear_qk", seq_len=16, n_features=16, rank=2, random_state=0)
+    with pytest.warns(IllConditionedInversionWarning, match="fallback|Fallback"):
+        est = MPRankEstimator(operator="linear_qk").fit(X, Y)
+    assert est.rank_ >= 0  # an answer is still given, with the warning
+
+
+def test_no_warning_when_well_conditioned(small_qk_task):
+    X, Y, _ = small_qk_task
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RStarEstimator(operator="linear_qk").fit(X, Y)
+
+
+def test_p_values_and_spike_strengths(table1_task):
+    X, Y, _ = table1_task
+    est = MPRankEstimator().fit(X, Y)
+    assert est.spike_strengths_.shape == (3,)
+    assert np.all(est.p_values_[:3] < 1e-6)
+    assert est.p_values_[3] > est.alpha
+
+
+def test_time_budget_is_not_asserted_here():
+    """Speed lives in benchmarks/; see benchmarks/fit_time.py."""
