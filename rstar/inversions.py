@@ -25,7 +25,7 @@ Available inversions:
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import special
+from scipy import linalg, special
 
 from . import _bilinear
 from ._linalg import batched_pseudo_inverse, orthonormal_rows, psd_power, solve_psd, sym
@@ -205,17 +205,11 @@ class TokenInversion(Inversion):
         m = n * d_v
         lam, vecs = _eigh_desc(stats["YY"] / m)
         noise, dof = None, 0.0
-        if stats["HZ"] is not None:
-            Td = stats["HZ"].shape[0] * stats["HZ"].shape[1]
-            H = stats["HZ"].reshape(Td, Td)
-            F = stats["FZ"].reshape(Td, -1)
-            w, Q = np.linalg.eigh(sym(H))
-            keep = w > 1e-10 * max(w.max(), np.finfo(float).tiny)
-            rank_H = int(keep.sum())
+        Td = T * stats["dims"][1]
+        if stats["HZ"] is not None and T * d_v * (n - Td) >= MIN_NOISE_DOF:
+            fitted, rank_H = _regression_fit(stats["HZ"].reshape(Td, Td), stats["FZ"].reshape(Td, -1))
             dof = T * d_v * n - rank_H * T * d_v
             if dof >= MIN_NOISE_DOF:
-                proj = Q[:, keep].T @ F
-                fitted = float(np.sum(proj**2 / w[keep, None]))
                 noise = max(stats["yy"] - fitted, 0.0) / dof
         return WhitenedStatistic(lam, vecs, np.eye(T), float(m), noise, float(max(dof, 0)))
 
@@ -224,6 +218,22 @@ class TokenInversion(Inversion):
             return None
         L, R = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T, R_known=self.value_map)
         return _LinearProxyOperator(L, R)
+
+
+def _regression_fit(H, F):
+    """Explained sum of squares ``tr(F^T H^+ F)`` of a least-squares fit and the rank of ``H``."""
+    H = sym(H)
+    try:
+        factor = linalg.cho_factor(H, check_finite=False)
+        diag = np.abs(np.diag(factor[0]))
+        if diag.min() > 1e-6 * diag.max():
+            return float(np.sum(F * linalg.cho_solve(factor, F, check_finite=False))), H.shape[0]
+    except linalg.LinAlgError:
+        pass
+    w, Q = np.linalg.eigh(H)
+    keep = w > 1e-10 * max(w.max(), np.finfo(float).tiny)
+    proj = Q[:, keep].T @ F
+    return float(np.sum(proj**2 / w[keep, None])), int(keep.sum())
 
 
 class _LinearProxyOperator:
