@@ -357,8 +357,11 @@ class QueryKeyInversion(Inversion):
         noise, dof = None, stats["res_dof"]
         if self.residual_noise and dof >= MIN_NOISE_DOF:
             noise = max(stats["res"], 0.0) / dof
+        # With T < d, X_i^+ X_i is a random projector: the signal leaks a flat,
+        # non-white bulk (theory §4), which the rule must fit like the softmax one.
+        structured = self.structured_bulk or T_eff < d
         return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), noise, float(dof), warnings,
-                                 structured_bulk=self.structured_bulk)
+                                 structured_bulk=structured)
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:

@@ -256,3 +256,27 @@ def test_p_values_and_spike_strengths(table1_task):
 
 def test_time_budget_is_not_asserted_here():
     """Speed lives in benchmarks/; see benchmarks/fit_time.py."""
+
+
+def test_linear_qk_with_fewer_tokens_than_features():
+    """T < d: X_i^+ X_i is a random projector; the spikes still stand above a flat bulk."""
+    X, Y, t = make_attention_task(2000, kind="linear_qk", seq_len=8, n_features=16, rank=3, random_state=0,
+                                  return_teacher=True)
+    est = RStarEstimator(operator="linear_qk").fit(X, Y)
+    assert est.rank_ == 3
+    U = np.linalg.svd(t.kernel)[0][:, :3]
+    assert np.linalg.norm(est.components_ @ U) ** 2 > 2.8
+
+
+@pytest.mark.parametrize("distribution", ["student_t", "correlated"])
+def test_linear_qk_robust_token_distributions(distribution):
+    X, Y = make_attention_task(2000, kind="linear_qk", seq_len=64, n_features=16, rank=3, random_state=0,
+                               token_distribution=distribution, feature_correlation=0.9)
+    assert RStarEstimator(operator="linear_qk").fit(X, Y).rank_ == 3
+
+
+def test_value_dim_below_rank():
+    """d_v < r*: every column of M_i still lies in range(K*), and n samples fill it."""
+    X, Y = make_attention_task(2000, kind="linear_qk", seq_len=64, n_features=16, value_dim=2, rank=5,
+                               random_state=0)
+    assert RStarEstimator(operator="linear_qk").fit(X, Y).rank_ == 5
