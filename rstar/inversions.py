@@ -98,7 +98,33 @@ class WhitenedStatistic:
 
 
 def merge_stats(a, b):
-    """Sum two statistics dicts from the same inversion (map-reduce)."""
+    """Sum two statistics dicts from the same inversion (map-reduce).
+
+    Parameters
+    ----------
+    a, b : dict
+        From ``inversion.new_stats`` + ``inversion.update`` on two shards.
+
+    Returns
+    -------
+    dict
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.datasets import make_linear_proxy
+    >>> from rstar.inversions import TokenInversion, merge_stats
+    >>> X, Y = make_linear_proxy(400, random_state=0)
+    >>> inv = TokenInversion()
+    >>> shards = []
+    >>> for part in (slice(0, 200), slice(200, 400)):
+    ...     stats = inv.new_stats(16, 12, 12)
+    ...     inv.update(stats, X[part], Y[part])
+    ...     shards.append(stats)
+    >>> merged = merge_stats(*shards)
+    >>> merged["n"], round(float(inv.whiten(merged).noise_variance), 4)
+    (400, 0.0025)
+    """
     out = {}
     for key in a:
         if key == "dims":
@@ -172,6 +198,18 @@ class TokenInversion(Inversion):
     ``vec X`` when ``n > T d`` (it is exact under the linear proxy), else
     from the bulk. ``fit_operator`` fits ``A = U B`` and ``V`` by alternating
     least squares on the moment sums.
+
+    Examples
+    --------
+    >>> from rstar.datasets import make_linear_proxy
+    >>> from rstar.inversions import TokenInversion
+    >>> X, Y = make_linear_proxy(500, random_state=0)
+    >>> inv = TokenInversion()
+    >>> stats = inv.new_stats(16, 12, 12)
+    >>> inv.update(stats, X, Y)
+    >>> ws = inv.whiten(stats)
+    >>> ws.eigenvalues.shape, int((ws.eigenvalues > 0.1).sum())
+    ((16,), 3)
     """
 
     space = "tokens"

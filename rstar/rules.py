@@ -102,6 +102,18 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     Returns
     -------
     RuleResult
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.rules import sequential_spike_test
+    >>> rng = np.random.default_rng(0)
+    >>> W = rng.standard_normal((30, 3000))
+    >>> W[:2] *= 3.0                      # two population spikes, theta = 8
+    >>> lam = np.linalg.eigvalsh(W @ W.T / 3000)[::-1]
+    >>> res = sequential_spike_test(lam, 3000)
+    >>> res.rank, round(res.noise_variance, 1)
+    (2, 1.0)
     """
     lam = np.asarray(eigenvalues, dtype=np.float64)
     p = lam.size
