@@ -199,8 +199,8 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
         n_total = self._stats["n"]
         need = self._inv.min_samples(T, d, d_v)
         if n_total < need:
-            raise ValueError(f"Found {n_total} sample(s) so far but {type(self).__name__} needs at least {need} "
-                             f"samples to separate signal from noise (got {n_total} sample(s)).")
+            raise ValueError(f"Found {n_total} sample(s) so far, but {type(self).__name__} needs at least {need} "
+                             f"samples for this inversion at T={T}, d={d} (got {n_total} sample(s)).")
         self._finalize()
         return self
 

@@ -170,6 +170,7 @@ class Inversion:
         return d
 
     def min_samples(self, T, d, d_v):
+        """Fewest samples for which the statistic and its noise Gram are defined."""
         return 2
 
     def new_stats(self, T, d, d_v):  # pragma: no cover - abstract
@@ -319,7 +320,9 @@ class QueryKeyInversion(Inversion):
         self.structured_bulk = centred if structured_bulk is None else structured_bulk
 
     def min_samples(self, T, d, d_v):
-        return 2
+        # the noise Gram sum_i w_i (X_i^T X_i)^+ must have full rank d
+        T_eff = max(self._tokens_eff(T), 1)
+        return max(2, -(-d // min(T_eff, d)) + 1)
 
     def new_stats(self, T, d, d_v):
         moments = _moments_fit(T, d, d_v, d, d, d, d_v)
@@ -470,7 +473,8 @@ class SoftmaxExactInversion(Inversion):
         self.clip = clip
 
     def min_samples(self, T, d, d_v):
-        return 2
+        # n T (T - 1) log-attention equations for d^2 unknowns (plus the row nuisances)
+        return max(2, -(-d * d // max(T * (T - 1), 1)) + 1)
 
     def new_stats(self, T, d, d_v):
         return {"dims": (T, d, d_v), "n": 0, "H": np.zeros((d * d, d * d)), "rhs": np.zeros(d * d), "ll": 0.0, "n_eq": 0.0,

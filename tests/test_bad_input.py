@@ -114,3 +114,14 @@ def test_linear_proxy_needs_same_T_at_predict():
     est = RStarEstimator(operator="linear_proxy").fit(X, Y)
     with pytest.raises(ValueError, match="T=5 tokens"):
         est.predict(X[:, :5])
+
+
+def test_too_few_samples_for_the_inversion():
+    rng = np.random.default_rng(1)
+    Xs, Ys = rng.standard_normal((3, 4, 16)), rng.standard_normal((3, 4, 16))
+    # query-key: 3 samples of rank 3 (centred) cannot fill d=16 dimensions
+    with pytest.raises(ValueError, match="needs at least 7 samples"):
+        RStarEstimator().fit(Xs, Ys)
+    # exact softmax with a known V: 3 * 4 * 3 equations < 256 unknowns
+    with pytest.raises(ValueError, match="needs at least 23 samples"):
+        SoftmaxInversionEstimator(value_map=np.eye(16)).fit(Xs, Ys)
