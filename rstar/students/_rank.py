@@ -84,7 +84,7 @@ def operator_entry_variance(fisher, noise_variance):
     return float(noise_variance * np.sum(1.0 / w) / F.shape[0])
 
 
-def operator_noise_threshold(shape, entry_variance, alpha=0.05):
+def operator_noise_threshold(shape, entry_variance, alpha=0.01):
     """Largest singular value that noise alone reaches with probability ``1 - alpha``.
 
     For a ``p x q`` matrix of i.i.d. N(0, s^2) entries: the ``1 - alpha``
@@ -98,7 +98,7 @@ def operator_noise_threshold(shape, entry_variance, alpha=0.05):
     shape : tuple of int (p, q)
     entry_variance : float
         s^2 (>= 0).
-    alpha : float in (0, 1), default=0.05
+    alpha : float in (0, 1), default=0.01
         False-alarm probability of counting a pure-noise direction.
 
     Returns
@@ -126,7 +126,7 @@ def operator_noise_threshold(shape, entry_variance, alpha=0.05):
     return float(np.sqrt(q * lam))
 
 
-def mp_corrected_rank(operator, entry_variance, alpha=0.05, measure="entropy"):
+def mp_corrected_rank(operator, entry_variance, alpha=0.01, measure="entropy"):
     """Rank and effective rank of a learned operator, counting only singular values above noise.
 
     Parameters
@@ -136,7 +136,7 @@ def mp_corrected_rank(operator, entry_variance, alpha=0.05, measure="entropy"):
     entry_variance : float
         Per-entry variance s^2 of its estimation error
         (:func:`operator_entry_variance`).
-    alpha : float, default=0.05
+    alpha : float, default=0.01
         False-alarm level of :func:`operator_noise_threshold`.
     measure : {"entropy", "energy"}, default="entropy"
         ``"entropy"``: R_eff (Roy & Vetterli 2007, eq. 1), used for the linear

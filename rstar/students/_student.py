@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
-from sklearn.metrics import r2_score
 from sklearn.utils.validation import check_is_fitted
 
 from .._validation import check_positive, check_random_state, check_tokens, check_X_Y
+from ..metrics import token_r2_score
 from ._rank import mp_corrected_rank, operator_entry_variance
 
 __all__ = ["AttentionStudent", "KINDS"]
@@ -23,7 +23,7 @@ KINDS = {
     "block": "B3",
 }
 _LINEAR_KINDS = ("linear_proxy", "linear_qk", "linear_qk_full")
-_FISHER_SAMPLES = 512
+_FISHER_SAMPLES = 256
 _FISHER_CHUNK = 64
 
 
@@ -112,7 +112,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     max_lr_drops : int, default=3
     weight_decay : float, default=0.0
         Adam's L2 penalty (0 keeps the implicit bias of small initialisation alone).
-    alpha : float, default=0.05
+    alpha : float, default=0.01
         False-alarm level of the noise threshold used for ``rank_``.
     dtype : {"float32", "float64"}, default="float32"
         Precision of training.
@@ -164,7 +164,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     of equal total variance, pure noise reaches at most the Tracy–Widom
     corrected Marchenko–Pastur edge ``~ s (sqrt(p) + sqrt(q))`` with
     probability ``1 - alpha``; only singular values above it count. ``F`` is
-    computed with forward-mode autodiff on at most 512 training samples and
+    computed with forward-mode autodiff on at most 256 training samples and
     rescaled to n. See :func:`rstar.students.mp_corrected_rank`.
 
     Examples
@@ -173,16 +173,18 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     >>> from rstar.students import AttentionStudent
     >>> X, Y = make_attention_task(200, kind="linear_qk", seq_len=8, n_features=6,
     ...                            rank=2, random_state=0)
-    >>> student = AttentionStudent(kind="linear_qk", max_epochs=300, random_state=0)
+    >>> student = AttentionStudent(kind="linear_qk", random_state=0)  # over-parameterised
     >>> student.fit(X, Y).rank_
     2
+    >>> round(student.effective_rank_, 2)
+    2.0
     >>> student.predict(X).shape
     (200, 8, 6)
     """
 
     def __init__(self, kind="linear_qk", rank=None, max_epochs=3000, lr=1e-2, init_scale=1e-2, batch_size=None,
                  device="auto", random_state=None, verbose=0, tol=1e-4, patience=100, max_lr_drops=3,
-                 weight_decay=0.0, alpha=0.05, dtype="float32"):
+                 weight_decay=0.0, alpha=0.01, dtype="float32"):
         self.kind = kind
         self.rank = rank
         self.max_epochs = max_epochs
@@ -343,16 +345,16 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         n = Xt.shape[0]
         m = min(n, _FISHER_SAMPLES)
         sel = torch.randperm(n, generator=gen)[:m].to(Xt.device)
-        Xs = Xt[sel].double()
-        module = copy.deepcopy(module).double().requires_grad_(False)
+        Xs = Xt[sel]
+        module = copy.deepcopy(module).requires_grad_(False)
         K0 = module.operator()
-        F = torch.zeros(K0.numel(), K0.numel(), dtype=torch.float64, device=Xt.device)
+        F = torch.zeros(K0.numel(), K0.numel(), dtype=Xt.dtype, device=Xt.device)
         for start in range(0, m, _FISHER_CHUNK):
             xb = Xs[start:start + _FISHER_CHUNK]
             J = torch.func.jacfwd(lambda K, xb=xb: module.forward_with_operator(xb, K))(K0)
             J = J.reshape(-1, K0.numel())
             F += J.T @ J
-        return (F * (n / m)).cpu().numpy()
+        return F.double().cpu().numpy() * (n / m)
 
     # ------------------------------------------------------------ prediction
     def predict(self, X):
@@ -388,31 +390,28 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
             out = [module(Xt[s:s + 4096]).double().cpu().numpy() for s in range(0, X.shape[0], 4096)]
         return np.concatenate(out, axis=0)
 
-    def score(self, X, Y, sample_weight=None):
+    def score(self, X, Y):
         """Token-wise R²: sklearn's ``r2_score`` on Y reshaped to ``(n·T, d_v)``.
 
         Parameters
         ----------
-        X : array-like of shape (n_samples, T, d)
-        Y : array-like of shape (n_samples, T, d_v)
-        sample_weight : array-like of shape (n_samples,) or None
-            Repeated over the T tokens of each sample.
+        X : array-like of shape (n_samples, T, d) or (n_samples, d)
+        Y : array-like of shape (n_samples, T, d_v) or (n_samples, d_v)
 
         Returns
         -------
         float
+            See :func:`rstar.metrics.token_r2_score`.
         """
         X, Y = check_X_Y(X, Y)
         pred = self.predict(X)
-        n, T, d_v = Y.shape
-        if pred.shape[2] != d_v:
-            raise ValueError(f"Y has d_v = {d_v} outputs, but this student predicts {pred.shape[2]}.")
-        w = None if sample_weight is None else np.repeat(np.asarray(sample_weight, dtype=np.float64), T)
-        return float(r2_score(Y.reshape(n * T, d_v), pred.reshape(n * T, d_v), sample_weight=w))
+        if pred.shape[2] != Y.shape[2]:
+            raise ValueError(f"Y has d_v = {Y.shape[2]} outputs, but this student predicts {pred.shape[2]}.")
+        return token_r2_score(Y, pred)
 
     # ---------------------------------------------------------------- pickle
     def __getstate__(self):
-        state = super().__getstate__()
+        state = dict(super().__getstate__())  # a copy: object.__getstate__ returns the live __dict__
         module = state.pop("module_", None)
         if module is not None:
             # CPU numpy arrays: loads on a machine without CUDA

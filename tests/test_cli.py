@@ -1,0 +1,87 @@
+"""The ``rstar`` console script."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rstar
+from rstar import cli, experiments
+
+
+def _env_with_package():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(rstar.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+@pytest.fixture
+def tiny_table1(monkeypatch):
+    """Shrink the quick Table 1 so the CLI round trip takes seconds."""
+    cfg = dict(experiments.CONFIGS["table1"]["quick"], n_train=300, n_test=100, ranks=[2, 3],
+               student=dict(max_epochs=300, patience=30))
+    monkeypatch.setitem(experiments.CONFIGS["table1"], "quick", cfg)
+
+
+def test_reproduce_table1_writes_markdown_png_json(tiny_table1, tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    assert cli.main(["reproduce", "table1", "--quick", "--out", str(out), "--device", "cpu", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "| r | test risk | risk / floor |" in text
+    assert "Noise floor sigma^2 T d_v = 0.48" in text
+    assert {p.name for p in out.iterdir()} == {"table1.png", "table1.json", "results.json"}
+    assert (out / "table1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    payload = json.loads((out / "table1.json").read_text())
+    assert payload["config"]["quick"] is True and payload["config"]["n_train"] == 300
+    sweep = [r for r in payload["records"] if r["part"] == "rank_sweep"]
+    assert [r["rank_param"] for r in sweep] == [2, 3]
+    assert sweep[0]["risk_ratio"] > 10 and sweep[1]["risk_ratio"] < 1.05
+    assert all(r["device"] == "cpu" for r in sweep)
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["mode"] == "quick" and summary["seed"] == 1 and "table1" in summary["experiments"]
+
+
+def test_unknown_experiment_is_rejected(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["reproduce", "table7"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_help_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "rstar.cli", "reproduce", "--help"], capture_output=True, text=True,
+                         env=_env_with_package())
+    assert out.returncode == 0
+    for flag in ("--quick", "--device", "--out", "--seed", "table1", "frontier", "all"):
+        assert flag in out.stdout
+
+
+def test_bad_device_is_a_clean_error(tiny_table1, tmp_path, capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["reproduce", "table1", "--quick", "--out", str(tmp_path), "--device", "nonsense"]) == 2
+    assert "device must be" in capsys.readouterr().err
+
+
+def test_reproduce_without_torch_explains_install(tmp_path):
+    code = textwrap.dedent("""
+        import sys
+
+        class BlockTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError("No module named 'torch'")
+
+        sys.meta_path.insert(0, BlockTorch())
+        from rstar.cli import main
+        sys.exit(main(["reproduce", "table1", "--quick", "--out", "out"]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env=_env_with_package())
+    assert out.returncode == 2
+    assert 'pip install "rstar[torch]"' in out.stderr

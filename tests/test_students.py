@@ -1,0 +1,278 @@
+"""Trained students (rstar.students): API contract, determinism, pickling, rank measurement."""
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.metrics import r2_score
+
+import rstar
+from rstar.datasets import make_attention_task, make_linear_proxy
+from rstar.students import AttentionStudent, mp_corrected_rank, operator_entry_variance, operator_noise_threshold
+
+KINDS = ["linear_proxy", "linear_qk", "linear_qk_full", "softmax", "block"]
+FAST = dict(max_epochs=30, patience=10)
+
+
+def _env_with_package():
+    """Environment for a subprocess that imports this checkout of rstar, installed or not."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(rstar.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def small_qk():
+    return make_attention_task(300, kind="linear_qk", seq_len=8, n_features=6, rank=2, random_state=1,
+                               return_teacher=True)
+
+
+# ------------------------------------------------------------------ numpy-only rank helpers
+def test_noise_threshold_tends_to_mp_edge():
+    # sqrt(q * TW quantile) -> s (sqrt p + sqrt q) for large matrices
+    tau = operator_noise_threshold((400, 400), 0.25, alpha=0.5)
+    assert tau == pytest.approx(0.5 * (20 + 20), rel=0.01)
+    assert operator_noise_threshold((12, 12), 1.0, alpha=0.01) > operator_noise_threshold((12, 12), 1.0, alpha=0.1)
+    assert operator_noise_threshold((3, 5), 0.0) == 0.0
+
+
+def test_noise_threshold_false_alarm_rate():
+    # Gaussian p x q noise exceeds the 1 - alpha threshold about alpha of the time
+    rng = np.random.default_rng(0)
+    tau = operator_noise_threshold((12, 12), 1.0, alpha=0.1)
+    tops = np.array([np.linalg.norm(rng.standard_normal((12, 12)), 2) for _ in range(2000)])
+    assert 0.05 < np.mean(tops > tau) < 0.15
+
+
+def test_mp_corrected_rank_counts_only_spikes():
+    rng = np.random.default_rng(0)
+    s2 = 1e-4
+    K = np.diag([1.0, 0.5, 0.2] + [0.0] * 9) + np.sqrt(s2) * rng.standard_normal((12, 12))
+    out = mp_corrected_rank(K, s2)
+    assert out.rank == 3
+    assert out.raw_effective_rank > out.effective_rank  # noise singular values inflate the raw measure
+    assert mp_corrected_rank(np.sqrt(s2) * rng.standard_normal((12, 12)), s2).rank == 0
+    assert mp_corrected_rank(np.zeros((4, 4)), 1e-3).effective_rank == 0.0
+    with pytest.raises(ValueError, match="measure"):
+        mp_corrected_rank(K, s2, measure="bogus")
+
+
+def test_entry_variance():
+    assert operator_entry_variance(4.0 * np.eye(9), 2.0) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="square"):
+        operator_entry_variance(np.ones((2, 3)), 1.0)
+    with pytest.raises(ValueError, match="noise_variance"):
+        operator_entry_variance(np.eye(2), -1.0)
+
+
+# ------------------------------------------------------------------ students
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_predict_shapes(torch, kind):
+    X, Y = make_attention_task(40, kind="softmax", seq_len=5, n_features=4, value_dim=3, rank=2, random_state=0)
+    st = AttentionStudent(kind=kind, random_state=0, **FAST).fit(X, Y)
+    assert st.predict(X).shape == (40, 5, 3)
+    side = 5 if kind == "linear_proxy" else 4
+    assert st.kernel_.shape == (side, side)
+    assert len(st.history_) == st.n_iter_ <= 30
+    assert st.n_features_in_ == 4 and st.seq_len_ == 5 and st.n_outputs_ == 3
+    assert 0 <= st.rank_ <= side
+    assert np.isfinite(st.effective_rank_) and np.isfinite(st.train_risk_)
+    assert st.device_ == "cpu"
+
+
+def test_two_dimensional_input_is_one_token(torch):
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((50, 3))
+    Y = X @ rng.standard_normal((3, 2))
+    st = AttentionStudent(kind="linear_proxy", random_state=0, **FAST).fit(X, Y)
+    assert st.predict(X).shape == (50, 1, 2)
+    assert st.seq_len_ == 1
+
+
+def test_score_is_tokenwise_r2(torch, small_qk):
+    X, Y, _ = small_qk
+    st = AttentionStudent(kind="linear_qk", random_state=0, **FAST).fit(X, Y)
+    pred = st.predict(X)
+    assert st.score(X, Y) == pytest.approx(r2_score(Y.reshape(-1, 6), pred.reshape(-1, 6)), rel=1e-12)
+    # train_risk_ is the per-sample squared Frobenius error
+    assert st.train_risk_ == pytest.approx(np.mean(np.sum((Y - pred) ** 2, axis=(1, 2))), rel=1e-4)
+
+
+def test_deterministic_with_random_state(torch, small_qk):
+    X, Y, _ = small_qk
+    a = AttentionStudent(kind="softmax", random_state=3, **FAST).fit(X, Y)
+    b = AttentionStudent(kind="softmax", random_state=3, **FAST).fit(X, Y)
+    c = AttentionStudent(kind="softmax", random_state=4, **FAST).fit(X, Y)
+    assert a.history_ == b.history_
+    np.testing.assert_array_equal(a.predict(X), b.predict(X))
+    np.testing.assert_array_equal(a.kernel_, b.kernel_)
+    assert not np.array_equal(a.kernel_, c.kernel_)
+    # mini-batches are drawn from the same seeded generator
+    d = AttentionStudent(kind="linear_qk", batch_size=64, random_state=5, **FAST).fit(X, Y)
+    e = AttentionStudent(kind="linear_qk", batch_size=64, random_state=5, **FAST).fit(X, Y)
+    np.testing.assert_array_equal(d.predict(X), e.predict(X))
+
+
+def test_pickle_roundtrip_is_cpu_numpy(torch, small_qk):
+    X, Y, _ = small_qk
+    st = AttentionStudent(kind="block", rank=2, random_state=0, **FAST).fit(X, Y)
+    state = st.__getstate__()
+    assert "module_" not in state
+    assert all(isinstance(v, np.ndarray) for v in state["_module_state_"].values())
+    loaded = pickle.loads(pickle.dumps(st))
+    np.testing.assert_array_equal(loaded.predict(X), st.predict(X))
+    assert loaded.rank_ == st.rank_ and loaded.get_params() == st.get_params()
+    np.testing.assert_array_equal(loaded.kernel_, st.kernel_)
+
+
+def test_clone_and_params(torch):
+    st = AttentionStudent(kind="softmax", rank=2, lr=0.05, random_state=7)
+    cl = clone(st)
+    assert cl.get_params() == st.get_params()
+    assert not hasattr(cl, "rank_")
+    with pytest.raises(NotFittedError):
+        cl.predict(np.zeros((2, 3, 4)))
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(kind="mlp"), "kind must be one of"),
+    (dict(rank=0), "rank must be"),
+    (dict(rank=2.5), "rank must be"),
+    (dict(rank=7), "rank must be <= d"),
+    (dict(kind="linear_proxy", rank=9), "rank must be <= T"),
+    (dict(kind="linear_qk_full", rank=2), "rank must be None"),
+    (dict(lr=0), "lr must be"),
+    (dict(init_scale=-1.0), "init_scale must be"),
+    (dict(max_epochs=0), "max_epochs must be"),
+    (dict(batch_size=0), "batch_size must be"),
+    (dict(alpha=1.5), "alpha must be"),
+    (dict(dtype="float16"), "dtype must be"),
+    (dict(device="tpu"), "device must be"),
+])
+def test_bad_params(torch, small_qk, params, match):
+    X, Y, _ = small_qk
+    with pytest.raises(ValueError, match=match):
+        AttentionStudent(**params).fit(X[:20], Y[:20])
+
+
+def test_cuda_requested_without_cuda(torch, small_qk):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    X, Y, _ = small_qk
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        AttentionStudent(device="cuda").fit(X[:20], Y[:20])
+
+
+def test_bad_data(torch, small_qk):
+    X, Y, _ = small_qk
+    st = AttentionStudent(**FAST)
+    with pytest.raises(ValueError, match="X must have shape"):
+        st.fit(X[0, 0], Y)
+    with pytest.raises(ValueError, match="different numbers of samples"):
+        st.fit(X, Y[:10])
+    with pytest.raises(ValueError, match="tokens"):
+        st.fit(X, Y[:, :4])
+    bad = X.copy()
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        st.fit(bad, Y)
+    st.fit(X[:30], Y[:30])
+    with pytest.raises(ValueError, match="features per token"):
+        st.predict(X[:, :, :4])
+    proxy = AttentionStudent(kind="linear_proxy", **FAST).fit(X[:30], Y[:30])
+    with pytest.raises(ValueError, match="fixed 8 x 8 matrix"):
+        proxy.predict(X[:, :5])
+    # attention students accept another sequence length
+    assert st.predict(X[:, :5]).shape == (300, 5, 6)
+
+
+def test_verbose_progress_bar(torch, small_qk, capsys):
+    X, Y, _ = small_qk
+    AttentionStudent(verbose=1, max_epochs=5, random_state=0).fit(X[:20], Y[:20])
+    assert "B1" in capsys.readouterr().err
+
+
+def test_early_stopping_on_plateau(torch, small_qk):
+    X, Y, _ = small_qk
+    st = AttentionStudent(kind="linear_qk", rank=2, max_epochs=5000, patience=20, max_lr_drops=1,
+                          random_state=0).fit(X, Y)
+    assert st.n_iter_ < 5000
+    # the last `patience` epochs did not improve on the best by the relative tolerance
+    h = np.asarray(st.history_)
+    assert h[-20:].min() >= h[:-20].min() * (1 - st.tol) - 1e-12
+
+
+def test_insufficiency_attainment_recovery_linear_qk(torch, small_qk):
+    X, Y, teacher = small_qk
+    floor = teacher.noise_floor
+    risks = {}
+    for r in (1, 2, None):
+        st = AttentionStudent(kind="linear_qk", rank=r, random_state=0).fit(X, Y)
+        risks[r] = st.train_risk_
+        if r is None:
+            assert st.rank_ == 2
+            assert 1.95 <= st.effective_rank_ <= 2.05
+            assert st.raw_effective_rank_ >= st.effective_rank_
+    assert risks[1] > 10 * floor  # insufficiency
+    assert risks[2] < 1.02 * floor  # attainment (training risk is slightly below the floor)
+    assert risks[None] < 1.02 * floor
+
+
+def test_softmax_recovery_energy_rank(torch):
+    X, Y, teacher = make_attention_task(400, kind="softmax", seq_len=8, n_features=6, rank=2, random_state=2,
+                                        return_teacher=True)
+    st = AttentionStudent(kind="softmax", random_state=0).fit(X, Y)
+    assert st.rank_ == 2
+    assert 1.9 <= st.effective_rank_ <= 2.05
+    assert st.train_risk_ < 1.03 * teacher.noise_floor
+
+
+def test_linear_proxy_rank_sweep(torch):
+    X, Y, teacher = make_linear_proxy(300, seq_len=8, n_features=5, rank=2, random_state=0, return_teacher=True)
+    low = AttentionStudent(kind="linear_proxy", rank=1, random_state=0).fit(X, Y)
+    ok = AttentionStudent(kind="linear_proxy", rank=None, random_state=0).fit(X, Y)
+    assert low.train_risk_ > 5 * teacher.noise_floor
+    assert ok.train_risk_ < 1.02 * teacher.noise_floor
+    assert ok.rank_ == 2
+
+
+def test_import_without_torch(tmp_path):
+    code = textwrap.dedent("""
+        import sys
+
+        class BlockTorch:  # behave as if torch were not installed
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError("No module named 'torch'")
+
+        sys.meta_path.insert(0, BlockTorch())
+        import rstar, rstar.students, rstar.experiments, rstar.cli
+        assert "torch" not in sys.modules
+        from rstar.students import AttentionStudent
+        import numpy as np
+        st = AttentionStudent(kind="softmax", rank=2)
+        assert st.get_params()["rank"] == 2
+        try:
+            st.fit(np.zeros((5, 3, 2)), np.zeros((5, 3, 2)))
+        except ImportError as exc:
+            assert 'pip install "rstar[torch]"' in str(exc), exc
+            print("OK")
+        else:
+            raise AssertionError("fit without torch did not raise")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env=_env_with_package())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK"
