@@ -707,8 +707,10 @@ def make_figures(rows, det_rows, out_dir):
             for family in fams:
                 er = [r for r in rows if r["family"] == family and r["estimator"] == e]
                 vals.append(_rate(er) if er else np.nan)
+            oracle = e == "Oracle"
             ax.bar(np.arange(len(fams)) + (j - (len(ests) - 1) / 2) * width, vals, width,
-                   label=e, color=_STYLE.get(e, {}).get("color"), edgecolor="black", linewidth=0.3)
+                   label="Oracle (reference)" if oracle else e, color="white" if oracle else _STYLE.get(e, {}).get("color"),
+                   hatch="///" if oracle else None, edgecolor="gray" if oracle else "black", linewidth=0.6)
         ax.set_xticks(np.arange(len(fams)))
         ax.set_xticklabels([f.replace("_", " ") for f in fams])
         ax.set_ylabel("exact recovery of r* (%)")
@@ -741,8 +743,13 @@ def make_figures(rows, det_rows, out_dir):
         ax.grid(alpha=0.3)
         ax.set_ylim(-2, 102)
     axes[0].set_ylabel("exact recovery of r* (%)")
-    handles, labels = axes[1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    legend = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lab, h)
+    labels = [e for e in ESTIMATORS if e in legend]
+    fig.legend([legend[e] for e in labels], [e if e != "Oracle" else "Oracle (reference)" for e in labels],
+               loc="lower center", ncol=len(labels), fontsize=9)
     fig.suptitle("Exact recovery by regime (main grid)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     path = os.path.join(out_dir, "recovery_by_regime.png")
@@ -845,7 +852,11 @@ def replot(out_dir):
     summary, _ = summarise(main_rows, det_rows)
     header = ""
     meta = os.path.join(out_dir, "run.json")
-    if os.path.exists(meta):
+    previous = os.path.join(out_dir, "summary.md")
+    if os.path.exists(previous):  # keep the header written by the run itself
+        with open(previous) as fh:
+            header = fh.read().split("###")[0].rstrip("\n") + "\n"
+    elif os.path.exists(meta):
         with open(meta) as fh:
             run = json.load(fh)
         header = (f"command: `{run['command']}`  \nprofile: {run['profile']}, seed {run['seed']}, "

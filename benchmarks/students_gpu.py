@@ -66,6 +66,7 @@ def main(argv=None):
                         choices=["table1", "table2", "table3", "frontier"])
     parser.add_argument("--quick", action="store_true", help="quick configurations instead of the full ones")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "students_gpu.json"))
     args = parser.parse_args(argv)
     try:
@@ -74,6 +75,8 @@ def main(argv=None):
         print('torch is not installed: pip install "rstar[torch]"', file=sys.stderr)
         return 2
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     devices = _devices(torch)
     info = dict(torch=torch.__version__, cuda=torch.version.cuda, threads=torch.get_num_threads(),
                 cpu_count=os.cpu_count(), platform=platform.platform(),

@@ -72,7 +72,7 @@ CONFIGS = {
                       ranks=[1, 2, 3, 4], seeds=1, student=_STUDENT_QUICK),
     },
     "frontier": {
-        "full": dict(rank=3, noise=0.05, logit_scales=[0.5, 1.0, 2.0, 4.0, 6.0],
+        "full": dict(rank=3, noise=0.05, logit_scales=[1.0, 2.0, 4.0, 6.0],
                      sizes=[(16, 12, 2000), (32, 16, 2000), (8, 16, 2000)], n_splits=2, student=_STUDENT_FULL),
         "quick": dict(rank=3, noise=0.05, logit_scales=[1.0, 4.0], sizes=[(16, 12, 800)], n_splits=2,
                       student=dict(_STUDENT_QUICK, patience=30)),
