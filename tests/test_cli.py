@@ -12,6 +12,20 @@ import rstar
 from rstar import cli, experiments
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """One torch thread: as fast for these tiny models, and no OpenMP stalls on a busy machine."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _env_with_package():
     root = os.path.dirname(os.path.dirname(os.path.abspath(rstar.__file__)))
     env = dict(os.environ)

@@ -3,6 +3,7 @@
 import copy
 import numbers
 import time
+import warnings
 
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
@@ -286,13 +287,12 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
     @staticmethod
     def _batches(Xt, Yt, size, order=None):
-        n = Xt.shape[0]
-        idx = order if order is not None else None
-        for start in range(0, n, size):
-            if idx is None:
+        """Consecutive batches of ``size`` samples, in ``order`` (a permutation) when given."""
+        for start in range(0, Xt.shape[0], size):
+            if order is None:
                 yield Xt[start:start + size], Yt[start:start + size]
             else:
-                sel = idx[start:start + size]
+                sel = order[start:start + size]
                 yield Xt[sel], Yt[sel]
 
     def _train(self, module, Xt, Yt, gen, torch):
@@ -349,11 +349,14 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         module = copy.deepcopy(module).requires_grad_(False)
         K0 = module.operator()
         F = torch.zeros(K0.numel(), K0.numel(), dtype=Xt.dtype, device=Xt.device)
-        for start in range(0, m, _FISHER_CHUNK):
-            xb = Xs[start:start + _FISHER_CHUNK]
-            J = torch.func.jacfwd(lambda K, xb=xb: module.forward_with_operator(xb, K))(K0)
-            J = J.reshape(-1, K0.numel())
-            F += J.T @ J
+        with warnings.catch_warnings():
+            # torch's forward-AD decompositions call the deprecated torch.jit.script on first use
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+            for start in range(0, m, _FISHER_CHUNK):
+                xb = Xs[start:start + _FISHER_CHUNK]
+                J = torch.func.jacfwd(lambda K, xb=xb: module.forward_with_operator(xb, K))(K0)
+                J = J.reshape(-1, K0.numel())
+                F += J.T @ J
         return F.double().cpu().numpy() * (n / m)
 
     # ------------------------------------------------------------ prediction
