@@ -18,6 +18,10 @@ Usage::
     python benchmarks/recovery.py --quick          # < 5 minutes on 2 cores
     python benchmarks/recovery.py                  # the full grid
     python benchmarks/recovery.py --check-calibration
+    python benchmarks/recovery.py --replot benchmarks/out/recovery-full   # tables/figures from saved CSVs
+
+Results, the grid, the baselines' definitions and a discussion are in
+docs/recovery.md.
 
 Prints the tables (also written to ``summary.md``) and writes
 ``results.csv``, ``detection.csv``, ``run.json`` and PNG figures under

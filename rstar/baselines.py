@@ -79,7 +79,7 @@ def gavish_donoho_coefficient(beta):
     """Gavish–Donoho optimal hard-threshold coefficient ``lambda*(beta)``.
 
     ``lambda*(beta) = sqrt(2 (beta + 1) + 8 beta / ((beta + 1) + sqrt(beta**2 + 14 beta + 1)))``
-    (Gavish & Donoho 2014, eq. (11)), for the aspect ratio
+    (Gavish & Donoho 2014, the optimal coefficient for known noise), for the aspect ratio
     ``beta = min(p, m) / max(p, m)`` in ``(0, 1]``. With a known noise level
     ``sigma`` the optimal threshold on the singular values of the ``p x m``
     matrix is ``lambda*(beta) sqrt(max(p, m)) sigma``.
@@ -111,7 +111,7 @@ def gavish_donoho_threshold(eigenvalues, n_columns, noise_variance=None):
     ``sqrt(m)``) are ``s_i = sqrt(lambda_i)``, ``i <= q = min(p, m)``, and
     ``beta = min(p, m) / max(p, m)``.
 
-    - Unknown noise (Gavish & Donoho 2014, eq. (4) and Sec. III.B): the cut
+    - Unknown noise (Gavish & Donoho 2014, the unknown-noise threshold): the cut
       on the singular values is ``omega(beta) * median(s)`` with
       ``omega(beta) = lambda*(beta) / sqrt(mu_beta)``, where ``mu_beta`` is
       the median of the Marchenko–Pastur law of ratio ``beta``
@@ -205,8 +205,8 @@ def minka_log_evidence(eigenvalues, n_columns, k):
     """Minka's (2000) Laplace approximation to ``log p(D | k)`` for PPCA.
 
     With ``d = p`` dimensions, ``N = n_columns`` samples and the sample
-    covariance eigenvalues ``lambda_j`` (Minka 2000, Sec. 3, eqs. (30)-(33)
-    in the NIPS version)::
+    covariance eigenvalues ``lambda_j`` (Minka 2000, the Laplace
+    approximation of his Sec. 3)::
 
         log p(D|k) = log p(U) - N/2 sum_{j<=k} log lambda_j
                      - N (d-k)/2 log v + (m_k + k)/2 log(2 pi)
@@ -328,7 +328,8 @@ def _kn_tw_quantile(alpha):
 def kritchman_nadler_noise_variance(eigenvalues, n_columns, n_signals, max_iter=30, tol=1e-5):
     """Kritchman & Nadler's consistent noise-variance estimate given ``k`` signals.
 
-    Solves jointly (KN 2009, Sec. IV; KN 2008, Sec. 3.3) for the noise
+    Solves jointly (Kritchman & Nadler 2008, 2009: their consistent noise
+    estimator) for the noise
     variance ``sigma2`` and the population signal eigenvalues ``rho_j``,
     ``j <= k``:
 
@@ -469,7 +470,7 @@ def eigenvalue_ratio_rank(eigenvalues, n_columns, max_rank=None):
     With ``mu_k`` the ``k``-th largest eigenvalue of ``X X^T / (N T)`` for a
     ``T x N`` panel (here the ``p x m`` matrix: ``mu_k = lambda_k / p``) and
     ``qq = min(p, m)``, AH define ``V(k) = sum_{j=k+1}^{qq} mu_j`` and the mock
-    eigenvalue ``mu_0 = V(0) / log(qq)`` (their eq. (5)), and estimate ::
+    eigenvalue ``mu_0 = V(0) / log(qq)``, and estimate ::
 
         k_ER = argmax_{0 <= k <= k_max} ER(k),   ER(k) = mu_k / mu_{k+1}.
 
