@@ -5,13 +5,15 @@
 runs the paper's experiments (:mod:`rstar.experiments`), prints each table
 as markdown and writes, into DIR (default ``rstar-out``), one PNG figure and
 one JSON file (every number measured) per experiment, plus ``results.json``
-for the whole invocation.
+for the whole invocation. ``--threads`` (default: ``$OMP_NUM_THREADS`` if set,
+else 1) sets the CPU threads of torch and of numpy/scipy's BLAS.
 
 ``rstar demo`` estimates r* of a small softmax-attention task from data alone.
 """
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -37,8 +39,8 @@ def _parser():
     rep.add_argument("--out", default="rstar-out", help="output folder (default: rstar-out)")
     rep.add_argument("--seed", type=int, default=0, help="base random seed (default: 0)")
     rep.add_argument("--threads", type=int, default=None,
-                     help="CPU threads for torch and for numpy/scipy's BLAS (default: the libraries' own choice, "
-                          "which follows OMP_NUM_THREADS); 1 is fastest on a busy machine for these small problems")
+                     help="CPU threads for torch and for numpy/scipy's BLAS (default: $OMP_NUM_THREADS if set, "
+                          "else 1: these models are small, and two threads stall each other on a busy machine)")
     rep.add_argument("--verbose", "-v", action="count", default=0, help="show training progress bars")
     demo = sub.add_parser("demo", help="estimate r* of a small softmax-attention task from data alone")
     demo.add_argument("--seed", type=int, default=0)
@@ -71,35 +73,41 @@ def _save_figure(result, path):
     return path
 
 
+def _default_threads():
+    try:
+        value = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return 1
+    return value if value >= 1 else 1
+
+
 def _reproduce(args):
-    if args.threads is None:
-        return _run_all(args, None)
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+    threads = _default_threads() if args.threads is None else args.threads
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}.")
     from threadpoolctl import threadpool_limits  # a scikit-learn dependency
 
-    with threadpool_limits(limits=args.threads):  # BLAS / OpenMP of numpy and scipy (data-only estimators)
-        return _run_all(args, args.threads)
+    with threadpool_limits(limits=threads):  # BLAS / OpenMP of numpy and scipy (data-only estimators)
+        return _run_all(args, threads)
 
 
 def _run_all(args, threads):
     from .experiments import EXPERIMENTS, run_experiment
 
     names = list(EXPERIMENTS) if args.what == "all" else [args.what]
-    if threads is not None:
-        try:
-            import torch
-        except ImportError:
-            pass  # the first student reports the missing torch
-        else:
-            torch.set_num_threads(threads)
+    try:
+        import torch
+    except ImportError:
+        pass  # the first student reports the missing torch
+    else:
+        torch.set_num_threads(threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     results = {}
     mode = "quick" if args.quick else "full"
     for name in names:
-        print(f"\n## {name} ({mode}, device={args.device}, seed={args.seed})\n", flush=True)
+        print(f"\n## {name} ({mode}, device={args.device}, seed={args.seed}, threads={threads})\n", flush=True)
         res = run_experiment(name, quick=args.quick, device=args.device, random_state=args.seed,
                              verbose=args.verbose)
         print(res.to_markdown())

@@ -59,6 +59,7 @@ def test_reproduce_table1_writes_markdown_png_json(tiny_table1, tmp_path, capsys
     assert all(r["device"] == "cpu" for r in sweep)
     summary = json.loads((out / "results.json").read_text())
     assert summary["mode"] == "quick" and summary["seed"] == 1 and "table1" in summary["experiments"]
+    assert summary["threads"] >= 1
 
 
 def test_unknown_experiment_is_rejected(capsys):
@@ -80,6 +81,12 @@ def test_bad_device_is_a_clean_error(tiny_table1, tmp_path, capsys):
     pytest.importorskip("torch")
     assert cli.main(["reproduce", "table1", "--quick", "--out", str(tmp_path), "--device", "nonsense"]) == 2
     assert "device must be" in capsys.readouterr().err
+
+
+def test_bad_thread_count(tmp_path, capsys):
+    assert cli.main(["reproduce", "table1", "--quick", "--out", str(tmp_path), "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 def test_reproduce_without_torch_explains_install(tmp_path):

@@ -65,7 +65,7 @@ def test_table1_insufficiency_attainment_recovery(t1):
     assert "0.48" in t1.to_markdown()
 
 
-def test_table2_static_transfer(monkeypatch):
+def test_table2_static_transfer():
     res = table2(quick=True, n_train=300, n_test=200, student=dict(STUDENT, max_epochs=300, patience=20),
                  block_max_epochs=60)
     _check_result(res, "table2")
