@@ -100,6 +100,16 @@ def check_operator(operator, allowed=_OPERATORS):
     return operator
 
 
+def check_int(value, name, minimum, allow_none=False):
+    """An integer ``>= minimum`` (``None`` too when ``allow_none``); bools are refused."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        extra = "None or " if allow_none else ""
+        raise ValueError(f"{name} must be {extra}an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
 def check_rank_param(rank, name="rank", allow_none=True):
     if rank is None and allow_none:
         return None

@@ -5,23 +5,15 @@ In the style of :func:`sklearn.datasets.make_regression`: each returns
 describing the teacher (true r*, its operator, value map and noise floor).
 """
 
-import numbers
-
 import numpy as np
 from scipy import special
 from sklearn.utils import Bunch, check_random_state
 
-from ._validation import check_positive, check_rank_param
+from ._validation import check_int, check_positive, check_rank_param
 
 __all__ = ["make_linear_proxy", "make_attention_task", "sample_tokens", "softmax_attention"]
 
 _TOKEN_DISTRIBUTIONS = ("gaussian", "student_t", "correlated")
-
-
-def _check_int(value, name, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-    return int(value)
 
 
 def sample_tokens(n_samples, seq_len, n_features, *, distribution="gaussian", df=3.0,
@@ -102,15 +94,26 @@ def _low_rank(rng, n_out, n_in, s):
 
 
 def _common_checks(n_samples, seq_len, n_features, value_dim, rank, noise, max_rank, what):
-    n_samples = _check_int(n_samples, "n_samples", 1)
-    seq_len = _check_int(seq_len, "seq_len", 1)
-    n_features = _check_int(n_features, "n_features", 1)
-    value_dim = n_features if value_dim is None else _check_int(value_dim, "value_dim", 1)
+    n_samples = check_int(n_samples, "n_samples", 1)
+    seq_len = check_int(seq_len, "seq_len", 1)
+    n_features = check_int(n_features, "n_features", 1)
+    value_dim = n_features if value_dim is None else check_int(value_dim, "value_dim", 1)
     rank = check_rank_param(rank, allow_none=False)
     if rank > max_rank:
         raise ValueError(f"rank must be <= {max_rank} ({what}), got {rank}.")
     noise = check_positive(noise, "noise", allow_none=False, strict=False)
     return n_samples, seq_len, n_features, value_dim, rank, noise
+
+
+def _draw_teacher(rng, n_op, s, n_samples, T, d, d_v, **tokens):
+    """The teacher's rank-r operator (``n_op x n_op``, singular values ``s``), V* and the tokens X.
+
+    Drawn from ``rng`` in this order, which fixes the data of every ``random_state``.
+    """
+    M = _low_rank(rng, n_op, n_op, s)
+    V = rng.standard_normal((d, d_v)) / np.sqrt(d)
+    X = sample_tokens(n_samples, T, d, random_state=rng, **tokens)
+    return M, V, X
 
 
 def make_linear_proxy(n_samples=1000, *, seq_len=16, n_features=12, value_dim=None, rank=3, noise=0.05,
@@ -170,10 +173,8 @@ def make_linear_proxy(n_samples=1000, *, seq_len=16, n_features=12, value_dim=No
     scale = check_positive(scale, "scale", allow_none=False)
     rng = check_random_state(random_state)
     s = _spectrum(rank, singular_values, decay, scale * np.sqrt(rank))
-    A = _low_rank(rng, T, T, s)
-    V = rng.standard_normal((d, d_v)) / np.sqrt(d)
-    X = sample_tokens(n_samples, T, d, distribution=token_distribution, df=df,
-                      feature_correlation=feature_correlation, random_state=rng)
+    A, V, X = _draw_teacher(rng, T, s, n_samples, T, d, d_v, distribution=token_distribution, df=df,
+                            feature_correlation=feature_correlation)
     Y = np.einsum("st,ntd,dv->nsv", A, X, V, optimize=True) + noise * rng.standard_normal((n_samples, T, d_v))
     if not return_teacher:
         return X, Y
@@ -271,10 +272,8 @@ def make_attention_task(n_samples=2000, *, kind="softmax", seq_len=32, n_feature
     logit_scale = check_positive(logit_scale, "logit_scale", allow_none=False)
     rng = check_random_state(random_state)
     s = _spectrum(rank, singular_values, decay, logit_scale * np.sqrt(d))
-    K = _low_rank(rng, d, d, s)
-    V = rng.standard_normal((d, d_v)) / np.sqrt(d)
-    X = sample_tokens(n_samples, T, d, distribution=token_distribution, df=df,
-                      feature_correlation=feature_correlation, random_state=rng)
+    K, V, X = _draw_teacher(rng, d, s, n_samples, T, d, d_v, distribution=token_distribution, df=df,
+                            feature_correlation=feature_correlation)
     teacher = Bunch(kind=kind, rank=rank, kernel=K, value_map=V, singular_values=s, noise=noise,
                     noise_floor=noise**2 * T * d_v, logit_scale=logit_scale)
     if kind == "softmax":

@@ -238,8 +238,25 @@ def _student(kind, rank, cfg, device, seed, verbose, **extra):
     return AttentionStudent(kind=kind, rank=rank, device=device, random_state=seed, verbose=verbose, **params)
 
 
-def _split(X, Y, n_train):
-    return X[:n_train], Y[:n_train], X[n_train:], Y[n_train:]
+def _teacher_split(make_task, cfg, seed, **task):
+    """Draw ``n_train + n_test`` samples of ``make_task``'s teacher with ``cfg``'s sizes.
+
+    Returns ``(Xtr, Ytr, Xte, Yte, teacher, noise_floor)``.
+    """
+    n_train = cfg["n_train"]
+    X, Y, teacher = make_task(n_train + cfg["n_test"], seq_len=cfg["seq_len"], n_features=cfg["n_features"],
+                              rank=cfg["rank"], noise=cfg["noise"], random_state=seed, return_teacher=True, **task)
+    return X[:n_train], Y[:n_train], X[n_train:], Y[n_train:], teacher, float(teacher.noise_floor)
+
+
+def _measure(kind):
+    """The effective-rank measure of a student class: R_eff for the linear ones, R̃_eff otherwise."""
+    return "R_eff" if kind in ("linear_proxy", "linear_qk", "linear_qk_full") else "R̃_eff"
+
+
+def _estimator_labels(records):
+    """The ``estimator`` labels of ``records``, each once, in order of first appearance."""
+    return list(dict.fromkeys(x["estimator"] for x in records))
 
 
 def _student_record(student, Xtr, Ytr, Xte, Yte, floor, **extra):
@@ -330,11 +347,7 @@ def table1(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
     cfg = _config("table1", quick, overrides)
     records = []
     for k in range(cfg["seeds"]):
-        X, Y, teacher = make_linear_proxy(cfg["n_train"] + cfg["n_test"], seq_len=cfg["seq_len"],
-                                          n_features=cfg["n_features"], rank=cfg["rank"], noise=cfg["noise"],
-                                          random_state=random_state + 1000 * k, return_teacher=True)
-        Xtr, Ytr, Xte, Yte = _split(X, Y, cfg["n_train"])
-        floor = float(teacher.noise_floor)
+        Xtr, Ytr, Xte, Yte, teacher, floor = _teacher_split(make_linear_proxy, cfg, random_state + 1000 * k)
         common = dict(experiment="table1", task="linear_proxy", seed=k, true_rank=teacher.rank,
                       n_train=cfg["n_train"], seq_len=cfg["seq_len"], n_features=cfg["n_features"])
         for r in cfg["ranks"]:
@@ -411,11 +424,7 @@ def table2(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
               ("block", cfg["rank"]), ("block", None)]
     records = []
     for k in range(cfg["seeds"]):
-        X, Y, teacher = make_linear_proxy(cfg["n_train"] + cfg["n_test"], seq_len=cfg["seq_len"],
-                                          n_features=cfg["n_features"], rank=cfg["rank"], noise=cfg["noise"],
-                                          random_state=random_state + 1000 * k, return_teacher=True)
-        Xtr, Ytr, Xte, Yte = _split(X, Y, cfg["n_train"])
-        floor = float(teacher.noise_floor)
+        Xtr, Ytr, Xte, Yte, teacher, floor = _teacher_split(make_linear_proxy, cfg, random_state + 1000 * k)
         common = dict(experiment="table2", task="linear_proxy (fixed A*)", seed=k, true_rank=teacher.rank,
                       n_train=cfg["n_train"])
         for kind, r in ladder:
@@ -430,7 +439,7 @@ def table2(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
     for kind in ("linear_proxy", "linear_qk", "linear_qk_full", "softmax", "block"):
         att = [x for x in records if x.get("kind") == kind and x["part"] == "attainment"]
         rec = [x for x in records if x.get("kind") == kind and x["part"] == "recovery"] or att
-        measure = "R_eff" if kind in ("linear_proxy", "linear_qk", "linear_qk_full") else "R̃_eff"
+        measure = _measure(kind)
         summary.append({
             "class": f"{_CLASS[kind]} ({kind})", "r": "full (d x d)" if kind == "linear_qk_full" else cfg["rank"],
             "test risk at r": _mean(att, "test_risk"), "risk / floor": _mean(att, "risk_ratio"),
@@ -482,12 +491,8 @@ def table3(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
     records = []
     for teacher_kind in ("linear_qk", "softmax"):
         for k in range(cfg["seeds"]):
-            X, Y, teacher = make_attention_task(
-                cfg["n_train"] + cfg["n_test"], kind=teacher_kind, seq_len=cfg["seq_len"],
-                n_features=cfg["n_features"], rank=cfg["rank"], noise=cfg["noise"], logit_scale=cfg["logit_scale"],
-                random_state=random_state + 1000 * k, return_teacher=True)
-            Xtr, Ytr, Xte, Yte = _split(X, Y, cfg["n_train"])
-            floor = float(teacher.noise_floor)
+            Xtr, Ytr, Xte, Yte, teacher, floor = _teacher_split(make_attention_task, cfg, random_state + 1000 * k,
+                                                                kind=teacher_kind, logit_scale=cfg["logit_scale"])
             common = dict(experiment="table3", task=teacher_kind, seed=k, true_rank=teacher.rank,
                           n_train=cfg["n_train"], logit_scale=cfg["logit_scale"])
             for r in cfg["ranks"] + [None]:
@@ -503,7 +508,7 @@ def table3(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
                 records.append(_data_only_record(est, Xtr, Ytr, part="data_only", noise_floor=floor, **common))
     summary = []
     for teacher_kind in ("linear_qk", "softmax"):
-        measure = "R_eff" if teacher_kind == "linear_qk" else "R̃_eff"
+        measure = _measure(teacher_kind)
         for r in cfg["ranks"] + [None]:
             rows = [x for x in records if x["task"] == teacher_kind and x.get("rank_param", -1) == r
                     and x["estimator"] == "AttentionStudent"]
@@ -622,10 +627,7 @@ def frontier(*, quick=False, device="auto", random_state=0, verbose=0, **overrid
                             effective_rank_=float(fitted.effective_rank_), exact=float(out["test_exact"][fold]),
                             test_r2=float(out["test_r2"][fold]), fit_time=float(out["fit_time"][fold]),
                             n_epochs=getattr(fitted, "n_iter_", None), warnings=warned))
-    labels = []
-    for x in records:
-        if x["estimator"] not in labels:
-            labels.append(x["estimator"])
+    labels = _estimator_labels(records)
     summary = []
     keys = sorted({(x["operator"], x["seq_len"], x["n_features"], x["n_samples"], x["logit_scale"])
                    for x in records}, key=lambda k: (k[0] != "linear_qk", k[1], k[2], k[4]))
@@ -822,7 +824,7 @@ def plot_table2(result):
             [x for x in recs if x["kind"] == kind and x["part"] == "attainment"]
         x = rows[0]
         s = np.asarray(x["kernel_singular_values"])
-        measure = "R_eff" if kind in ("linear_proxy", "linear_qk", "linear_qk_full") else "R̃_eff"
+        measure = _measure(kind)
         ax.semilogy(np.arange(1, s.size + 1), np.maximum(s / s[0], 1e-8), "o-", ms=4, color=_COLORS[_CLASS[kind]],
                     label=f"{_CLASS[kind]}: rank_ = {x['rank_']}, {measure} = {x['effective_rank_']:.2f}")
     ax.axvline(3, color="0.6", ls=":", lw=1)
@@ -853,7 +855,7 @@ def plot_table3(result):
         _sweep_panel(axes[0, j], rows, floor, r_star,
                      f"{teacher} teacher, rank K* = {r_star}: {cls} students", _COLORS[cls])
         rec = [x for x in rows if x["rank_param"] is None and x["seed"] == 0][0]
-        measure = "R_eff" if teacher == "linear_qk" else "R̃_eff"
+        measure = _measure(teacher)
         _spectrum_panel(axes[1, j], rec, f"Recovery: learned W_Q W_Kᵀ of the over-parameterised {cls}", measure)
     return fig
 
@@ -873,10 +875,7 @@ def plot_frontier(result):
     recs = result.records
     sizes = sorted({(x["seq_len"], x["n_features"], x["n_samples"]) for x in recs})
     ops = ["linear_qk", "softmax"]
-    labels = []
-    for x in recs:
-        if x["estimator"] not in labels:
-            labels.append(x["estimator"])
+    labels = _estimator_labels(recs)
     markers = dict(zip(labels, "osD^vP*X"))
     fig, axes = _figure(4.6 * len(sizes) + 3, 7.5, len(sizes), 2)
     r_star = recs[0]["true_rank"]

@@ -23,11 +23,17 @@ __all__ = [
 ]
 
 
-def _flatten_pair(Y_true, Y_pred):
+def _check_pair(Y_true, Y_pred):
+    """Both as float64 arrays of one shape."""
     Y_true = np.asarray(Y_true, dtype=np.float64)
     Y_pred = np.asarray(Y_pred, dtype=np.float64)
     if Y_true.shape != Y_pred.shape:
         raise ValueError(f"Y_true and Y_pred must have the same shape, got {Y_true.shape} and {Y_pred.shape}.")
+    return Y_true, Y_pred
+
+
+def _flatten_pair(Y_true, Y_pred):
+    Y_true, Y_pred = _check_pair(Y_true, Y_pred)
     if Y_true.ndim == 3:
         return Y_true.reshape(-1, Y_true.shape[-1]), Y_pred.reshape(-1, Y_pred.shape[-1])
     if Y_true.ndim in (1, 2):
@@ -103,10 +109,7 @@ def sample_risk(Y_true, Y_pred):
     >>> sample_risk(np.zeros((2, 3, 4)), np.ones((2, 3, 4)))
     12.0
     """
-    Y_true = np.asarray(Y_true, dtype=np.float64)
-    Y_pred = np.asarray(Y_pred, dtype=np.float64)
-    if Y_true.shape != Y_pred.shape:
-        raise ValueError(f"Y_true and Y_pred must have the same shape, got {Y_true.shape} and {Y_pred.shape}.")
+    Y_true, Y_pred = _check_pair(Y_true, Y_pred)
     diff = (Y_true - Y_pred).reshape(Y_true.shape[0], -1)
     return float(np.mean(np.sum(diff**2, axis=1)))
 

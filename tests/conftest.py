@@ -4,6 +4,23 @@ import pytest
 from rstar.datasets import make_attention_task, make_linear_proxy
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread: as fast for these tiny models, and no OpenMP stalls on a busy machine.
+
+    torch is imported here, lazily, so modules that request this fixture still run without torch.
+    """
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def table1_task():
     """The paper's Table 1 task: T=16, d=12, r*=3, sharp gap, sigma=0.05, n=1000."""

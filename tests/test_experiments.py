@@ -13,18 +13,7 @@ matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """One torch thread: as fast for these tiny models, and no OpenMP stalls on a busy machine."""
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 STUDENT = dict(lr=1e-2, init_scale=1e-2, max_epochs=1500, patience=40, max_lr_drops=3)
 

@@ -17,18 +17,7 @@ from rstar.datasets import make_attention_task, make_linear_proxy
 from rstar.students import AttentionStudent, mp_corrected_rank, operator_entry_variance, operator_noise_threshold
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """One torch thread: as fast for these tiny models, and no OpenMP stalls on a busy machine."""
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 KINDS = ["linear_proxy", "linear_qk", "linear_qk_full", "softmax", "block"]
 FAST = dict(max_epochs=30, patience=10)

@@ -1,7 +1,6 @@
 """AttentionStudent: the trained students B0–B3 as a scikit-learn regressor."""
 
 import copy
-import numbers
 import time
 import warnings
 
@@ -9,7 +8,7 @@ import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
-from .._validation import check_positive, check_random_state, check_tokens, check_X_Y
+from .._validation import check_int, check_positive, check_random_state, check_tokens, check_X_Y
 from ..metrics import token_r2_score
 from ._rank import mp_corrected_rank, operator_entry_variance
 
@@ -36,15 +35,6 @@ def _import_torch():
             "rstar.students needs PyTorch, which is not installed. Install it with: pip install \"rstar[torch]\""
         ) from exc
     return torch
-
-
-def _check_int(value, name, minimum, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        extra = "None or " if allow_none else ""
-        raise ValueError(f"{name} must be {extra}an integer >= {minimum}, got {value!r}.")
-    return int(value)
 
 
 def _resolve_device(device, torch):
@@ -206,21 +196,21 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     def _check_params(self, T, d):
         if not isinstance(self.kind, str) or self.kind not in KINDS:
             raise ValueError(f"kind must be one of {list(KINDS)}, got {self.kind!r}.")
-        rank = _check_int(self.rank, "rank", 1, allow_none=True)
+        rank = check_int(self.rank, "rank", 1, allow_none=True)
         if self.kind == "linear_qk_full" and rank is not None:
             raise ValueError("kind='linear_qk_full' (B1c) has an unconstrained d x d kernel: rank must be None, "
                              f"got {self.rank!r}. Use kind='linear_qk' for a rank-constrained kernel.")
         limit, what = (T, "T (A is T x T)") if self.kind == "linear_proxy" else (d, "d (K is d x d)")
         if rank is not None and rank > limit:
             raise ValueError(f"rank must be <= {what} = {limit} for kind={self.kind!r}, got {rank}.")
-        _check_int(self.max_epochs, "max_epochs", 1)
+        check_int(self.max_epochs, "max_epochs", 1)
         check_positive(self.lr, "lr", allow_none=False)
         check_positive(self.init_scale, "init_scale", allow_none=False)
-        _check_int(self.batch_size, "batch_size", 1, allow_none=True)
-        _check_int(self.verbose, "verbose", 0)
+        check_int(self.batch_size, "batch_size", 1, allow_none=True)
+        check_int(self.verbose, "verbose", 0)
         check_positive(self.tol, "tol", allow_none=False, strict=False)
-        _check_int(self.patience, "patience", 1)
-        _check_int(self.max_lr_drops, "max_lr_drops", 0)
+        check_int(self.patience, "patience", 1)
+        check_int(self.max_lr_drops, "max_lr_drops", 0)
         check_positive(self.weight_decay, "weight_decay", allow_none=False, strict=False)
         check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
         if self.dtype not in ("float32", "float64"):
