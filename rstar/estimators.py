@@ -229,10 +229,21 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
         self.noise_variance_ = float(res.noise_variance * unit)
         self.spike_strengths_ = np.asarray(res.spike_strengths, dtype=float)
         self.p_values_ = np.asarray(res.p_values, dtype=float)
+        self.rank_interval_ = (int(res.rank_interval[0]), int(res.rank_interval[1]))
         self.n_columns_ = float(ws.n_columns)
         self.components_ = ws.components(self.rank_)
         self.n_samples_seen_ = int(self._stats["n"])
-        self.operator_ = self._inv.fit_operator(self._stats, self.components_)
+        # the closed-form operator costs several times the rank estimate: built on first use
+        self._operator_cache = {}
+
+    @property
+    def operator_(self):
+        """The closed-form operator used by ``predict`` (built on first access, then cached)."""
+        check_is_fitted(self, "rank_")
+        cache = self._operator_cache
+        if "operator" not in cache:
+            cache["operator"] = self._inv.fit_operator(self._stats, self.components_)
+        return cache["operator"]
 
     # -- prediction -----------------------------------------------------------
     def predict(self, X):
@@ -256,11 +267,12 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
         if self._inv.space == "tokens" and T != self._dims[0]:
             raise ValueError(f"X has T={T} tokens, but the linear-proxy operator A is {self._dims[0]} x "
                              f"{self._dims[0]} (fitted on T={self._dims[0]}).")
-        if self.operator_ is None:
+        operator = self.operator_
+        if operator is None:
             raise ValueError("predict is not available: the moment sums for the closed-form operator were not "
                              "accumulated because they would exceed the memory budget for this T, d and d_v "
                              "(rank_ and the spectrum are unaffected).")
-        Y = self.operator_.predict(X / self._x_scale) * self._y_scale
+        Y = operator.predict(X / self._x_scale) * self._y_scale
         if self._y_ndim == 1:
             return Y.reshape(n)
         if self._y_ndim == 2:
@@ -333,15 +345,29 @@ _FITTED_DOC = """
         Noise variance used (given, residual-based or bulk-based).
     spike_strengths_ : ndarray of shape (n_spikes,)
         BBP-debiased population spikes (units of the noise variance).
-    p_values_ : ndarray
+    p_values_ : ndarray of shape (n_tests,)
         Approximate Tracy–Widom p-values of the sequential spike tests, in
-        order; the first one above ``alpha`` stopped the count.
+        order (entry k: is eigenvalue k+1 signal, given k spikes?); the first
+        one at or above ``alpha`` stopped the count. Tests go on up to the
+        first one not significant at the lenient level ``min(10 alpha, 0.5)``.
+        Under pure noise ``p_values_[0]`` is close to uniform on (0, 1).
+    rank_interval_ : tuple of two ints
+        ``(lower, upper)``: the counts of the same sequential test at the
+        strict level ``alpha / 10`` and the lenient level ``min(10 alpha, 0.5)``
+        (for the energy rule, their energy ranks; for the numerical rule, the
+        noise-aware counts). A sensitivity range, not a coverage guarantee:
+        ``lower < upper`` says that some eigenvalues sit near the detection
+        edge, where r* is only partly identifiable. Under pure noise,
+        ``lower > 0`` in about ``alpha / 10`` of data sets and ``upper > 0`` in
+        about ``10 alpha``. Not affected by a forced ``rank``.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (rank_, T) or (rank_, d)
         Orthonormal basis of the recovered subspace (range of A, or of K).
     operator_ : object
-        The closed-form operator used by ``predict``.
+        The closed-form operator used by ``predict``; fitted from the moment
+        sums on first access (``predict``, ``score`` or reading it), since it
+        costs several times the rank estimate itself.
     n_features_in_ : int
         d.
     n_samples_seen_ : int

@@ -38,6 +38,9 @@ __all__ = [
     "spike_sample_eigenvalue",
     "debias_spike",
     "tracy_widom_quantile",
+    "tracy_widom_sf",
+    "johnstone_centring",
+    "largest_eigenvalue_sf",
     "largest_eigenvalue_quantile",
     "estimate_noise_variance",
     "fit_mp_bulk",
@@ -330,12 +333,141 @@ def tracy_widom_quantile(q):
     return stats.gamma.ppf(q, a=46.446, scale=0.186054) - 9.84801
 
 
-def largest_eigenvalue_quantile(n_rows, n_columns, q, sigma2=1.0):
+def tracy_widom_sf(s):
+    """Survival function ``P(TW1 > s)`` of the Tracy–Widom law of order 1.
+
+    Same approximation as :func:`tracy_widom_quantile` (Chiani 2014).
+
+    Parameters
+    ----------
+    s : float or array-like
+
+    Returns
+    -------
+    float or ndarray
+
+    Examples
+    --------
+    >>> from rstar.marchenko_pastur import tracy_widom_quantile, tracy_widom_sf
+    >>> round(float(tracy_widom_sf(tracy_widom_quantile(0.95))), 3)
+    0.05
+    """
+    return stats.gamma.sf(np.asarray(s, dtype=np.float64) + 9.84801, a=46.446, scale=0.186054)
+
+
+def johnstone_centring(n_rows, n_columns):
+    """Centre and scale of the largest eigenvalue of ``W W^T / m`` (unit noise).
+
+    Johnstone (2001), real case, with the ``-1/2`` corrections:
+    ``mu = (sqrt(m - 1/2) + sqrt(p - 1/2))^2 / m`` and
+    ``s = (sqrt(m - 1/2) + sqrt(p - 1/2)) (1/sqrt(m - 1/2) + 1/sqrt(p - 1/2))^(1/3) / m``,
+    so that ``(lambda_max - mu) / s`` is approximately TW1. ``m`` may be an
+    effective (non-integer) number of columns.
+
+    Parameters
+    ----------
+    n_rows : float
+        ``p``, dimension of the statistic (>= 1).
+    n_columns : float
+        ``m``, number of independent columns (>= 1).
+
+    Returns
+    -------
+    mu, scale : float
+
+    Examples
+    --------
+    >>> from rstar.marchenko_pastur import johnstone_centring, mp_edges
+    >>> mu, scale = johnstone_centring(100, 10000)
+    >>> round(mu, 2), round(mp_edges(0.01)[1], 2), bool(scale < 0.01)
+    (1.21, 1.21, True)
+    """
+    p, m = float(n_rows), float(n_columns)
+    if not (p >= 1 and m >= 1):
+        raise ValueError(f"n_rows and n_columns must be >= 1, got {n_rows!r}, {n_columns!r}.")
+    sp, sm = np.sqrt(max(p - 0.5, 0.5)), np.sqrt(max(m - 0.5, 0.5))
+    mu = (sm + sp) ** 2 / m
+    scale = (sm + sp) * (1 / sm + 1 / sp) ** (1 / 3) / m
+    return float(mu), float(scale)
+
+
+# quantile midpoints of chi2_dof / dof, for averaging over an estimated noise variance
+_N_NOISE_NODES = 129
+
+
+@functools.lru_cache(maxsize=256)
+def _noise_ratio_nodes(noise_dof):
+    q = (np.arange(_N_NOISE_NODES) + 0.5) / _N_NOISE_NODES
+    return stats.chi2.ppf(q, noise_dof) / noise_dof
+
+
+def _check_noise_dof(noise_dof):
+    if noise_dof is None:
+        return None
+    noise_dof = float(noise_dof)
+    if not noise_dof > 0:
+        raise ValueError(f"noise_dof must be > 0 or None, got {noise_dof!r}.")
+    return None if not np.isfinite(noise_dof) or noise_dof > 1e8 else noise_dof
+
+
+def largest_eigenvalue_sf(x, n_rows, n_columns, sigma2=1.0, noise_dof=None):
+    """``P(lambda_max > x)`` for the largest eigenvalue of ``W W^T / m`` under pure noise.
+
+    Johnstone's centring (:func:`johnstone_centring`) composed with the
+    Tracy–Widom tail. When ``sigma2`` is itself an *estimate* with
+    ``noise_dof`` degrees of freedom (``sigma2_hat / sigma2 ~ chi2(nu) / nu``,
+    independent of the spectrum, as for a regression residual), the tail is
+    averaged over that estimation error:
+    ``P(lambda_max / sigma2_hat > x / sigma2_hat) = E_u[P(L > u x / sigma2_hat)]``
+    with ``L`` the unit-noise largest eigenvalue and ``u ~ chi2(nu) / nu``,
+    computed on 129 quantile midpoints of ``u``. Ignoring that error makes the
+    test anti-conservative when ``nu`` is not much larger than
+    ``((mu / s) * sqrt(2 / nu))^-2`` (e.g. the linear proxy at ``n ~ T d``).
+
+    Parameters
+    ----------
+    x : float or array-like
+        Eigenvalue(s), in the same units as ``sigma2``.
+    n_rows, n_columns : float
+        ``p`` and ``m``.
+    sigma2 : float, default=1.0
+        Noise variance (known, or estimated with ``noise_dof``).
+    noise_dof : float or None, default=None
+        Degrees of freedom of ``sigma2``; None or inf means known exactly.
+
+    Returns
+    -------
+    float or ndarray
+
+    Examples
+    --------
+    >>> from rstar.marchenko_pastur import largest_eigenvalue_sf
+    >>> known = largest_eigenvalue_sf(1.25, 100, 10000)
+    >>> estimated = largest_eigenvalue_sf(1.25, 100, 10000, noise_dof=200)
+    >>> bool(known < 0.01 < estimated)
+    True
+    """
+    mu, scale = johnstone_centring(n_rows, n_columns)
+    sigma2 = _check_sigma2(sigma2)
+    noise_dof = _check_noise_dof(noise_dof)
+    t = np.asarray(x, dtype=np.float64) / sigma2
+    if noise_dof is None:
+        out = tracy_widom_sf((t - mu) / scale)
+    else:
+        u = _noise_ratio_nodes(noise_dof)
+        out = np.mean(tracy_widom_sf((np.multiply.outer(t, u) - mu) / scale), axis=-1)
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def largest_eigenvalue_quantile(n_rows, n_columns, q, sigma2=1.0, noise_dof=None):
     """Quantile of the largest eigenvalue of ``W W^T / m`` under pure noise.
 
     Johnstone's (2001) centring and scaling with the ``-1/2`` corrections,
     composed with the Tracy–Widom quantile; ``m = n_columns`` may be an
-    effective (non-integer) number of columns.
+    effective (non-integer) number of columns. With ``noise_dof``, the
+    quantile of ``sigma2 * lambda_max / sigma2_hat`` for an estimated
+    variance (the inverse of :func:`largest_eigenvalue_sf`), i.e. the
+    threshold to apply to an eigenvalue when ``sigma2`` is the estimate.
 
     Parameters
     ----------
@@ -346,6 +478,8 @@ def largest_eigenvalue_quantile(n_rows, n_columns, q, sigma2=1.0):
     q : float in (0, 1)
         Probability level, e.g. ``1 - alpha``.
     sigma2 : float, default=1.0
+    noise_dof : float or None, default=None
+        Degrees of freedom of an estimated ``sigma2`` (None: known).
 
     Returns
     -------
@@ -356,14 +490,23 @@ def largest_eigenvalue_quantile(n_rows, n_columns, q, sigma2=1.0):
     >>> from rstar.marchenko_pastur import largest_eigenvalue_quantile, mp_edges
     >>> bool(largest_eigenvalue_quantile(100, 10000, 0.99) > mp_edges(0.01)[1])
     True
+    >>> bool(largest_eigenvalue_quantile(100, 10000, 0.99, noise_dof=200)
+    ...      > largest_eigenvalue_quantile(100, 10000, 0.99))
+    True
     """
-    p, m = float(n_rows), float(n_columns)
-    if p < 1 or m < 1:
-        raise ValueError(f"n_rows and n_columns must be >= 1, got {n_rows!r}, {n_columns!r}.")
-    sp, sm = np.sqrt(max(p - 0.5, 0.5)), np.sqrt(max(m - 0.5, 0.5))
-    mu = (sm + sp) ** 2
-    scale = (sm + sp) * (1 / sm + 1 / sp) ** (1 / 3)
-    return _check_sigma2(sigma2) * float(mu + scale * tracy_widom_quantile(q)) / m
+    mu, scale = johnstone_centring(n_rows, n_columns)
+    sigma2 = _check_sigma2(sigma2)
+    noise_dof = _check_noise_dof(noise_dof)
+    base = mu + scale * float(tracy_widom_quantile(q))
+    if noise_dof is None:
+        return sigma2 * float(base)
+    target = 1.0 - q
+    hi = base
+    while largest_eigenvalue_sf(hi, n_rows, n_columns, 1.0, noise_dof) > target:
+        hi = 2.0 * hi + scale
+    return sigma2 * float(optimize.brentq(
+        lambda t: largest_eigenvalue_sf(t, n_rows, n_columns, 1.0, noise_dof) - target, mu - 20 * scale, hi,
+        xtol=1e-12 * max(mu, 1.0), rtol=1e-10))
 
 
 def estimate_noise_variance(eigenvalues, n_columns, n_spikes=0):

@@ -17,14 +17,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .marchenko_pastur import debias_spike, estimate_noise_variance, fit_mp_bulk, largest_eigenvalue_quantile
+from .marchenko_pastur import (
+    debias_spike,
+    estimate_noise_variance,
+    fit_mp_bulk,
+    largest_eigenvalue_quantile,
+    largest_eigenvalue_sf,
+)
 from .spectral import (
     energy_effective_rank_from_singular_values,
     entropy_effective_rank_from_singular_values,
 )
 from .exceptions import UnidentifiableRankWarning
 
-__all__ = ["RuleResult", "RankRule", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
+__all__ = ["RuleResult", "RankRule", "interval_levels", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
 
 
 @dataclass
@@ -43,8 +49,13 @@ class RuleResult:
         BBP-debiased population spikes ``theta_i`` (units of noise variance).
     p_values : ndarray of shape (n_tested,)
         Approximate Tracy–Widom p-value of each sequential test
-        (``k``-th entry: is eigenvalue ``k+1`` above the noise edge?).
+        (``k``-th entry: is eigenvalue ``k+1`` above the noise edge?), up to
+        the first one not significant at the lenient level of
+        :func:`interval_levels`.
     warnings : list of (Warning subclass, str)
+    rank_interval : tuple of two ints
+        Counts at the strict and lenient levels of :func:`interval_levels`
+        (``(rank, rank)`` for rules without a noise model).
     """
 
     rank: int
@@ -54,6 +65,11 @@ class RuleResult:
     spike_strengths: np.ndarray = field(default_factory=lambda: np.zeros(0))
     p_values: np.ndarray = field(default_factory=lambda: np.zeros(0))
     warnings: list = field(default_factory=list)
+    rank_interval: tuple = None
+
+    def __post_init__(self):
+        if self.rank_interval is None:
+            self.rank_interval = (self.rank, self.rank)
 
 
 def _roundoff_floor(lam):
@@ -61,28 +77,71 @@ def _roundoff_floor(lam):
     return top * max(lam.size, 1) * np.finfo(np.float64).eps * 10
 
 
-def _tw_p_value(lam_k, p_k, m, sigma2):
-    """Approximate P(largest noise eigenvalue > lam_k) via Johnstone + Chiani."""
-    from scipy import stats
+#: ``rank_interval_`` is the range of counts at false-alarm levels alpha / F .. min(F alpha, 1/2).
+INTERVAL_FACTOR = 10.0
 
-    sp, sm = np.sqrt(max(p_k - 0.5, 0.5)), np.sqrt(max(m - 0.5, 0.5))
-    mu = (sm + sp) ** 2 / m
-    scale = (sm + sp) * (1 / sm + 1 / sp) ** (1 / 3) / m
-    s = (lam_k / sigma2 - mu) / scale
-    return float(stats.gamma.sf(s + 9.84801, a=46.446, scale=0.186054))
+
+def interval_levels(alpha):
+    """The strict and lenient false-alarm levels behind ``rank_interval_``.
+
+    Parameters
+    ----------
+    alpha : float in (0, 1)
+
+    Returns
+    -------
+    (float, float)
+        ``(alpha / 10, min(10 alpha, 1/2))``.
+    """
+    return alpha / INTERVAL_FACTOR, max(min(alpha * INTERVAL_FACTOR, 0.5), alpha)
+
+
+def _count_below(p_values, level):
+    """Number of leading sequential p-values below ``level`` (the count at that level)."""
+    above = np.flatnonzero(np.asarray(p_values) >= level)
+    return int(above[0]) if above.size else len(p_values)
+
+
+#: Efficiency of the MP-median noise estimate relative to p*m degrees of freedom:
+#: 2/pi, the asymptotic efficiency of a median of (nearly independent) row
+#: variances when m >> p. A Monte Carlo check over p = 8..64, p/m = 0.001..0.8
+#: (600 white Wishart draws each) measured 0.27..0.66 of p*m; the false-alarm
+#: rate at alpha = 1% then stays within 0.4..1.0% for p/m <= 0.1 and about 2%
+#: at p/m near 1 (instead of 1.2..3.9% when the estimation error is ignored).
+MEDIAN_EFFICIENCY = 2.0 / np.pi
+
+
+def _test_dof(known, fit_bulk_width, noise_dof, p_k, m_k):
+    """Degrees of freedom of the noise variance used by one sequential test."""
+    if known:
+        return noise_dof
+    if fit_bulk_width:
+        return None
+    return MEDIAN_EFFICIENCY * p_k * m_k
 
 
 def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=None, max_rank=None,
-                          fit_bulk_width=False):
+                          fit_bulk_width=False, noise_dof=None):
     """Count spikes above the noise edge by sequential Tracy–Widom tests.
 
     For ``k = 0, 1, ...``: estimate the noise variance from the ``p - k``
     smallest eigenvalues (MP-median matching, unless ``noise_variance`` is
     known), and accept eigenvalue ``k + 1`` as signal iff it exceeds the
     ``1 - alpha`` quantile of the largest eigenvalue of a ``(p - k) x m``
-    white Wishart matrix (in the spirit of Kritchman & Nadler 2008). Stop at
-    the first failure. Under pure noise the false-alarm rate is about
-    ``alpha``.
+    white Wishart matrix (in the spirit of Kritchman & Nadler 2008), i.e.
+    iff its p-value is below ``alpha``. Stop at the first failure. Under pure
+    noise the false-alarm rate is about ``alpha``.
+
+    A ``noise_variance`` estimated independently of the spectrum with
+    ``noise_dof`` degrees of freedom (a regression residual) enters the
+    p-values with its estimation error
+    (:func:`rstar.marchenko_pastur.largest_eigenvalue_sf`); so does the
+    MP-median estimate, with ``MEDIAN_EFFICIENCY * (p - k) * m`` degrees of
+    freedom.
+
+    The tests go on past ``alpha`` up to the lenient level of
+    :func:`interval_levels`, so that ``rank_interval`` — the counts at
+    ``alpha / 10`` and at ``10 alpha`` — comes from the same p-values.
 
     Parameters
     ----------
@@ -98,6 +157,9 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         the remaining spectrum (:func:`rstar.marchenko_pastur.fit_mp_bulk`),
         for statistics whose bulk is wider than white noise; with a given
         ``noise_variance`` only the width is fitted (from the lower quartile).
+    noise_dof : float or None, default=None
+        Degrees of freedom of ``noise_variance`` when it is an estimate
+        (None: known exactly).
 
     Returns
     -------
@@ -112,8 +174,8 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     >>> W[:2] *= 3.0                      # two population spikes, theta = 8
     >>> lam = np.linalg.eigvalsh(W @ W.T / 3000)[::-1]
     >>> res = sequential_spike_test(lam, 3000)
-    >>> res.rank, round(res.noise_variance, 1)
-    (2, 1.0)
+    >>> res.rank, round(res.noise_variance, 1), res.rank_interval
+    (2, 1.0, (2, 3))
     """
     lam = np.asarray(eigenvalues, dtype=np.float64)
     p = lam.size
@@ -122,51 +184,67 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     floor = _roundoff_floor(lam)
     known = noise_variance is not None and not fit_bulk_width
     given_noise = noise_variance if fit_bulk_width else None
-    m_k = m
-    warnings = []
-    p_values = []
+    level_lo, level_hi = interval_levels(alpha)
+    stop_level = max(alpha, level_hi)
+    p_values, fits = [], []   # fits[k] = (sigma2_k, m_k) used by test k
+    bulk_exhausted = None     # k at which the bulk became too small to estimate the noise
+    sigma2, m_k = noise_variance, m
     k = 0
-    sigma2 = noise_variance
-    threshold = np.inf
-    while True:
+    while k < k_max:
         if not known:
             if p - k < 2:
-                warnings.append((UnidentifiableRankWarning,
-                                 f"only {p - k} eigenvalue(s) left in the bulk after {k} spike(s): the noise level "
-                                 "cannot be estimated from the spectrum. Fallback: the remaining eigenvalues are "
-                                 "not counted (pass noise_variance=... to decide them)."))
+                bulk_exhausted = k
                 break
             if fit_bulk_width:
                 sigma2, m_k = fit_mp_bulk(lam, m, n_spikes=k, sigma2=given_noise)
             else:
                 sigma2 = estimate_noise_variance(lam, m, n_spikes=k)
-        if k >= k_max:
+        fits.append((sigma2, m_k))
+        if sigma2 is None or not np.isfinite(sigma2) or sigma2 <= 0:
+            p_k = 0.0 if lam[k] > floor else 1.0
+        elif lam[k] <= floor:
+            p_k = 1.0
+        else:
+            p_k = largest_eigenvalue_sf(lam[k], p - k, m_k, sigma2, _test_dof(known, fit_bulk_width, noise_dof, p - k,
+                                                                               m_k))
+        p_values.append(float(p_k))
+        if p_k >= stop_level:
             break
-        if sigma2 <= 0 or not np.isfinite(sigma2):
-            threshold = floor
-            if lam[k] > threshold:
-                k += 1
-                continue
-            break
-        threshold = max(largest_eigenvalue_quantile(p - k, m_k, 1 - alpha, sigma2), floor)
-        p_values.append(_tw_p_value(lam[k], p - k, m_k, sigma2))
-        if lam[k] > threshold:
-            k += 1
-            continue
-        break
-    if not known and k > p / 2 and p > 1:
+        k += 1
+    p_values = np.asarray(p_values)
+    rank = _count_below(p_values, alpha)
+    interval = (_count_below(p_values, level_lo), _count_below(p_values, level_hi))
+    warnings = []
+    if bulk_exhausted is not None and rank == bulk_exhausted:
         warnings.append((UnidentifiableRankWarning,
-                         f"{k} of {p} eigenvalues are spikes: the noise level, estimated from the remaining "
+                         f"only {p - rank} eigenvalue(s) left in the bulk after {rank} spike(s): the noise level "
+                         "cannot be estimated from the spectrum. Fallback: the remaining eigenvalues are "
+                         "not counted (pass noise_variance=... to decide them)."))
+    if not known and rank > p / 2 and p > 1:
+        warnings.append((UnidentifiableRankWarning,
+                         f"{rank} of {p} eigenvalues are spikes: the noise level, estimated from the remaining "
                          "bulk, is unreliable when most of the spectrum is signal. Pass noise_variance=... if known."))
+    # noise level and threshold of the test that stopped the count (or of the last one run)
+    if fits:
+        sigma2, m_k = fits[min(rank, len(fits) - 1)]
+    elif not known and p >= 1:
+        sigma2 = estimate_noise_variance(lam, m, n_spikes=0) if p >= 2 else None
+    threshold = np.inf
+    if sigma2 is not None and np.isfinite(sigma2) and sigma2 > 0:
+        j = min(rank, p - 1)
+        threshold = max(largest_eigenvalue_quantile(p - j, m_k, 1 - alpha, sigma2,
+                                                    _test_dof(known, fit_bulk_width, noise_dof, p - j, m_k)), floor)
+    elif sigma2 is not None and np.isfinite(sigma2):
+        threshold = floor
     sigma2 = float("nan") if sigma2 is None else float(sigma2)
     if np.isfinite(sigma2) and sigma2 > 0:
-        theta = debias_spike(lam[:k] / sigma2, p / m_k)
+        theta = debias_spike(lam[:rank] / sigma2, p / m_k)
     else:
-        theta = np.maximum(lam[:k], 0.0)
+        theta = np.maximum(lam[:rank], 0.0)
     if not np.isfinite(threshold):
         threshold = float(lam[0]) if p else 0.0
-    return RuleResult(k, float(threshold), entropy_effective_rank_from_singular_values(np.sqrt(theta)),
-                      sigma2, theta, np.asarray(p_values), warnings)
+    return RuleResult(rank, float(threshold), entropy_effective_rank_from_singular_values(np.sqrt(theta)),
+                      sigma2, theta, p_values, warnings, interval)
 
 
 class RankRule:
@@ -183,16 +261,20 @@ class MarchenkoPasturRule(RankRule):
     inversion's residual estimate, or the MP-median match of the bulk. When
     the inversion flags a structured bulk (first-order softmax), the bulk's
     variance *and* width are fitted to the lower half of the spectrum.
+    A residual estimate enters the tests with its degrees of freedom
+    (``ws.noise_dof``); a user's value is taken as exact.
     """
 
     def __init__(self, alpha=0.01):
         self.alpha = alpha
 
     def __call__(self, ws, noise_variance=None, max_rank=None):
-        if noise_variance is None:
+        noise_dof = None
+        if noise_variance is None and ws.noise_variance is not None:
             noise_variance = ws.noise_variance
+            noise_dof = ws.noise_dof if ws.noise_dof > 0 else None
         return sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, noise_variance, max_rank,
-                                     fit_bulk_width=ws.structured_bulk)
+                                     fit_bulk_width=ws.structured_bulk, noise_dof=noise_dof)
 
 
 class EnergyRule(MarchenkoPasturRule):
@@ -208,6 +290,19 @@ class EnergyRule(MarchenkoPasturRule):
         energy = energy_effective_rank_from_singular_values(np.sqrt(res.spike_strengths))
         res.effective_rank = energy
         res.rank = int(np.floor(energy + 0.5))
+        # the energy rank of the spikes counted at the strict and lenient levels
+        # (it grows with every weaker spike added, so the interval holds rank)
+        lo, hi = res.rank_interval
+        sigma2 = res.noise_variance
+        lam = ws.eigenvalues
+        if np.isfinite(sigma2) and sigma2 > 0:
+            theta = debias_spike(lam[:hi] / sigma2, lam.size / ws.n_columns)
+        else:
+            theta = np.maximum(lam[:hi], 0.0)
+        theta = np.maximum(theta, 0.0)
+        res.rank_interval = tuple(min(int(np.floor(energy_effective_rank_from_singular_values(
+            np.sqrt(theta[:j])) + 0.5)), j) for j in (lo, hi))
+        res.rank_interval = (min(res.rank_interval[0], res.rank), max(res.rank_interval[1], res.rank))
         return res
 
 
@@ -221,10 +316,15 @@ class NumericalRule(RankRule):
     rtol : float, default=1e-2
         Relative tolerance: the cut is ``rtol * lambda_1`` when ``tol`` is None.
         Not noise-aware: pure noise gives full rank.
+
+    ``p_values`` and ``rank_interval`` are those of the noise-aware
+    sequential test (:func:`sequential_spike_test` at ``alpha``), reported
+    beside the numerical count: a ``rank`` outside ``rank_interval`` means
+    the tolerance counts noise (or misses spikes) at this noise level.
     """
 
-    def __init__(self, tol=None, rtol=1e-2):
-        self.tol, self.rtol = tol, rtol
+    def __init__(self, tol=None, rtol=1e-2, alpha=0.01):
+        self.tol, self.rtol, self.alpha = tol, rtol, alpha
 
     def __call__(self, ws, noise_variance=None, max_rank=None):
         lam = ws.eigenvalues
@@ -236,9 +336,11 @@ class NumericalRule(RankRule):
         k = int(np.sum(lam > threshold))
         if max_rank is not None:
             k = min(k, int(max_rank))
+        noise_aware = MarchenkoPasturRule(self.alpha)(ws, noise_variance, max_rank)
         if noise_variance is None:
             noise_variance = ws.noise_variance
         if noise_variance is None:
             noise_variance = estimate_noise_variance(lam, ws.n_columns, n_spikes=k) if p - k >= 1 else float("nan")
         return RuleResult(k, float(threshold), entropy_effective_rank_from_singular_values(np.sqrt(np.maximum(
-            lam[:k], 0))), float(noise_variance), np.maximum(lam[:k], 0.0))
+            lam[:k], 0))), float(noise_variance), np.maximum(lam[:k], 0.0), noise_aware.p_values, [],
+            noise_aware.rank_interval)

@@ -1,0 +1,176 @@
+"""How sure the estimators are: p-values, rank_interval_ and their calibration on null tasks."""
+
+import warnings
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from rstar import EnergyRankEstimator, MPRankEstimator, NumericalRankEstimator, RStarEstimator
+from rstar.datasets import make_attention_task, make_linear_proxy
+from rstar.marchenko_pastur import (
+    johnstone_centring,
+    largest_eigenvalue_quantile,
+    largest_eigenvalue_sf,
+    tracy_widom_quantile,
+    tracy_widom_sf,
+)
+from rstar.rules import interval_levels, sequential_spike_test
+
+
+def test_tracy_widom_sf_inverts_quantile():
+    q = np.array([0.01, 0.1, 0.5, 0.9, 0.99, 0.999])
+    np.testing.assert_allclose(tracy_widom_sf(tracy_widom_quantile(q)), 1 - q, rtol=1e-9)
+
+
+def test_johnstone_centring_matches_quantile_and_edge():
+    mu, scale = johnstone_centring(50, 2000)
+    assert mu == pytest.approx((1 + np.sqrt(50 / 2000)) ** 2, rel=0.01)
+    assert largest_eigenvalue_quantile(50, 2000, 0.9) == pytest.approx(mu + scale * tracy_widom_quantile(0.9))
+    with pytest.raises(ValueError, match="n_rows and n_columns"):
+        johnstone_centring(0, 10)
+
+
+@pytest.mark.parametrize("dof", [None, 30.0, 400.0])
+def test_largest_eigenvalue_sf_and_quantile_are_inverse(dof):
+    for q in (0.5, 0.9, 0.99):
+        x = largest_eigenvalue_quantile(20, 300, q, sigma2=2.0, noise_dof=dof)
+        assert largest_eigenvalue_sf(x, 20, 300, sigma2=2.0, noise_dof=dof) == pytest.approx(1 - q, abs=2e-3)
+
+
+def test_estimated_noise_widens_the_threshold_and_converges_to_known():
+    known = largest_eigenvalue_quantile(20, 300, 0.99)
+    few = largest_eigenvalue_quantile(20, 300, 0.99, noise_dof=50)
+    many = largest_eigenvalue_quantile(20, 300, 0.99, noise_dof=1e6)
+    assert few > known * 1.05
+    assert many == pytest.approx(known, rel=1e-3)
+    assert largest_eigenvalue_quantile(20, 300, 0.99, noise_dof=np.inf) == known
+    with pytest.raises(ValueError, match="noise_dof"):
+        largest_eigenvalue_sf(1.0, 20, 300, noise_dof=-1)
+
+
+def test_studentised_test_is_calibrated_with_few_noise_dof():
+    # lambda_max / sigma2_hat with sigma2_hat ~ chi2(nu)/nu: the dof-aware p-value
+    # is uniform; ignoring the estimation error makes the test anti-conservative.
+    rng = np.random.default_rng(0)
+    p, m, nu, reps = 15, 150, 60, 2000
+    aware, naive = [], []
+    for _ in range(reps):
+        W = rng.standard_normal((p, m))
+        lam1 = np.linalg.eigvalsh(W @ W.T / m)[-1]
+        s2 = rng.chisquare(nu) / nu
+        aware.append(largest_eigenvalue_sf(lam1, p, m, s2, noise_dof=nu))
+        naive.append(largest_eigenvalue_sf(lam1, p, m, s2))
+    aware, naive = np.asarray(aware), np.asarray(naive)
+    assert 0.035 < np.mean(aware < 0.05) < 0.065
+    assert 0.005 < np.mean(aware < 0.01) < 0.02
+    assert np.mean(naive < 0.01) > 0.04
+
+
+def test_sequential_interval_orders_and_levels():
+    rng = np.random.default_rng(3)
+    W = rng.standard_normal((30, 3000))
+    W[:3] *= np.array([[3.0], [2.0], [1.2]])     # two clear spikes, one near the edge
+    lam = np.linalg.eigvalsh(W @ W.T / 3000)[::-1]
+    res = sequential_spike_test(lam, 3000, alpha=0.01)
+    lo, hi = res.rank_interval
+    assert lo <= res.rank <= hi
+    assert res.rank >= 2 and lo >= 2
+    strict, lenient = interval_levels(0.01)
+    assert (strict, lenient) == (0.001, 0.1)
+    assert interval_levels(0.2) == (0.02, 0.5)
+    # the counts are the leading p-values below each level
+    assert np.all(res.p_values[:res.rank] < 0.01)
+    assert np.all(res.p_values[:hi] < lenient)
+    assert res.p_values.size == hi + 1 or hi == lam.size
+
+
+def _null_fits(make, operator, n_tasks):
+    ranks, p0, lo, hi = [], [], [], []
+    for seed in range(n_tasks):
+        X, Y = make(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est = RStarEstimator(operator).fit(X, Y)
+        ranks.append(est.rank_)
+        p0.append(est.p_values_[0])
+        lo.append(est.rank_interval_[0])
+        hi.append(est.rank_interval_[1])
+        assert est.rank_interval_[0] <= est.rank_ <= est.rank_interval_[1]
+    return map(np.asarray, (ranks, p0, lo, hi))
+
+
+NULL_TASKS = {
+    # residual noise estimate (n > T d), noise from the bulk (n < T d), query-key residual,
+    # query-key with T < d (structured bulk), first-order softmax
+    "proxy_residual": ("linear_proxy", lambda s: make_linear_proxy(200, seq_len=12, n_features=8, rank=0,
+                                                                   random_state=s)),
+    "proxy_bulk": ("linear_proxy", lambda s: make_linear_proxy(60, seq_len=12, n_features=8, rank=0,
+                                                               random_state=s)),
+    "qk_residual": ("linear_qk", lambda s: make_attention_task(150, kind="linear_qk", seq_len=24, n_features=8,
+                                                               rank=0, random_state=s)),
+    "qk_T_below_d": ("linear_qk", lambda s: make_attention_task(150, kind="linear_qk", seq_len=6, n_features=8,
+                                                                rank=0, random_state=s)),
+    "softmax": ("softmax", lambda s: make_attention_task(150, kind="softmax", seq_len=24, n_features=8, rank=0,
+                                                         random_state=s)),
+}
+
+
+@pytest.mark.parametrize("name", list(NULL_TASKS))
+def test_null_tasks_calibration(name):
+    """On r* = 0 tasks: false alarms near alpha, first p-value near uniform, interval bounds at their levels."""
+    operator, make = NULL_TASKS[name]
+    ranks, p0, lo, hi = _null_fits(make, operator, 200)
+    # alpha = 0.01: 2 expected false alarms in 200; 7+ has probability < 0.5% under calibration
+    assert np.mean(ranks > 0) <= 0.03
+    assert np.mean(lo > 0) <= 0.015                     # strict level 0.001
+    assert 0.02 <= np.mean(hi > 0) <= 0.18              # lenient level 0.1
+    assert 0.02 <= np.mean(p0 < 0.1) <= 0.18
+    assert 0.3 <= np.mean(p0 < 0.5) <= 0.65
+    # a p-value is not a constant: it spreads over (0, 1)
+    assert stats.kstest(p0, "uniform").statistic < 0.2
+
+
+@pytest.mark.parametrize("operator,make", [
+    ("linear_proxy", lambda: make_linear_proxy(800, seq_len=16, n_features=12, rank=3, random_state=1)),
+    ("linear_qk", lambda: make_attention_task(800, kind="linear_qk", seq_len=32, n_features=12, rank=3,
+                                              random_state=1)),
+    ("softmax", lambda: make_attention_task(1500, kind="softmax", seq_len=32, n_features=12, rank=3,
+                                            random_state=1)),
+])
+def test_clear_spikes_give_tight_interval_and_tiny_p_values(operator, make):
+    X, Y = make()
+    est = RStarEstimator(operator).fit(X, Y)
+    assert est.rank_ == 3
+    assert est.rank_interval_[0] == 3 and est.rank_interval_[1] in (3, 4)
+    assert np.all(est.p_values_[:3] < 1e-6)
+    assert est.p_values_[3] >= 0.01
+
+
+def test_every_estimator_reports_an_interval():
+    X, Y = make_linear_proxy(400, seq_len=16, n_features=12, rank=3, random_state=0)
+    for est in (MPRankEstimator(), EnergyRankEstimator(), NumericalRankEstimator(), RStarEstimator("linear_proxy")):
+        est.fit(X, Y)
+        lo, hi = est.rank_interval_
+        assert isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= 16
+        assert est.p_values_.ndim == 1 and np.all((est.p_values_ >= 0) & (est.p_values_ <= 1))
+    # numerical rank on pure noise: full rank, but the noise-aware interval says 0
+    Xn, Yn = make_linear_proxy(400, seq_len=16, n_features=12, rank=0, random_state=0)
+    num = NumericalRankEstimator().fit(Xn, Yn)
+    assert num.rank_ == 16 and num.rank_interval_ == (0, 0)
+
+
+def test_forced_rank_keeps_the_estimated_interval():
+    X, Y = make_linear_proxy(400, seq_len=16, n_features=12, rank=3, random_state=0)
+    free = RStarEstimator("linear_proxy").fit(X, Y)
+    forced = RStarEstimator("linear_proxy", rank=6).fit(X, Y)
+    assert forced.rank_ == 6 and forced.rank_interval_ == free.rank_interval_
+
+
+def test_known_noise_variance_is_taken_as_exact():
+    X, Y = make_linear_proxy(300, seq_len=12, n_features=8, rank=0, noise=0.05, random_state=4)
+    given = RStarEstimator("linear_proxy", noise_variance=0.05**2).fit(X, Y)
+    estimated = RStarEstimator("linear_proxy").fit(X, Y)
+    assert given.rank_ == 0 and estimated.rank_ == 0
+    # the residual estimate's error widens the threshold a little; a given value does not
+    assert estimated.threshold_ > given.threshold_ * 0.99
