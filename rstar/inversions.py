@@ -75,6 +75,11 @@ class WhitenedStatistic:
         True when the bulk holds more than white noise (e.g. the higher-order
         terms of the first-order softmax inversion): rules should then fit
         its width instead of trusting ``n_columns``.
+    min_bulk_columns : float or None
+        Lower bound on the structured bulk's number of columns: the
+        (weight-)effective number of independent samples summed into the
+        statistic, ``(sum w_i)^2 / sum w_i^2`` (each adds at least one
+        independent direction), or None.
     warnings : list of (Warning subclass, str)
         Conditions the estimator must report.
     """
@@ -87,6 +92,7 @@ class WhitenedStatistic:
     noise_dof: float = 0.0
     warnings: list = field(default_factory=list)
     structured_bulk: bool = False
+    min_bulk_columns: float = None
 
     @property
     def dim(self):
@@ -333,6 +339,8 @@ class QueryKeyInversion(Inversion):
             "N": np.zeros((d, d)),
             "s1": 0.0,
             "s2": 0.0,
+            "w1": 0.0,
+            "w2": 0.0,
             "res": 0.0,
             "res_dof": 0.0,
             "n_deficient": 0,
@@ -365,6 +373,8 @@ class QueryKeyInversion(Inversion):
         tr = np.trace(G_pinv, axis1=1, axis2=2) * w
         stats["s1"] += float(tr.sum())
         stats["s2"] += float(np.sum(tr**2))
+        stats["w1"] += float(w.sum())
+        stats["w2"] += float(np.sum(w**2))
         fitted = np.einsum("nta,nav->ntv", Xc, M, optimize=True)
         stats["res"] += float(np.sum(Yc**2) - np.sum(fitted**2))
         stats["res_dof"] += float(np.sum(np.maximum(self._tokens_eff(T) - rank, 0)) * d_v)
@@ -402,7 +412,8 @@ class QueryKeyInversion(Inversion):
         # non-white bulk (theory §4), which the rule must fit like the softmax one.
         structured = self.structured_bulk or T_eff < d
         return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), noise, float(dof), warnings,
-                                 structured_bulk=structured)
+                                 structured_bulk=structured,
+                                 min_bulk_columns=stats["w1"] ** 2 / stats["w2"] if stats["w2"] > 0 else None)
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:

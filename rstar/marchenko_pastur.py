@@ -560,7 +560,7 @@ def _empirical_quantile(sorted_asc, q):
     return float(np.quantile(sorted_asc, q, method="hazen"))
 
 
-def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigma2=None):
+def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigma2=None, min_columns=None):
     """Fit both MP parameters (noise variance and ratio) to the quartiles of a bulk.
 
     When the bulk is wider than white noise with ``n_columns`` columns would
@@ -582,6 +582,12 @@ def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigm
         A known noise variance: then only the ratio is fitted, from the lower
         quantile alone (``sigma2 * F^{-1}(q_low) = empirical q_low quantile``),
         which stays in the bulk even when most eigenvalues are spikes.
+    min_columns : float or None, default=None
+        A lower bound on the bulk's effective number of columns (e.g. the
+        number of independent samples summed into the statistic): the fitted
+        ratio is capped at ``(p - k) / min_columns`` (and at 1), so that
+        spikes left among the quartiles cannot widen the bulk beyond what the
+        data can produce.
 
     Returns
     -------
@@ -608,6 +614,7 @@ def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigm
     if bulk.size < 4:
         return estimate_noise_variance(lam, n_columns, k), float(n_columns)
     ratio_nom = (p - k) / float(n_columns)
+    max_ratio = 1.0 if min_columns is None else min(1.0, max(ratio_nom, (p - k) / float(min_columns)))
     low, med, high = (float(np.quantile(bulk, q, method="hazen")) for q in (q_lo, 0.5, q_hi))
     if low <= 0:
         return estimate_noise_variance(lam, n_columns, k), float(n_columns)
@@ -616,9 +623,9 @@ def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigm
         target = low / sigma2
         if target >= _unit_quantile(q_lo, ratio_nom):
             return sigma2, float(n_columns)
-        if target <= _unit_quantile(q_lo, 1.0):
-            return sigma2, float(p - k)
-        ratio = optimize.brentq(lambda g: _unit_quantile(q_lo, g) - target, ratio_nom, 1.0, xtol=1e-12,
+        if target <= _unit_quantile(q_lo, max_ratio):
+            return sigma2, float((p - k) / max_ratio)
+        ratio = optimize.brentq(lambda g: _unit_quantile(q_lo, g) - target, ratio_nom, max_ratio, xtol=1e-12,
                                 rtol=1e-6)
         return sigma2, float((p - k) / ratio)
     observed = high / low
@@ -628,7 +635,7 @@ def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigm
 
     ratio = ratio_nom
     if observed > spread(ratio_nom):
-        hi = 1.0
+        hi = max_ratio
         if observed >= spread(hi):
             ratio = hi
         else:

@@ -121,7 +121,7 @@ def _test_dof(known, fit_bulk_width, noise_dof, p_k, m_k):
 
 
 def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=None, max_rank=None,
-                          fit_bulk_width=False, noise_dof=None):
+                          fit_bulk_width=False, noise_dof=None, min_bulk_columns=None):
     """Count spikes above the noise edge by sequential Tracy–Widom tests.
 
     For ``k = 0, 1, ...``: estimate the noise variance from the ``p - k``
@@ -160,6 +160,9 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     noise_dof : float or None, default=None
         Degrees of freedom of ``noise_variance`` when it is an estimate
         (None: known exactly).
+    min_bulk_columns : float or None, default=None
+        With ``fit_bulk_width``: lower bound on the fitted bulk's number of
+        columns (``min_columns`` of :func:`rstar.marchenko_pastur.fit_mp_bulk`).
 
     Returns
     -------
@@ -196,7 +199,7 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
                 bulk_exhausted = k
                 break
             if fit_bulk_width:
-                sigma2, m_k = fit_mp_bulk(lam, m, n_spikes=k, sigma2=given_noise)
+                sigma2, m_k = fit_mp_bulk(lam, m, n_spikes=k, sigma2=given_noise, min_columns=min_bulk_columns)
             else:
                 sigma2 = estimate_noise_variance(lam, m, n_spikes=k)
         fits.append((sigma2, m_k))
@@ -274,7 +277,8 @@ class MarchenkoPasturRule(RankRule):
             noise_variance = ws.noise_variance
             noise_dof = ws.noise_dof if ws.noise_dof > 0 else None
         return sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, noise_variance, max_rank,
-                                     fit_bulk_width=ws.structured_bulk, noise_dof=noise_dof)
+                                     fit_bulk_width=ws.structured_bulk, noise_dof=noise_dof,
+                                     min_bulk_columns=ws.min_bulk_columns)
 
 
 class EnergyRule(MarchenkoPasturRule):

@@ -14,6 +14,7 @@ from rstar import (
     SoftmaxInversionEstimator,
 )
 from rstar.datasets import make_attention_task, make_linear_proxy
+from rstar.exceptions import UnidentifiableRankWarning
 from rstar.metrics import token_r2_score
 
 LINEAR_PROXY_ESTIMATORS = [
@@ -280,3 +281,15 @@ def test_value_dim_below_rank():
     X, Y = make_attention_task(2000, kind="linear_qk", seq_len=64, n_features=16, value_dim=2, rank=5,
                                random_state=0)
     assert RStarEstimator(operator="linear_qk").fit(X, Y).rank_ == 5
+
+
+@pytest.mark.parametrize("T,d,r", [(12, 16, 12), (8, 16, 10), (24, 32, 20)])
+def test_linear_qk_with_fewer_tokens_than_features_and_most_directions_signal(T, d, r):
+    # T < d: X_i^+ X_i is a projector and the signal leaks a structured bulk; with more
+    # than half of the spectrum in spikes, the bulk's quartiles are spikes, and only the
+    # cap on its width (at least one column per sample) keeps the fit from swallowing them.
+    X, Y = make_attention_task(2000, kind="linear_qk", seq_len=T, n_features=d, rank=r, noise=0.1, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnidentifiableRankWarning)
+        est = RStarEstimator("linear_qk").fit(X, Y)
+    assert est.rank_ == r

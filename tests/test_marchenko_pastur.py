@@ -105,3 +105,17 @@ def test_bad_parameters():
         mp_quantile(1.5, 0.5)
     with pytest.raises(ValueError, match="n_spikes"):
         estimate_noise_variance([1.0, 2.0], 10, n_spikes=-1)
+
+
+def test_fit_mp_bulk_width_cap_keeps_spikes_out_of_the_bulk():
+    # 12 strong spikes among 16 eigenvalues: the quartiles are spikes and, uncapped,
+    # the fitted bulk becomes as wide as MP allows; capped at 2000 columns it stays narrow.
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((16, 2000))
+    W[:12] *= np.linspace(4.0, 2.0, 12)[:, None]
+    lam = np.linalg.eigvalsh(W @ W.T / 2000)[::-1]
+    _, m_free = fit_mp_bulk(lam, 2000 * 16)
+    s2, m_cap = fit_mp_bulk(lam, 2000 * 16, min_columns=2000)
+    assert m_free < 100 and m_cap == pytest.approx(2000)
+    _, m_cap12 = fit_mp_bulk(lam, 2000 * 16, n_spikes=12, min_columns=2000)
+    assert m_cap12 >= 2000 * (4 / 16) - 1e-6
