@@ -20,7 +20,7 @@ from ._validation import (
     check_value_map,
     check_X_Y,
 )
-from .inversions import QueryKeyInversion, SoftmaxExactInversion, TokenInversion
+from .inversions import ILL_CONDITIONED_ASPECT, QueryKeyInversion, SoftmaxExactInversion, TokenInversion
 from .metrics import token_r2_score
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
 
@@ -46,7 +46,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
         Needed to decide ``method="auto"`` for softmax.
     method : {"auto", "first_order", "exact"}, default="auto"
         Softmax only: ``"exact"`` needs V and ``d >= T``, ``d_v >= T``;
-        ``"auto"`` uses it when possible, else the first-order inversion.
+        ``"auto"`` uses it when ``X_i V`` is well conditioned
+        (``T <= 0.9 min(d, d_v)``), else the first-order inversion.
     residual_noise : bool or None
         Query–key inversions: take the noise variance from the residual
         outside ``col(X_i)``. Default: True for linear_qk; False for softmax,
@@ -71,15 +72,17 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
         return QueryKeyInversion(centred=False, residual_noise=True if residual_noise is None else residual_noise,
                                  value_map=value_map)
     if operator == "softmax":
-        exact_ok = False
+        exact_ok = well_conditioned = False
         if value_map is not None and shape is not None:
             T, d, d_v = shape
             exact_ok = d >= T and d_v >= T
+            # S_i = Y_i (X_i V)^+ amplifies noise as T nears min(d, d_v) (MP hard edge)
+            well_conditioned = T <= ILL_CONDITIONED_ASPECT * min(d, d_v)
         if method == "exact" and not exact_ok:
             raise ValueError(
                 "method='exact' needs a known value_map and d >= T and d_v >= T (X_i V must have full row "
                 f"rank T); got value_map={'None' if value_map is None else 'given'} and (T, d, d_v)={shape}.")
-        if method == "exact" or (method == "auto" and exact_ok):
+        if method == "exact" or (method == "auto" and exact_ok and well_conditioned):
             return SoftmaxExactInversion(value_map, clip=clip)
         return QueryKeyInversion(centred=True, residual_noise=False if residual_noise is None else residual_noise,
                                  value_map=value_map)

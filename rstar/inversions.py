@@ -45,6 +45,9 @@ __all__ = [
 MAX_MOMENT_ENTRIES = 2**25
 # Residual degrees of freedom needed before the residual noise estimate is used.
 MIN_NOISE_DOF = 50
+# Per-sample residual degrees of freedom needed before samples are reweighted by
+# their residual power (first-order softmax): 1/rho_i then has about 30% relative sd.
+MIN_SAMPLE_DOF = 20
 # Aspect ratio min(T, d) / max(T, d) above which X_i^+ is ill-conditioned
 # (hard edge of the MP law at ratio 1).
 ILL_CONDITIONED_ASPECT = 0.9
@@ -317,13 +320,29 @@ class QueryKeyInversion(Inversion):
         Flag the bulk as wider than white noise (default: ``centred``).
     value_map : ndarray or None
         Known V: used by ``fit_operator``.
+    reweight : bool or None
+        Divide each sample's weight by its residual power per degree of
+        freedom ``rho_i`` (default: ``centred``), when every sample has at
+        least ``MIN_SAMPLE_DOF`` residual degrees of freedom
+        (``(T_eff - d) d_v >= 20``). For softmax data the residual holds the
+        higher-order terms, whose power varies from sample to sample by
+        orders of magnitude with heavy-tailed tokens (a mixture of MP laws
+        that no single bulk fits); weighting by ``1 / rho_i`` is generalised
+        least squares across samples and leaves the columns in range(K*).
+        The residual outside ``col(X_i)`` is independent of the noise inside
+        it, so the weights do not bias the statistic.
     """
 
-    def __init__(self, centred=False, residual_noise=True, value_map=None, structured_bulk=None):
+    def __init__(self, centred=False, residual_noise=True, value_map=None, structured_bulk=None, reweight=None):
         super().__init__(value_map)
         self.centred = centred
         self.residual_noise = residual_noise
         self.structured_bulk = centred if structured_bulk is None else structured_bulk
+        self.reweight = centred if reweight is None else reweight
+
+    def _reweighted(self, T, d, d_v):
+        T_eff = self._tokens_eff(T)
+        return bool(self.reweight) and (T_eff - min(T_eff, d)) * d_v >= MIN_SAMPLE_DOF
 
     def min_samples(self, T, d, d_v):
         # the noise Gram sum_i w_i (X_i^T X_i)^+ must have full rank d
@@ -343,6 +362,8 @@ class QueryKeyInversion(Inversion):
             "w2": 0.0,
             "res": 0.0,
             "res_dof": 0.0,
+            "res_w": 0.0,
+            "wt": 0.0,
             "n_deficient": 0,
             "HZ": np.zeros((d, d, d, d)) if moments else None,
             "FZ": np.zeros((d, d, d, d_v)) if moments else None,
@@ -366,18 +387,27 @@ class QueryKeyInversion(Inversion):
         # M_i = X_i^+ Y_i and (X_i^T X_i)^+ from one SVD per sample
         M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Yc, optimize=True)
         G_pinv = np.einsum("nka,nk,nkb->nab", Wt, inv_s**2, Wt, optimize=True)
+        fitted = np.einsum("nta,nav->ntv", Xc, M, optimize=True)
+        res_i = np.maximum(np.sum(Yc**2, axis=(1, 2)) - np.sum(fitted**2, axis=(1, 2)), 0.0)
+        dof_i = np.maximum(self._tokens_eff(T) - rank, 0) * d_v
         w = smallest
+        if self._reweighted(T, d, d_v):
+            power = np.sum(Yc**2, axis=(1, 2)) / (T * d_v)
+            rho = np.maximum(res_i / np.maximum(dof_i, 1), 1e-8 * power + np.finfo(float).tiny)
+            w = w / rho
         stats["n"] += n
         stats["C"] += np.einsum("n,nav,nbv->ab", w, M, M, optimize=True)
         stats["N"] += np.einsum("n,nab->ab", w, G_pinv)
         tr = np.trace(G_pinv, axis1=1, axis2=2) * w
         stats["s1"] += float(tr.sum())
         stats["s2"] += float(np.sum(tr**2))
+        # residual power per dof, weighted as the whitened bulk weights each sample
+        stats["res_w"] += float(np.sum(tr * res_i / np.maximum(dof_i, 1)))
+        stats["wt"] += float(np.sum(tr[dof_i > 0]))
         stats["w1"] += float(w.sum())
         stats["w2"] += float(np.sum(w**2))
-        fitted = np.einsum("nta,nav->ntv", Xc, M, optimize=True)
-        stats["res"] += float(np.sum(Yc**2) - np.sum(fitted**2))
-        stats["res_dof"] += float(np.sum(np.maximum(self._tokens_eff(T) - rank, 0)) * d_v)
+        stats["res"] += float(res_i.sum())
+        stats["res_dof"] += float(dof_i.sum())
         stats["n_deficient"] += int(np.sum(rank < min(self._tokens_eff(T), d)))
         if stats["HZ"] is not None:
             HZ, FZ = _bilinear.moment_sums(G, M, w)
@@ -407,7 +437,10 @@ class QueryKeyInversion(Inversion):
                              "better-conditioned samples and may be unreliable. Use T >= 1.5 d or more samples."))
         noise, dof = None, stats["res_dof"]
         if self.residual_noise and dof >= MIN_NOISE_DOF:
-            noise = max(stats["res"], 0.0) / dof
+            if self._reweighted(T, d, d_v):
+                noise = stats["res_w"] / stats["wt"] if stats["wt"] > 0 else None
+            else:
+                noise = max(stats["res"], 0.0) / dof
         # With T < d, X_i^+ X_i is a random projector: the signal leaks a flat,
         # non-white bulk (theory §4), which the rule must fit like the softmax one.
         structured = self.structured_bulk or T_eff < d
@@ -535,6 +568,13 @@ class SoftmaxExactInversion(Inversion):
         Kt = A_half @ K @ B_half
         lam, vecs = _eigh_desc(Kt @ Kt.T / d)
         warnings = []
+        T, _, d_v = stats["dims"]
+        if T > ILL_CONDITIONED_ASPECT * min(d, d_v):
+            warnings.append((IllConditionedInversionWarning,
+                             f"the exact softmax inversion is ill-conditioned: T={T} tokens is close to "
+                             f"min(d, d_v)={min(d, d_v)} (hard edge of the Marchenko-Pastur law), so "
+                             "S_i = Y_i (X_i V)^+ amplifies noise and the log-attention bulk spreads over decades. "
+                             "Use method='auto' (first-order inversion here) or T <= 0.9 min(d, d_v)."))
         frac = stats["n_clipped"] / max(stats["n_entries"], 1.0)
         if frac > 0.25:
             warnings.append((IllConditionedInversionWarning,
