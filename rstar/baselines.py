@@ -37,7 +37,7 @@ of factors. Econometrica 81(3), 1203-1227.
 import numpy as np
 from scipy.special import gammaln
 
-from .marchenko_pastur import mp_median
+from .marchenko_pastur import johnstone_centring, mp_median
 from .rules import RankRule, RuleResult
 
 __all__ = [
@@ -443,12 +443,9 @@ def kritchman_nadler_rank(eigenvalues, n_columns, alpha=0.005, max_rank=None, re
     if max_rank is not None:
         k_max = min(k_max, int(max_rank))
     s_alpha = _kn_tw_quantile(alpha)
-    sm = np.sqrt(m - 0.5)
     rank = 0
     for k in range(1, k_max + 1):
-        sp = np.sqrt(p - k - 0.5) if p - k > 0.5 else np.sqrt(0.5)
-        mu = (sm + sp) ** 2 / m
-        scale = (sm + sp) * (1 / sm + 1 / sp) ** (1 / 3) / m
+        mu, scale = johnstone_centring(p - k, m)  # Johnstone's real-case centring, -1/2 corrections
         sigma2 = kritchman_nadler_noise_variance(lam, m, k)
         if lam[k - 1] > sigma2 * (mu + s_alpha * scale):
             rank = k
