@@ -487,12 +487,13 @@ class NumericalRankEstimator(_BaseRankEstimator):
 class SoftmaxInversionEstimator(MPRankEstimator):
     __doc__ = ("""Invert softmax attention, then count spikes above the MP edge.
 
-    - ``value_map=None`` (or ``d < T``): first-order inversion. Near uniform
-      attention ``softmax(Z) ~ (11^T + Z P) / T``, so
+    - ``value_map=None`` (or ``T > 0.9 min(d, d_v)``): first-order inversion.
+      Near uniform attention ``softmax(Z) ~ (11^T + Z P) / T``, so
       ``P Y ~ P X K X^T P X V / (T sqrt(d))`` and the query–key inversion is
       applied to ``(P X, P Y)``. The higher-order terms form a structured
-      bulk that breaks the numerical rank.
-    - known ``value_map`` with ``d >= T`` and ``d_v >= T``: exact inversion,
+      bulk that breaks the numerical rank; samples are weighted by the
+      inverse of their residual power (heavy-tailed tokens).
+    - known ``value_map`` with ``T <= 0.9 min(d, d_v)``: exact inversion,
       ``S_i = Y_i (X_i V)^+`` and weighted least squares of ``log S_i`` on
       the bilinear form (see :class:`rstar.inversions.SoftmaxExactInversion`).
 
@@ -555,7 +556,10 @@ class RStarEstimator(MPRankEstimator):
       edge with Tracy–Widom margin.
     - ``"softmax"`` (default): first-order centred inversion (also exact for
       linear-QK data), or the exact inversion when V is known and
-      ``d, d_v >= T``; MP edge with Tracy–Widom margin.
+      ``T <= 0.9 min(d, d_v)``; MP edge with Tracy–Widom margin.
+
+    ``p_values_`` and ``rank_interval_`` say how sure the count is (see
+    ``docs/estimators.md``: calibrated on null tasks).
 
     Parameters
     ----------""" + _SHARED_PARAMS_DOC % {"default": "softmax"} + """
