@@ -78,6 +78,14 @@ class WhitenedStatistic:
         True when the bulk holds more than white noise (e.g. the higher-order
         terms of the first-order softmax inversion): rules should then fit
         its width instead of trusting ``n_columns``.
+    leak_ratio : float or None
+        Query–key inversion with fewer (effective) tokens than features: the
+        signal leaks out of range(K*) through the random projectors
+        ``X_i^+ X_i`` (rank ``t < d``), with relative power about
+        ``(d - t) / (d t)`` of the signal (for a Haar projector,
+        ``E[P A P] = a A + b tr(A) I`` with ``b / a ~ (d - t) / (d t)``).
+        Rules decide from it whether the bulk is structured (see
+        :class:`rstar.rules.MarchenkoPasturRule`). None otherwise.
     min_bulk_columns : float or None
         Lower bound on the structured bulk's number of columns: the
         (weight-)effective number of independent samples summed into the
@@ -96,6 +104,7 @@ class WhitenedStatistic:
     warnings: list = field(default_factory=list)
     structured_bulk: bool = False
     min_bulk_columns: float = None
+    leak_ratio: float = None
 
     @property
     def dim(self):
@@ -442,10 +451,11 @@ class QueryKeyInversion(Inversion):
             else:
                 noise = max(stats["res"], 0.0) / dof
         # With T < d, X_i^+ X_i is a random projector: the signal leaks a flat,
-        # non-white bulk (theory §4), which the rule must fit like the softmax one.
-        structured = self.structured_bulk or T_eff < d
+        # non-white bulk (theory §4); the rule decides from its size whether to
+        # fit it like the softmax one.
+        leak = (d - T_eff) / (d * T_eff) if 0 < T_eff < d else None
         return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), noise, float(dof), warnings,
-                                 structured_bulk=structured,
+                                 structured_bulk=bool(self.structured_bulk), leak_ratio=leak,
                                  min_bulk_columns=stats["w1"] ** 2 / stats["w2"] if stats["w2"] > 0 else None)
 
     def fit_operator(self, stats, basis):

@@ -30,7 +30,7 @@ from .spectral import (
 )
 from .exceptions import UnidentifiableRankWarning
 
-__all__ = ["RuleResult", "RankRule", "interval_levels", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
+__all__ = ["RuleResult", "RankRule", "interval_levels", "leak_is_visible", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
 
 
 @dataclass
@@ -264,7 +264,10 @@ class MarchenkoPasturRule(RankRule):
     inversion's residual estimate, or the MP-median match of the bulk. When
     the inversion flags a structured bulk (first-order softmax), the bulk's
     variance *and* width are fitted to the lower half of the spectrum.
-    A residual estimate enters the tests with its degrees of freedom
+    A query–key statistic with fewer tokens than features (``ws.leak_ratio``)
+    is first read with the white-noise model; the bulk is fitted as
+    structured only if the leak implied by the spikes found is visible
+    (:func:`leak_is_visible`). A residual estimate enters the tests with its degrees of freedom
     (``ws.noise_dof``); a user's value is taken as exact.
     """
 
@@ -276,9 +279,47 @@ class MarchenkoPasturRule(RankRule):
         if noise_variance is None and ws.noise_variance is not None:
             noise_variance = ws.noise_variance
             noise_dof = ws.noise_dof if ws.noise_dof > 0 else None
-        return sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, noise_variance, max_rank,
-                                     fit_bulk_width=ws.structured_bulk, noise_dof=noise_dof,
-                                     min_bulk_columns=ws.min_bulk_columns)
+
+        def test(structured):
+            return sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, noise_variance, max_rank,
+                                         fit_bulk_width=structured, noise_dof=noise_dof,
+                                         min_bulk_columns=ws.min_bulk_columns)
+
+        if ws.structured_bulk or getattr(ws, "leak_ratio", None) is None:
+            return test(ws.structured_bulk)
+        res = test(False)
+        if leak_is_visible(res.spike_strengths, ws.leak_ratio, ws.n_columns, ws.min_bulk_columns):
+            return test(True)
+        return res
+
+
+def leak_is_visible(spike_strengths, leak_ratio, n_columns, min_bulk_columns):
+    """Whether a query-key statistic's signal leak widens its bulk beyond white noise.
+
+    With fewer tokens than features, the leaked signal adds to the bulk a
+    random part of power ``L = leak_ratio * sum(theta)`` (units of the noise
+    variance, ``theta`` the de-biased spikes found with the white-noise
+    model), spread like a Wishart matrix with at least ``min_bulk_columns``
+    columns, against white noise with ``n_columns`` columns. Its
+    fluctuations (edge width ``~ L sqrt(p / n_eff)``) exceed those of the
+    noise (``~ sqrt(p / m)``) iff ``L sqrt(m / n_eff) > 1``; then the bulk's
+    width must be fitted.
+
+    Parameters
+    ----------
+    spike_strengths : ndarray
+        De-biased spikes ``theta_i`` of the white-noise count.
+    leak_ratio : float
+    n_columns, min_bulk_columns : float
+
+    Returns
+    -------
+    bool
+    """
+    if min_bulk_columns is None or not min_bulk_columns > 0:
+        return True
+    power = leak_ratio * float(np.sum(spike_strengths))
+    return bool(power * np.sqrt(n_columns / min_bulk_columns) > 1.0)
 
 
 class EnergyRule(MarchenkoPasturRule):

@@ -293,3 +293,21 @@ def test_linear_qk_with_fewer_tokens_than_features_and_most_directions_signal(T,
         warnings.simplefilter("ignore", UnidentifiableRankWarning)
         est = RStarEstimator("linear_qk").fit(X, Y)
     assert est.rank_ == r
+
+
+def test_linear_qk_with_fewer_tokens_than_features_and_weak_signal_uses_white_bulk():
+    # Weak spikes (1.16x the noise level): the leak through X_i^+ X_i is far below the noise's own
+    # fluctuations, so the white-noise model holds; fitting a structured bulk instead read [0, 1, 1, 0].
+    for seed in range(4):
+        X, Y = make_attention_task(3000, kind="linear_qk", seq_len=12, n_features=16, rank=10, noise=0.5,
+                                   logit_scale=0.3, random_state=seed)
+        assert RStarEstimator("linear_qk").fit(X, Y).rank_ == 10
+
+
+def test_leak_is_visible_compares_leak_and_noise_fluctuations():
+    from rstar.rules import leak_is_visible
+
+    # leak power 4/(16*12) * sum(theta); visible iff L * sqrt(m / n_eff) > 1
+    assert not leak_is_visible(np.full(10, 0.2), 4 / (16 * 12), n_columns=30000, min_bulk_columns=2000)
+    assert leak_is_visible(np.full(10, 5.0), 4 / (16 * 12), n_columns=30000, min_bulk_columns=2000)
+    assert leak_is_visible(np.zeros(0), 0.1, n_columns=100, min_bulk_columns=None)
