@@ -30,6 +30,7 @@ from scipy import linalg, special
 from . import _bilinear
 from ._linalg import batched_pseudo_inverse, orthonormal_rows, psd_power, solve_psd, sym
 from .exceptions import IllConditionedInversionWarning
+from .marchenko_pastur import mp_median
 
 __all__ = [
     "WhitenedStatistic",
@@ -48,6 +49,8 @@ MIN_NOISE_DOF = 50
 # Per-sample residual degrees of freedom needed before samples are reweighted by
 # their residual power (first-order softmax): 1/rho_i then has about 30% relative sd.
 MIN_SAMPLE_DOF = 20
+# Degrees of freedom per entry of the split-half noise draw's MP-median level (2/pi: a median).
+MEDIAN_EFFICIENCY_DOF = 2.0 / np.pi
 # Aspect ratio min(T, d) / max(T, d) above which X_i^+ is ill-conditioned
 # (hard edge of the MP law at ratio 1).
 ILL_CONDITIONED_ASPECT = 0.9
@@ -531,41 +534,67 @@ class SoftmaxExactInversion(Inversion):
         return max(2, -(-d * d // max(T * (T - 1), 1)) + 1)
 
     def new_stats(self, T, d, d_v):
-        return {"dims": (T, d, d_v), "n": 0, "H": np.zeros((d * d, d * d)), "rhs": np.zeros(d * d), "ll": 0.0, "n_eq": 0.0,
+        return {"dims": (T, d, d_v), "n": 0, "H": np.zeros((d * d, d * d)), "rhs": np.zeros(d * d),
+                "n_odd": 0, "H_odd": np.zeros((d * d, d * d)), "rhs_odd": np.zeros(d * d), "ll": 0.0, "n_eq": 0.0,
                 "n_rows": 0.0, "n_clipped": 0.0, "n_entries": 0.0}
 
     def update(self, stats, X, Y, chunk=256):
-        n, T, d = X.shape
-        V = self.value_map
+        n = X.shape[0]
+        # samples with odd global index also go to a second set of sums: the split-half
+        # difference of the two estimates is a draw of the estimate's noise (see whiten)
+        odd = (stats["n"] + np.arange(n)) % 2 == 1
         for start in range(0, n, chunk):
-            Xb, Yb = X[start:start + chunk], Y[start:start + chunk]
-            XV = Xb @ V
-            gram = XV @ np.swapaxes(XV, 1, 2)
-            S = np.swapaxes(np.linalg.solve(gram, XV @ np.swapaxes(Yb, 1, 2)), 1, 2)
-            lo = self.clip / T
+            part = slice(start, start + chunk)
+            self._accumulate(stats, X[part], Y[part], "")
+            mask = odd[part]
+            if mask.any():
+                self._accumulate(stats, X[part][mask], Y[part][mask], "_odd")
+        stats["n"] += n
+        stats["n_odd"] += int(odd.sum())
+
+    def _accumulate(self, stats, Xb, Yb, suffix):
+        T, d = Xb.shape[1], Xb.shape[2]
+        V = self.value_map
+        XV = Xb @ V
+        gram = XV @ np.swapaxes(XV, 1, 2)
+        S = np.swapaxes(np.linalg.solve(gram, XV @ np.swapaxes(Yb, 1, 2)), 1, 2)
+        lo = self.clip / T
+        if not suffix:
             stats["n_clipped"] += float(np.sum((S < lo) | (S > 1)))
             stats["n_entries"] += float(S.size)
-            S = np.clip(S, lo, 1.0)
-            w = (T * S) ** 2
-            logS = np.log(S)
-            wsum = w.sum(axis=2, keepdims=True)
-            # weighted centring over k within each row j
-            xk_mean = np.einsum("njk,nkb->njb", w, Xb) / wsum
-            l_mean = np.sum(w * logS, axis=2, keepdims=True) / wsum
-            lt = logS - l_mean
-            # Each equation's regressor is phi_jk = x_j (x) (x_k - m_j) / sqrt(d), m_j the weighted
-            # mean, so sum_k w_jk phi_jk phi_jk^T = (x_j x_j^T) (x) B_j / d with
-            # B_j = sum_k w_jk (x_k - m_j)(x_k - m_j)^T: O(n T d^4) instead of O(n T^2 d^4).
-            B = (np.einsum("njk,nka,nkb->njab", w, Xb, Xb, optimize=True)
-                 - wsum[..., None] * np.einsum("nja,njb->njab", xk_mean, xk_mean))
-            stats["H"] += np.einsum("nja,njb,njce->acbe", Xb, Xb, B, optimize=True).reshape(d * d, d * d) / d
-            # sum_k w_jk lt_jk (x_k - m_j) = sum_k w_jk lt_jk x_k, since sum_k w_jk lt_jk = 0
-            g = np.einsum("njk,nkc->njc", w * lt, Xb, optimize=True)
-            stats["rhs"] += np.einsum("nja,njc->ac", Xb, g, optimize=True).reshape(-1) / np.sqrt(d)
+        S = np.clip(S, lo, 1.0)
+        w = (T * S) ** 2
+        logS = np.log(S)
+        wsum = w.sum(axis=2, keepdims=True)
+        # weighted centring over k within each row j
+        xk_mean = np.einsum("njk,nkb->njb", w, Xb) / wsum
+        l_mean = np.sum(w * logS, axis=2, keepdims=True) / wsum
+        lt = logS - l_mean
+        # Each equation's regressor is phi_jk = x_j (x) (x_k - m_j) / sqrt(d), m_j the weighted
+        # mean, so sum_k w_jk phi_jk phi_jk^T = (x_j x_j^T) (x) B_j / d with
+        # B_j = sum_k w_jk (x_k - m_j)(x_k - m_j)^T: O(n T d^4) instead of O(n T^2 d^4).
+        B = (np.einsum("njk,nka,nkb->njab", w, Xb, Xb, optimize=True)
+             - wsum[..., None] * np.einsum("nja,njb->njab", xk_mean, xk_mean))
+        stats["H" + suffix] += np.einsum("nja,njb,njce->acbe", Xb, Xb, B, optimize=True).reshape(d * d, d * d) / d
+        # sum_k w_jk lt_jk (x_k - m_j) = sum_k w_jk lt_jk x_k, since sum_k w_jk lt_jk = 0
+        g = np.einsum("njk,nkc->njc", w * lt, Xb, optimize=True)
+        stats["rhs" + suffix] += np.einsum("nja,njc->ac", Xb, g, optimize=True).reshape(-1) / np.sqrt(d)
+        if not suffix:
             stats["ll"] += float(np.sum(w * lt**2))
             stats["n_eq"] += float(w.size)
             stats["n_rows"] += float(Xb.shape[0] * T)
-        stats["n"] += n
+
+    def _split_half_noise(self, stats, A_half, B_half):
+        """Eigenvalues of the whitened split-half noise draw, or None if a half is too small."""
+        T, d, d_v = stats["dims"]
+        n_odd = stats["n_odd"]
+        need = self.min_samples(T, d, d_v)  # for each half
+        if min(n_odd, stats["n"] - n_odd) < need:
+            return None
+        k_odd = solve_psd(stats["H_odd"], stats["rhs_odd"])
+        k_even = solve_psd(stats["H"] - stats["H_odd"], stats["rhs"] - stats["rhs_odd"])
+        Z = A_half @ ((k_odd - k_even) / 2).reshape(d, d) @ B_half
+        return np.sort(np.linalg.eigvalsh(sym(Z @ Z.T / d)))[::-1]
 
     def _solve(self, stats):
         return solve_psd(stats["H"], stats["rhs"])
@@ -596,11 +625,20 @@ class SoftmaxExactInversion(Inversion):
                              f"[{self.clip}/T, 1] and were clipped before the log: much of the exact softmax "
                              "inversion is noise-dominated. Fallback in use: equations are weighted by (T S)^2, "
                              "so clipped ones carry little weight; check the gap in spectrum_."))
-        # Clipping and the weights leave a bulk wider than MP(ratio 1) at the
-        # residual variance: report tau2, but let the rule fit the bulk.
-        ws = WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), None, float(max(dof, 0)), warnings,
-                               structured_bulk=True)
+        # Clipping and the weights leave a bulk wider than MP(ratio 1) at the log-domain
+        # residual variance tau2, so tau2 is only reported. The noise level comes from the
+        # split-half draw: (K_odd - K_even) / 2 has the noise law of the pooled estimate
+        # (misspecification included), and its whitened spectrum is MP(ratio 1) shaped.
+        null = self._split_half_noise(stats, A_half, B_half)
+        if null is not None and np.median(null) > 0:
+            noise = float(np.median(null) / mp_median(1.0))
+            ws = WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), noise, MEDIAN_EFFICIENCY_DOF * d * d,
+                                   warnings)
+        else:  # a half too small to solve: fit the bulk's level and width instead
+            ws = WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), None, float(max(dof, 0)), warnings,
+                                   structured_bulk=True)
         ws.residual_variance = tau2
+        ws.null_spectrum = null
         return ws
 
     def fit_operator(self, stats, basis):

@@ -311,3 +311,27 @@ def test_leak_is_visible_compares_leak_and_noise_fluctuations():
     assert not leak_is_visible(np.full(10, 0.2), 4 / (16 * 12), n_columns=30000, min_bulk_columns=2000)
     assert leak_is_visible(np.full(10, 5.0), 4 / (16 * 12), n_columns=30000, min_bulk_columns=2000)
     assert leak_is_visible(np.zeros(0), 0.1, n_columns=100, min_bulk_columns=None)
+
+
+def test_exact_softmax_noise_from_split_halves_counts_most_directions():
+    # r* = 10 of d = 16: the bulk's quartiles are spikes, so fitting an MP bulk to the spectrum read 0;
+    # the split-half noise draw (K_odd - K_even) / 2 sets the level independently of the spikes.
+    X, Y, t = make_attention_task(1000, kind="softmax", seq_len=8, n_features=16, rank=10, logit_scale=3.0,
+                                  random_state=0, return_teacher=True)
+    est = RStarEstimator(value_map=t.value_map).fit(X, Y)
+    assert type(est._inv).__name__ == "SoftmaxExactInversion"
+    assert est.rank_ == 10
+    null = est._inv.whiten(est._stats).null_spectrum
+    assert null.shape == (16,) and est.spectrum_[9] > 100 * null[0]
+
+
+def test_exact_softmax_split_halves_follow_the_global_sample_index():
+    X, Y, t = make_attention_task(301, kind="softmax", seq_len=8, n_features=12, rank=3, random_state=2,
+                                  return_teacher=True)
+    full = RStarEstimator(value_map=t.value_map).fit(X, Y)
+    stream = RStarEstimator(value_map=t.value_map)
+    for start in range(0, 301, 37):   # odd batch sizes: parity must follow the global index
+        stream.partial_fit(X[start:start + 37], Y[start:start + 37])
+    assert stream._stats["n_odd"] == full._stats["n_odd"] == 150
+    np.testing.assert_allclose(stream.noise_variance_, full.noise_variance_, rtol=1e-9)
+    assert stream.rank_ == full.rank_ == 3
