@@ -437,8 +437,13 @@ class QueryKeyInversion(Inversion):
             return WhitenedStatistic(lam, np.eye(d), np.eye(d), float(max(stats["n"] * d_v, 1)), None, 0.0,
                                      warnings)
         m_eff = d_v * stats["s1"] ** 2 / stats["s2"]
-        lam, vecs, unwhiten = _whiten(stats["C"], d_v * stats["N"])
         T_eff = self._tokens_eff(T)
+        if 0 < T_eff < d:
+            # each sample's d_v noise columns share one random rank-T_eff subspace, so they are
+            # fewer independent columns than d_v: sqrt(T_eff / d) per column, calibrated on null
+            # tasks (T/d = 0.625..0.75, d = 8..32: P(p_0 < 0.5) 0.63..0.77 -> 0.40..0.54)
+            m_eff *= np.sqrt(T_eff / d)
+        lam, vecs, unwhiten = _whiten(stats["C"], d_v * stats["N"])
         aspect = min(T_eff, d) / max(T_eff, d)
         if aspect > ILL_CONDITIONED_ASPECT:
             warnings.append((IllConditionedInversionWarning,
