@@ -174,3 +174,25 @@ def test_known_noise_variance_is_taken_as_exact():
     assert given.rank_ == 0 and estimated.rank_ == 0
     # the residual estimate's error widens the threshold a little; a given value does not
     assert estimated.threshold_ > given.threshold_ * 0.99
+
+
+def test_bulk_wider_than_noise_warns_of_an_under_count():
+    # 14 graded spikes among 16 eigenvalues (all above BBP): the MP-median level of the
+    # remaining eigenvalues is a spike, so the count stops early; the eigenvalues left are
+    # far wider than white noise with m columns, which the rule says.
+    from rstar.inversions import WhitenedStatistic
+    from rstar.rules import MarchenkoPasturRule
+
+    rng = np.random.default_rng(0)
+    p, m = 16, 20000
+    W = rng.standard_normal((p, m))
+    W[:14] *= np.sqrt(1 + np.linspace(0.3, 0.06, 14))[:, None]
+    lam = np.linalg.eigvalsh(W @ W.T / m)[::-1]
+    res = MarchenkoPasturRule()(WhitenedStatistic(lam, np.eye(p), np.eye(p), float(m)))
+    assert res.rank < 14
+    assert any("may be an under-count" in str(msg) for _, msg in res.warnings)
+    # pure noise of the same shape: no such warning
+    W0 = rng.standard_normal((p, m))
+    lam0 = np.linalg.eigvalsh(W0 @ W0.T / m)[::-1]
+    res0 = MarchenkoPasturRule()(WhitenedStatistic(lam0, np.eye(p), np.eye(p), float(m)))
+    assert res0.rank == 0 and not res0.warnings
