@@ -509,7 +509,7 @@ def largest_eigenvalue_quantile(n_rows, n_columns, q, sigma2=1.0, noise_dof=None
         xtol=1e-12 * max(mu, 1.0), rtol=1e-10))
 
 
-def estimate_noise_variance(eigenvalues, n_columns, n_spikes=0):
+def estimate_noise_variance(eigenvalues, n_columns, n_spikes=0, quantile=0.5):
     """Noise variance from the bulk of a spectrum by matching the MP median.
 
     The ``n_spikes`` largest eigenvalues are set aside; the median of the
@@ -524,6 +524,10 @@ def estimate_noise_variance(eigenvalues, n_columns, n_spikes=0):
     n_columns : float
         ``m``, number of (effective) columns.
     n_spikes : int, default=0
+    quantile : float in (0, 1), default=0.5
+        Match this quantile of the bulk instead of the median (a lower one
+        stays in the bulk when more than half of the eigenvalues left are
+        undetected spikes).
 
     Returns
     -------
@@ -549,10 +553,17 @@ def estimate_noise_variance(eigenvalues, n_columns, n_spikes=0):
     bulk = lam[k:]
     if bulk.size < 1:
         return float("nan")
-    med = float(np.median(bulk))
-    if med <= 0:
+    if quantile == 0.5:
+        med = float(np.median(bulk))
+        if med <= 0:
+            return 0.0
+        return med / mp_median((p - k) / float(n_columns))
+    if not 0 < quantile < 1:
+        raise ValueError(f"quantile must be in (0, 1), got {quantile!r}.")
+    level = _empirical_quantile(np.sort(bulk), quantile)
+    if level <= 0:
         return 0.0
-    return med / mp_median((p - k) / float(n_columns))
+    return level / _unit_quantile(quantile, (p - k) / float(n_columns))
 
 
 

@@ -121,7 +121,7 @@ def _test_dof(known, fit_bulk_width, noise_dof, p_k, m_k):
 
 
 def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=None, max_rank=None,
-                          fit_bulk_width=False, noise_dof=None, min_bulk_columns=None):
+                          fit_bulk_width=False, noise_dof=None, min_bulk_columns=None, noise_quantile=0.5):
     """Count spikes above the noise edge by sequential Tracy–Widom tests.
 
     For ``k = 0, 1, ...``: estimate the noise variance from the ``p - k``
@@ -163,6 +163,9 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     min_bulk_columns : float or None, default=None
         With ``fit_bulk_width``: lower bound on the fitted bulk's number of
         columns (``min_columns`` of :func:`rstar.marchenko_pastur.fit_mp_bulk`).
+    noise_quantile : float in (0, 1), default=0.5
+        Quantile of the remaining eigenvalues matched to the MP law for the
+        unknown noise level (0.5: the MP median).
 
     Returns
     -------
@@ -201,7 +204,7 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
             if fit_bulk_width:
                 sigma2, m_k = fit_mp_bulk(lam, m, n_spikes=k, sigma2=given_noise, min_columns=min_bulk_columns)
             else:
-                sigma2 = estimate_noise_variance(lam, m, n_spikes=k)
+                sigma2 = estimate_noise_variance(lam, m, n_spikes=k, quantile=noise_quantile)
         fits.append((sigma2, m_k))
         if sigma2 is None or not np.isfinite(sigma2) or sigma2 <= 0:
             p_k = 0.0 if lam[k] > floor else 1.0
@@ -291,6 +294,13 @@ class MarchenkoPasturRule(RankRule):
         if getattr(ws, "leak_ratio", None) is not None and leak_is_visible(
                 res.spike_strengths, ws.leak_ratio, ws.n_columns, ws.min_bulk_columns):
             return test(True)
+        if noise_variance is None and _bulk_too_wide(res, ws.eigenvalues, ws.n_columns):
+            # the median of the eigenvalues left was a spike: take the noise level from their
+            # lower quartile instead, and keep that count if it leaves a white bulk
+            robust = sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, None, max_rank,
+                                           noise_quantile=ROBUST_NOISE_QUANTILE)
+            if robust.rank > res.rank and not _bulk_too_wide(robust, ws.eigenvalues, ws.n_columns):
+                return robust
         _warn_if_bulk_too_wide(res, ws.eigenvalues, ws.n_columns)
         return res
 
@@ -298,6 +308,18 @@ class MarchenkoPasturRule(RankRule):
 #: A white-noise bulk left after the count whose fitted MP width needs this many
 #: times fewer columns than the statistic has is not noise alone (see _warn_if_bulk_too_wide).
 BULK_WIDTH_FACTOR = 4.0
+
+
+#: Quantile of the remaining eigenvalues that sets the noise level when the median is a spike.
+ROBUST_NOISE_QUANTILE = 0.25
+
+
+def _bulk_too_wide(res, eigenvalues, n_columns):
+    p, k = eigenvalues.size, res.rank
+    if p - k < 4:
+        return False
+    _, m_fit = fit_mp_bulk(eigenvalues, n_columns, n_spikes=k)
+    return n_columns / m_fit > BULK_WIDTH_FACTOR
 
 
 def _warn_if_bulk_too_wide(res, eigenvalues, n_columns):
@@ -311,10 +333,8 @@ def _warn_if_bulk_too_wide(res, eigenvalues, n_columns):
     this fired on 13 of 144 under-counts and on none of 301 correct counts.
     """
     p, k = eigenvalues.size, res.rank
-    if p - k < 4:
-        return
-    _, m_fit = fit_mp_bulk(eigenvalues, n_columns, n_spikes=k)
-    if n_columns / m_fit > BULK_WIDTH_FACTOR:
+    if _bulk_too_wide(res, eigenvalues, n_columns):
+        _, m_fit = fit_mp_bulk(eigenvalues, n_columns, n_spikes=k)
         res.warnings.append((UnidentifiableRankWarning,
                              f"the {p - k} eigenvalues left after {k} spike(s) spread like Marchenko-Pastur noise "
                              f"with {m_fit:.0f} columns, not {n_columns:.0f}: they hold undetected spikes or "

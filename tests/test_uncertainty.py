@@ -176,23 +176,37 @@ def test_known_noise_variance_is_taken_as_exact():
     assert estimated.threshold_ > given.threshold_ * 0.99
 
 
-def test_bulk_wider_than_noise_warns_of_an_under_count():
-    # 14 graded spikes among 16 eigenvalues (all above BBP): the MP-median level of the
-    # remaining eigenvalues is a spike, so the count stops early; the eigenvalues left are
-    # far wider than white noise with m columns, which the rule says.
+def _graded_spikes(seed=0, p=16, m=20000, n_spikes=14):
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((p, m))
+    W[:n_spikes] *= np.sqrt(1 + np.linspace(0.3, 0.06, n_spikes))[:, None]
+    return np.linalg.eigvalsh(W @ W.T / m)[::-1]
+
+
+def test_median_level_that_is_a_spike_is_replaced_by_the_lower_quartile():
+    # 14 graded spikes among 16 eigenvalues (all above BBP): the MP median of the eigenvalues
+    # left is a spike, so the median-based count stops at 11 with a bulk far wider than white
+    # noise; the lower-quartile level recovers all 14.
     from rstar.inversions import WhitenedStatistic
     from rstar.rules import MarchenkoPasturRule
 
-    rng = np.random.default_rng(0)
-    p, m = 16, 20000
-    W = rng.standard_normal((p, m))
-    W[:14] *= np.sqrt(1 + np.linspace(0.3, 0.06, 14))[:, None]
-    lam = np.linalg.eigvalsh(W @ W.T / m)[::-1]
-    res = MarchenkoPasturRule()(WhitenedStatistic(lam, np.eye(p), np.eye(p), float(m)))
-    assert res.rank < 14
-    assert any("may be an under-count" in str(msg) for _, msg in res.warnings)
-    # pure noise of the same shape: no such warning
-    W0 = rng.standard_normal((p, m))
-    lam0 = np.linalg.eigvalsh(W0 @ W0.T / m)[::-1]
-    res0 = MarchenkoPasturRule()(WhitenedStatistic(lam0, np.eye(p), np.eye(p), float(m)))
-    assert res0.rank == 0 and not res0.warnings
+    lam = _graded_spikes()
+    assert sequential_spike_test(lam, 20000).rank == 11
+    res = MarchenkoPasturRule()(WhitenedStatistic(lam, np.eye(16), np.eye(16), 20000.0))
+    assert res.rank == 14
+
+
+def test_bulk_wider_than_noise_warns_of_an_under_count():
+    from rstar.rules import RuleResult, _warn_if_bulk_too_wide
+
+    lam = _graded_spikes()
+    short = RuleResult(5, 1.0, 5.0, 1.0)
+    _warn_if_bulk_too_wide(short, lam, 20000.0)
+    assert any("may be an under-count" in str(msg) for _, msg in short.warnings)
+    # pure noise of the same shape, counted as 0: no such warning
+    rng = np.random.default_rng(1)
+    W0 = rng.standard_normal((16, 20000))
+    lam0 = np.linalg.eigvalsh(W0 @ W0.T / 20000)[::-1]
+    null = RuleResult(0, 1.0, 0.0, 1.0)
+    _warn_if_bulk_too_wide(null, lam0, 20000.0)
+    assert not null.warnings
