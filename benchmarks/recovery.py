@@ -113,10 +113,13 @@ def _loguniform(rng, lo, hi):
 
 
 def _exact_softmax(family, T, d, d_v):
-    """Whether ``method="auto"`` takes the exact softmax inversion (see ``rstar.estimators.make_inversion``)."""
-    from rstar.inversions import ILL_CONDITIONED_ASPECT
+    """Whether ``method="auto"`` takes the exact softmax inversion for this task's shape."""
+    from rstar.estimators import make_inversion
+    from rstar.inversions import SoftmaxExactInversion
 
-    return family == "softmax_known_v" and d >= T and d_v >= T and T <= ILL_CONDITIONED_ASPECT * min(d, d_v)
+    if family != "softmax_known_v":
+        return False
+    return isinstance(make_inversion("softmax", np.zeros((d, d_v)), shape=(T, d, d_v)), SoftmaxExactInversion)
 
 
 def _n_cap(family, T, d, d_v, prof):

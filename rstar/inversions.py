@@ -30,7 +30,7 @@ from scipy import linalg, special
 from . import _bilinear
 from ._linalg import batched_pseudo_inverse, orthonormal_rows, psd_power, solve_psd, sym
 from .exceptions import IllConditionedInversionWarning
-from .marchenko_pastur import mp_median
+from .marchenko_pastur import MEDIAN_EFFICIENCY, mp_median
 
 __all__ = [
     "WhitenedStatistic",
@@ -49,8 +49,6 @@ MIN_NOISE_DOF = 50
 # Per-sample residual degrees of freedom needed before samples are reweighted by
 # their residual power (first-order softmax): 1/rho_i then has about 30% relative sd.
 MIN_SAMPLE_DOF = 20
-# Degrees of freedom per entry of the split-half noise draw's MP-median level (2/pi: a median).
-MEDIAN_EFFICIENCY_DOF = 2.0 / np.pi
 # Aspect ratio min(T, d) / max(T, d) above which X_i^+ is ill-conditioned
 # (hard edge of the MP law at ratio 1).
 ILL_CONDITIONED_ASPECT = 0.9
@@ -89,6 +87,11 @@ class WhitenedStatistic:
         ``E[P A P] = a A + b tr(A) I`` with ``b / a ~ (d - t) / (d t)``).
         Rules decide from it whether the bulk is structured (see
         :class:`rstar.rules.MarchenkoPasturRule`). None otherwise.
+    residual_variance : float or None
+        Exact softmax inversion: the log-domain residual variance (reported only).
+    null_spectrum : ndarray of shape (p,) or None
+        Exact softmax inversion: eigenvalues of the whitened split-half noise
+        draw that set ``noise_variance`` (None if a half was too small).
     min_bulk_columns : float or None
         Lower bound on the structured bulk's number of columns: the
         (weight-)effective number of independent samples summed into the
@@ -108,6 +111,8 @@ class WhitenedStatistic:
     structured_bulk: bool = False
     min_bulk_columns: float = None
     leak_ratio: float = None
+    residual_variance: float = None
+    null_spectrum: np.ndarray = None
 
     @property
     def dim(self):
@@ -545,28 +550,33 @@ class SoftmaxExactInversion(Inversion):
 
     def update(self, stats, X, Y, chunk=256):
         n = X.shape[0]
-        # samples with odd global index also go to a second set of sums: the split-half
+        # the sums of samples with odd global index are also kept apart: the split-half
         # difference of the two estimates is a draw of the estimate's noise (see whiten)
         odd = (stats["n"] + np.arange(n)) % 2 == 1
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)
-            self._accumulate(stats, X[part], Y[part], "")
-            mask = odd[part]
-            if mask.any():
-                self._accumulate(stats, X[part][mask], Y[part][mask], "_odd")
+            for is_odd in (False, True):
+                mask = odd[part] == is_odd
+                if not mask.any():
+                    continue
+                sums = self._sums(X[part][mask], Y[part][mask])
+                for key, value in sums.items():
+                    stats[key] += value
+                if is_odd:
+                    stats["H_odd"] += sums["H"]
+                    stats["rhs_odd"] += sums["rhs"]
         stats["n"] += n
         stats["n_odd"] += int(odd.sum())
 
-    def _accumulate(self, stats, Xb, Yb, suffix):
+    def _sums(self, Xb, Yb):
+        """This inversion's sums over the samples ``Xb, Yb`` (one chunk)."""
         T, d = Xb.shape[1], Xb.shape[2]
         V = self.value_map
         XV = Xb @ V
         gram = XV @ np.swapaxes(XV, 1, 2)
         S = np.swapaxes(np.linalg.solve(gram, XV @ np.swapaxes(Yb, 1, 2)), 1, 2)
         lo = self.clip / T
-        if not suffix:
-            stats["n_clipped"] += float(np.sum((S < lo) | (S > 1)))
-            stats["n_entries"] += float(S.size)
+        n_clipped = float(np.sum((S < lo) | (S > 1)))
         S = np.clip(S, lo, 1.0)
         w = (T * S) ** 2
         logS = np.log(S)
@@ -580,14 +590,17 @@ class SoftmaxExactInversion(Inversion):
         # B_j = sum_k w_jk (x_k - m_j)(x_k - m_j)^T: O(n T d^4) instead of O(n T^2 d^4).
         B = (np.einsum("njk,nka,nkb->njab", w, Xb, Xb, optimize=True)
              - wsum[..., None] * np.einsum("nja,njb->njab", xk_mean, xk_mean))
-        stats["H" + suffix] += np.einsum("nja,njb,njce->acbe", Xb, Xb, B, optimize=True).reshape(d * d, d * d) / d
         # sum_k w_jk lt_jk (x_k - m_j) = sum_k w_jk lt_jk x_k, since sum_k w_jk lt_jk = 0
         g = np.einsum("njk,nkc->njc", w * lt, Xb, optimize=True)
-        stats["rhs" + suffix] += np.einsum("nja,njc->ac", Xb, g, optimize=True).reshape(-1) / np.sqrt(d)
-        if not suffix:
-            stats["ll"] += float(np.sum(w * lt**2))
-            stats["n_eq"] += float(w.size)
-            stats["n_rows"] += float(Xb.shape[0] * T)
+        return {
+            "H": np.einsum("nja,njb,njce->acbe", Xb, Xb, B, optimize=True).reshape(d * d, d * d) / d,
+            "rhs": np.einsum("nja,njc->ac", Xb, g, optimize=True).reshape(-1) / np.sqrt(d),
+            "ll": float(np.sum(w * lt**2)),
+            "n_eq": float(w.size),
+            "n_rows": float(Xb.shape[0] * T),
+            "n_clipped": n_clipped,
+            "n_entries": float(S.size),
+        }
 
     def _split_half_noise(self, stats, A_half, B_half):
         """Eigenvalues of the whitened split-half noise draw, or None if a half is too small."""
@@ -637,14 +650,11 @@ class SoftmaxExactInversion(Inversion):
         null = self._split_half_noise(stats, A_half, B_half)
         if null is not None and np.median(null) > 0:
             noise = float(np.median(null) / mp_median(1.0))
-            ws = WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), noise, MEDIAN_EFFICIENCY_DOF * d * d,
-                                   warnings)
-        else:  # a half too small to solve: fit the bulk's level and width instead
-            ws = WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), None, float(max(dof, 0)), warnings,
-                                   structured_bulk=True)
-        ws.residual_variance = tau2
-        ws.null_spectrum = null
-        return ws
+            return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), noise, MEDIAN_EFFICIENCY * d * d,
+                                     warnings, residual_variance=tau2, null_spectrum=null)
+        # a half too small to solve: fit the bulk's level and width instead
+        return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), None, float(max(dof, 0)), warnings,
+                                 structured_bulk=True, residual_variance=tau2, null_spectrum=null)
 
     def fit_operator(self, stats, basis):
         d = stats["dims"][1]

@@ -509,6 +509,16 @@ def largest_eigenvalue_quantile(n_rows, n_columns, q, sigma2=1.0, noise_dof=None
         xtol=1e-12 * max(mu, 1.0), rtol=1e-10))
 
 
+#: Degrees of freedom of the MP-median noise estimate per eigenvalue-column pair:
+#: 2/pi, the asymptotic efficiency of a median of (nearly independent) row
+#: variances when m >> p. A Monte Carlo check over p = 8..64, p/m = 0.001..0.8
+#: (600 white Wishart draws each) measured 0.27..0.66 of p*m; with it the
+#: false-alarm rate of the sequential test at alpha = 1% stays within 0.4..1.0%
+#: for p/m <= 0.1 and about 2% at p/m near 1 (1.2..3.9% when the estimation
+#: error is ignored).
+MEDIAN_EFFICIENCY = 2.0 / np.pi
+
+
 def estimate_noise_variance(eigenvalues, n_columns, n_spikes=0, quantile=0.5):
     """Noise variance from the bulk of a spectrum by matching the MP median.
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .marchenko_pastur import (
+    MEDIAN_EFFICIENCY,
     debias_spike,
     estimate_noise_variance,
     fit_mp_bulk,
@@ -102,22 +103,13 @@ def _count_below(p_values, level):
     return int(above[0]) if above.size else len(p_values)
 
 
-#: Efficiency of the MP-median noise estimate relative to p*m degrees of freedom:
-#: 2/pi, the asymptotic efficiency of a median of (nearly independent) row
-#: variances when m >> p. A Monte Carlo check over p = 8..64, p/m = 0.001..0.8
-#: (600 white Wishart draws each) measured 0.27..0.66 of p*m; the false-alarm
-#: rate at alpha = 1% then stays within 0.4..1.0% for p/m <= 0.1 and about 2%
-#: at p/m near 1 (instead of 1.2..3.9% when the estimation error is ignored).
-MEDIAN_EFFICIENCY = 2.0 / np.pi
-
-
 def _test_dof(known, fit_bulk_width, noise_dof, p_k, m_k):
     """Degrees of freedom of the noise variance used by one sequential test."""
     if known:
         return noise_dof
     if fit_bulk_width:
         return None
-    return MEDIAN_EFFICIENCY * p_k * m_k
+    return MEDIAN_EFFICIENCY * p_k * m_k  # the MP-median estimate's degrees of freedom
 
 
 def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=None, max_rank=None,
@@ -291,17 +283,19 @@ class MarchenkoPasturRule(RankRule):
         if ws.structured_bulk:
             return test(True)
         res = test(False)
-        if getattr(ws, "leak_ratio", None) is not None and leak_is_visible(
-                res.spike_strengths, ws.leak_ratio, ws.n_columns, ws.min_bulk_columns):
+        if ws.leak_ratio is not None and leak_is_visible(res.spike_strengths, ws.leak_ratio, ws.n_columns,
+                                                         ws.min_bulk_columns):
             return test(True)
-        if noise_variance is None and _bulk_too_wide(res, ws.eigenvalues, ws.n_columns):
+        m_left = _bulk_columns_left(res, ws.eigenvalues, ws.n_columns)
+        if noise_variance is None and _too_wide(m_left, ws.n_columns):
             # the median of the eigenvalues left was a spike: take the noise level from their
             # lower quartile instead, and keep that count if it leaves a white bulk
             robust = sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, None, max_rank,
                                            noise_quantile=ROBUST_NOISE_QUANTILE)
-            if robust.rank > res.rank and not _bulk_too_wide(robust, ws.eigenvalues, ws.n_columns):
+            if robust.rank > res.rank and not _too_wide(_bulk_columns_left(robust, ws.eigenvalues, ws.n_columns),
+                                                        ws.n_columns):
                 return robust
-        _warn_if_bulk_too_wide(res, ws.eigenvalues, ws.n_columns)
+        _warn_if_bulk_too_wide(res, ws.eigenvalues.size, ws.n_columns, m_left)
         return res
 
 
@@ -314,30 +308,33 @@ BULK_WIDTH_FACTOR = 4.0
 ROBUST_NOISE_QUANTILE = 0.25
 
 
-def _bulk_too_wide(res, eigenvalues, n_columns):
-    p, k = eigenvalues.size, res.rank
-    if p - k < 4:
-        return False
-    _, m_fit = fit_mp_bulk(eigenvalues, n_columns, n_spikes=k)
-    return n_columns / m_fit > BULK_WIDTH_FACTOR
+def _bulk_columns_left(res, eigenvalues, n_columns):
+    """MP columns fitted to the quartiles of the eigenvalues left after the count (None if < 4 left)."""
+    if eigenvalues.size - res.rank < 4:
+        return None
+    return fit_mp_bulk(eigenvalues, n_columns, n_spikes=res.rank)[1]
 
 
-def _warn_if_bulk_too_wide(res, eigenvalues, n_columns):
+def _too_wide(m_left, n_columns):
+    return m_left is not None and n_columns / m_left > BULK_WIDTH_FACTOR
+
+
+def _warn_if_bulk_too_wide(res, p, n_columns, m_left):
     """Warn when the eigenvalues left below the count are far wider than white noise.
 
     After ``res.rank`` spikes, the rest should be an MP bulk with ``n_columns``
-    columns. If its quartiles need ``BULK_WIDTH_FACTOR`` times fewer columns,
-    it holds undetected spikes (typically when most of the spectrum is signal
-    and the noise level, estimated from the remaining eigenvalues, is itself a
-    spike) or structured noise. On a held-out recovery grid (450 linear tasks)
-    this fired on 13 of 144 under-counts and on none of 301 correct counts.
+    columns. If its quartiles need ``BULK_WIDTH_FACTOR`` times fewer columns
+    (``m_left``, from :func:`_bulk_columns_left`), it holds undetected spikes
+    (typically when most of the spectrum is signal and the noise level,
+    estimated from the remaining eigenvalues, is itself a spike) or structured
+    noise. On a held-out recovery grid (450 linear tasks) this fired on 13 of
+    144 under-counts and on none of 301 correct counts.
     """
-    p, k = eigenvalues.size, res.rank
-    if _bulk_too_wide(res, eigenvalues, n_columns):
-        _, m_fit = fit_mp_bulk(eigenvalues, n_columns, n_spikes=k)
+    if _too_wide(m_left, n_columns):
+        k = res.rank
         res.warnings.append((UnidentifiableRankWarning,
                              f"the {p - k} eigenvalues left after {k} spike(s) spread like Marchenko-Pastur noise "
-                             f"with {m_fit:.0f} columns, not {n_columns:.0f}: they hold undetected spikes or "
+                             f"with {m_left:.0f} columns, not {n_columns:.0f}: they hold undetected spikes or "
                              "structured noise, so rank_ may be an under-count (the noise level estimated from "
                              "them is inflated when most of the spectrum is signal). Pass noise_variance=... if "
                              "known, or check spectrum_."))

@@ -197,16 +197,16 @@ def test_median_level_that_is_a_spike_is_replaced_by_the_lower_quartile():
 
 
 def test_bulk_wider_than_noise_warns_of_an_under_count():
-    from rstar.rules import RuleResult, _warn_if_bulk_too_wide
+    from rstar.rules import RuleResult, _bulk_columns_left, _warn_if_bulk_too_wide
 
     lam = _graded_spikes()
     short = RuleResult(5, 1.0, 5.0, 1.0)
-    _warn_if_bulk_too_wide(short, lam, 20000.0)
+    _warn_if_bulk_too_wide(short, lam.size, 20000.0, _bulk_columns_left(short, lam, 20000.0))
     assert any("may be an under-count" in str(msg) for _, msg in short.warnings)
     # pure noise of the same shape, counted as 0: no such warning
     rng = np.random.default_rng(1)
     W0 = rng.standard_normal((16, 20000))
     lam0 = np.linalg.eigvalsh(W0 @ W0.T / 20000)[::-1]
     null = RuleResult(0, 1.0, 0.0, 1.0)
-    _warn_if_bulk_too_wide(null, lam0, 20000.0)
+    _warn_if_bulk_too_wide(null, lam0.size, 20000.0, _bulk_columns_left(null, lam0, 20000.0))
     assert not null.warnings
