@@ -635,6 +635,8 @@ def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigm
     if bulk.size < 4:
         return estimate_noise_variance(lam, n_columns, k), float(n_columns)
     ratio_nom = (p - k) / float(n_columns)
+    if min_columns is not None and not float(min_columns) > 0:
+        raise ValueError(f"min_columns must be > 0 or None, got {min_columns!r}.")
     max_ratio = 1.0 if min_columns is None else min(1.0, max(ratio_nom, (p - k) / float(min_columns)))
     low, med, high = (float(np.quantile(bulk, q, method="hazen")) for q in (q_lo, 0.5, q_hi))
     if low <= 0:

@@ -210,3 +210,16 @@ def test_bulk_wider_than_noise_warns_of_an_under_count():
     null = RuleResult(0, 1.0, 0.0, 1.0)
     _warn_if_bulk_too_wide(null, lam0.size, 20000.0, _bulk_columns_left(null, lam0, 20000.0))
     assert not null.warnings
+
+
+def test_new_noise_helpers_reject_bad_arguments():
+    from rstar.marchenko_pastur import estimate_noise_variance, fit_mp_bulk
+
+    lam = np.linspace(2.0, 0.5, 16)
+    for q in (0.0, 1.0, -0.2, 1.5):
+        with pytest.raises(ValueError, match="quantile must be in"):
+            estimate_noise_variance(lam, 1000, quantile=q)
+    with pytest.raises(ValueError, match="min_columns must be > 0"):
+        fit_mp_bulk(lam, 1000, min_columns=0)
+    with pytest.raises(ValueError, match="noise_dof"):
+        largest_eigenvalue_quantile(16, 1000, 0.99, noise_dof=0)
