@@ -40,6 +40,9 @@ REGIMES = {
     "linear QK, T < d (T=6, d=8, n=150)":
         ("linear_qk", lambda s: make_attention_task(150, kind="linear_qk", seq_len=6, n_features=8, rank=0,
                                                     random_state=s)),
+    "linear QK, T = d (T=16, d=16, n=300)":
+        ("linear_qk", lambda s: make_attention_task(300, kind="linear_qk", seq_len=16, n_features=16, rank=0,
+                                                    random_state=s)),
     "softmax first order (T=24, d=8, n=150)":
         ("softmax", lambda s: make_attention_task(150, kind="softmax", seq_len=24, n_features=8, rank=0,
                                                   random_state=s)),

@@ -317,8 +317,9 @@ class QueryKeyInversion(Inversion):
     with sample weights ``w_i = sigma_min(X_i)^2``: each weighted sample then
     has noise covariance at most ``sigma2 I``, which tames the heavy tail of
     ``(X_i^T X_i)^{-1}`` near ``T = d`` (MP hard edge) without moving the
-    columns out of range(K*). The effective number of MP columns is
-    ``d_v (sum_i w_i tr G_i^+)^2 / sum_i (w_i tr G_i^+)^2``.
+    columns out of range(K*). The effective number of MP columns ``m``
+    matches the second moment of the whitened null spectrum: with
+    ``A_i = w_i G_i^+``, ``m = d_v (sum_i tr A_i)^2 / sum_i [(tr A_i)^2 + tr A_i^2]``.
 
     Parameters
     ----------
@@ -375,6 +376,7 @@ class QueryKeyInversion(Inversion):
             "N": np.zeros((d, d)),
             "s1": 0.0,
             "s2": 0.0,
+            "s2_within": 0.0,
             "w1": 0.0,
             "w2": 0.0,
             "res": 0.0,
@@ -418,6 +420,7 @@ class QueryKeyInversion(Inversion):
         tr = np.trace(G_pinv, axis1=1, axis2=2) * w
         stats["s1"] += float(tr.sum())
         stats["s2"] += float(np.sum(tr**2))
+        stats["s2_within"] += float(np.sum(w**2 * np.sum(inv_s**4, axis=1)))
         # residual power per dof, weighted as the whitened bulk weights each sample
         stats["res_w"] += float(np.sum(tr * res_i / np.maximum(dof_i, 1)))
         stats["wt"] += float(np.sum(tr[dof_i > 0]))
@@ -441,13 +444,14 @@ class QueryKeyInversion(Inversion):
             lam = np.zeros(d)
             return WhitenedStatistic(lam, np.eye(d), np.eye(d), float(max(stats["n"] * d_v, 1)), None, 0.0,
                                      warnings)
-        m_eff = d_v * stats["s1"] ** 2 / stats["s2"]
+        # Match the second moment of the whitened null spectrum: with per-sample noise
+        # covariances A_i = w_i (X_i^T X_i)^+ (d_v columns each) and a noise Gram close to a
+        # multiple of I, (1/p) E tr S^2 = sigma^4 (1 + p / m) with
+        # m = d_v (sum_i tr A_i)^2 / sum_i [(tr A_i)^2 + tr A_i^2].
+        # The tr A_i^2 term counts that a sample's d_v columns share one anisotropic covariance;
+        # it matters near T = d, where A_i has a few dominant directions, and when T < d.
+        m_eff = d_v * stats["s1"] ** 2 / (stats["s2"] + stats["s2_within"])
         T_eff = self._tokens_eff(T)
-        if 0 < T_eff < d:
-            # each sample's d_v noise columns share one random rank-T_eff subspace, so they are
-            # fewer independent columns than d_v: sqrt(T_eff / d) per column, calibrated on null
-            # tasks (T/d = 0.625..0.75, d = 8..32: P(p_0 < 0.5) 0.63..0.77 -> 0.40..0.54)
-            m_eff *= np.sqrt(T_eff / d)
         lam, vecs, unwhiten = _whiten(stats["C"], d_v * stats["N"])
         aspect = min(T_eff, d) / max(T_eff, d)
         if aspect > ILL_CONDITIONED_ASPECT:

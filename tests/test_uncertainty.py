@@ -102,7 +102,8 @@ def _null_fits(make, operator, n_tasks):
 
 NULL_TASKS = {
     # residual noise estimate (n > T d), noise from the bulk (n < T d), query-key residual,
-    # query-key with T < d (structured bulk), first-order softmax
+    # query-key with T < d (structured bulk), query-key at T = d (ill-conditioned: heterogeneous
+    # per-sample noise covariances), first-order softmax
     "proxy_residual": ("linear_proxy", lambda s: make_linear_proxy(200, seq_len=12, n_features=8, rank=0,
                                                                    random_state=s)),
     "proxy_bulk": ("linear_proxy", lambda s: make_linear_proxy(60, seq_len=12, n_features=8, rank=0,
@@ -111,9 +112,18 @@ NULL_TASKS = {
                                                                rank=0, random_state=s)),
     "qk_T_below_d": ("linear_qk", lambda s: make_attention_task(150, kind="linear_qk", seq_len=6, n_features=8,
                                                                 rank=0, random_state=s)),
+    "qk_T_equals_d": ("linear_qk", lambda s: make_attention_task(300, kind="linear_qk", seq_len=16, n_features=16,
+                                                                 rank=0, random_state=s)),
     "softmax": ("softmax", lambda s: make_attention_task(150, kind="softmax", seq_len=24, n_features=8, rank=0,
                                                          random_state=s)),
 }
+
+
+#: Regimes whose p-values are valid but conservative (1000 tasks: P(p0 < 0.5) = 0.31-0.34): the
+#: bulk is fitted (first-order softmax: its ratio is never below the nominal one, so a noisy fit
+#: only widens it) or each sample's noise lives in a rank-T < d subspace (the second-moment-matched
+#: MP law then has a longer edge than the actual null); see docs/estimators.md.
+CONSERVATIVE = {"qk_T_below_d", "softmax"}
 
 
 @pytest.mark.parametrize("name", list(NULL_TASKS))
@@ -124,9 +134,17 @@ def test_null_tasks_calibration(name):
     # alpha = 0.01: 2 expected false alarms in 200; 7+ has probability < 0.5% under calibration
     assert np.mean(ranks > 0) <= 0.03
     assert np.mean(lo > 0) <= 0.015                     # strict level 0.001
-    assert 0.02 <= np.mean(hi > 0) <= 0.18              # lenient level 0.1
-    assert 0.02 <= np.mean(p0 < 0.1) <= 0.18
-    assert 0.3 <= np.mean(p0 < 0.5) <= 0.65
+    assert np.mean(hi > 0) <= 0.18                      # lenient level 0.1
+    assert np.mean(p0 < 0.1) <= 0.18
+    assert np.mean(p0 < 0.5) <= 0.65
+    if name in CONSERVATIVE:
+        # valid (never hot, above) and still informative: not stuck near 1
+        assert np.mean(p0 < 0.5) >= 0.2
+        assert np.mean(p0 < 0.1) >= 0.01
+        return
+    assert 0.02 <= np.mean(hi > 0)
+    assert 0.02 <= np.mean(p0 < 0.1)
+    assert 0.3 <= np.mean(p0 < 0.5)
     # a p-value is not a constant: it spreads over (0, 1)
     assert stats.kstest(p0, "uniform").statistic < 0.2
 
@@ -223,3 +241,28 @@ def test_new_noise_helpers_reject_bad_arguments():
         fit_mp_bulk(lam, 1000, min_columns=0)
     with pytest.raises(ValueError, match="noise_dof"):
         largest_eigenvalue_quantile(16, 1000, 0.99, noise_dof=0)
+
+
+@pytest.mark.parametrize("T", [6, 16, 32])
+def test_query_key_columns_match_null_second_moment(T):
+    """n_columns of the query-key statistic is the MP column count with the null spectrum's second moment.
+
+    For pure noise, (1/p) tr S^2 / ((1/p) tr S)^2 = 1 + p / m (MP law with p rows and m columns). The
+    old count (without the within-sample term tr A_i^2) was 1.5x too large at T = d.
+    """
+    from rstar.inversions import QueryKeyInversion
+
+    d, d_v, n = 16, 8, 400
+    ratios, predicted = [], []
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        X = rng.standard_normal((n, T, d))
+        Y = rng.standard_normal((n, T, d_v))
+        inv = QueryKeyInversion(residual_noise=False)
+        st = inv.new_stats(T, d, d_v)
+        inv.update(st, X, Y)
+        ws = inv.whiten(st)
+        lam = ws.eigenvalues
+        ratios.append(np.mean(lam**2) / np.mean(lam) ** 2 - 1)
+        predicted.append(d / ws.n_columns)
+    assert np.mean(ratios) == pytest.approx(np.mean(predicted), rel=0.15)
