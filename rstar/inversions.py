@@ -97,6 +97,12 @@ class WhitenedStatistic:
         (weight-)effective number of independent samples summed into the
         statistic, ``(sum w_i)^2 / sum w_i^2`` (each adds at least one
         independent direction), or None.
+    mp_shaped_bulk : bool
+        Whether the eigenvalues below the spikes follow an MP law (of known
+        or fitted width), so that the part of the bulk below any eigenvalue
+        can be fitted on its own (:func:`rstar.rules.top_down_p_values`).
+        False for the exact softmax inversion, whose clipped, weighted
+        log-domain bulk is irregular.
     warnings : list of (Warning subclass, str)
         Conditions the estimator must report.
     """
@@ -113,6 +119,7 @@ class WhitenedStatistic:
     leak_ratio: float = None
     residual_variance: float = None
     null_spectrum: np.ndarray = None
+    mp_shaped_bulk: bool = True
 
     @property
     def dim(self):
@@ -655,10 +662,11 @@ class SoftmaxExactInversion(Inversion):
         if null is not None and np.median(null) > 0:
             noise = float(np.median(null) / mp_median(1.0))
             return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), noise, MEDIAN_EFFICIENCY * d * d,
-                                     warnings, residual_variance=tau2, null_spectrum=null)
+                                     warnings, residual_variance=tau2, null_spectrum=null, mp_shaped_bulk=False)
         # a half too small to solve: fit the bulk's level and width instead
         return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), None, float(max(dof, 0)), warnings,
-                                 structured_bulk=True, residual_variance=tau2, null_spectrum=null)
+                                 structured_bulk=True, residual_variance=tau2, null_spectrum=null,
+                                 mp_shaped_bulk=False)
 
     def fit_operator(self, stats, basis):
         d = stats["dims"][1]

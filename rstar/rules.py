@@ -31,7 +31,7 @@ from .spectral import (
 )
 from .exceptions import UnidentifiableRankWarning
 
-__all__ = ["RuleResult", "RankRule", "interval_levels", "leak_is_visible", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
+__all__ = ["RuleResult", "RankRule", "interval_levels", "leak_is_visible", "top_down_p_values", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
 
 
 @dataclass
@@ -112,8 +112,76 @@ def _test_dof(known, fit_bulk_width, noise_dof, p_k, m_k):
     return MEDIAN_EFFICIENCY * p_k * m_k  # the MP-median estimate's degrees of freedom
 
 
+#: Fewest eigenvalues (the candidate spike and those below it) the top-down scan fits a bulk to.
+TOP_DOWN_MIN_BULK = 4
+
+
+def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=None):
+    """Multiplicity-adjusted evidence that at least ``k + 1`` spikes exist, from the bulk below each eigenvalue.
+
+    For every ``k`` that leaves at least ``TOP_DOWN_MIN_BULK`` eigenvalues
+    from ``k + 1`` down, eigenvalue ``k + 1`` is tested against an MP law
+    whose level *and* width are fitted to the quartiles of those eigenvalues
+    alone (not to any above it)
+    (:func:`rstar.marchenko_pastur.fit_mp_bulk`). The sequential test looks
+    from the top, so when most of the spectrum is signal its noise level (from
+    the middle of the spectrum, or a residual that holds structured terms) is
+    a spike's, and it stops early even where a wide gap separates the last
+    spike from the bulk; this scan sees that gap. Its ``K`` tests are
+    Bonferroni-adjusted (``K p_k``), and ``q_k = min(1, K min_{j >= k} p_j)``:
+    eigenvalue ``j + 1`` significant implies at least ``j + 1`` spikes, hence
+    at least ``k + 1`` for every ``k <= j``. Under pure noise
+    ``P(min_k q_k < alpha) <= alpha`` (family-wise), and below the first
+    spike the bulk fitted to the lower part of an MP law is never narrower
+    than the nominal one, so the scan adds few false alarms in practice.
+
+    Parameters
+    ----------
+    eigenvalues : ndarray of shape (p,)
+        Descending.
+    n_columns : float
+        Nominal number of columns (the fitted bulk is never narrower).
+    min_bulk_columns : float or None
+        Lower bound on the fitted bulk's columns (see ``fit_mp_bulk``).
+    max_rank : int or None
+
+    Returns
+    -------
+    ndarray of shape (K,)
+        ``q_k`` for ``k = 0 .. K - 1``, non-decreasing (empty when
+        ``p < TOP_DOWN_MIN_BULK``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.rules import top_down_p_values
+    >>> rng = np.random.default_rng(0)
+    >>> W = rng.standard_normal((40, 2000))
+    >>> W[:30] *= 2.0            # 30 of 40 directions are signal (theta = 3)
+    >>> lam = np.linalg.eigvalsh(W @ W.T / 2000)[::-1]
+    >>> q = top_down_p_values(lam, 2000)
+    >>> int(np.sum(q < 0.01))
+    30
+    """
+    lam = np.asarray(eigenvalues, dtype=np.float64)
+    p = lam.size
+    k_hi = p - TOP_DOWN_MIN_BULK
+    if max_rank is not None:
+        k_hi = min(k_hi, int(max_rank) - 1)
+    if k_hi < 0:
+        return np.zeros(0)
+    raw = np.ones(k_hi + 1)
+    for k in range(k_hi + 1):
+        sigma2, m_k = fit_mp_bulk(lam, n_columns, n_spikes=k, min_columns=min_bulk_columns)
+        if sigma2 is not None and np.isfinite(sigma2) and sigma2 > 0:
+            raw[k] = largest_eigenvalue_sf(lam[k], p - k, m_k, sigma2)
+    adjusted = np.minimum(1.0, raw.size * np.minimum.accumulate(raw[::-1])[::-1])
+    return adjusted
+
+
 def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=None, max_rank=None,
-                          fit_bulk_width=False, noise_dof=None, min_bulk_columns=None, noise_quantile=0.5):
+                          fit_bulk_width=False, noise_dof=None, min_bulk_columns=None, noise_quantile=0.5,
+                          top_down=None):
     """Count spikes above the noise edge by sequential Tracy–Widom tests.
 
     For ``k = 0, 1, ...``: estimate the noise variance from the ``p - k``
@@ -158,6 +226,10 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     noise_quantile : float in (0, 1), default=0.5
         Quantile of the remaining eigenvalues matched to the MP law for the
         unknown noise level (0.5: the MP median).
+    top_down : ndarray or None, default=None
+        Adjusted top-down p-values (:func:`top_down_p_values`): test ``k``
+        then reports ``min(p_k, top_down[k])``, so the count also stops no
+        earlier than the last eigenvalue that stands out from the bulk below it.
 
     Returns
     -------
@@ -205,6 +277,8 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         else:
             p_k = largest_eigenvalue_sf(lam[k], p - k, m_k, sigma2, _test_dof(known, fit_bulk_width, noise_dof, p - k,
                                                                                m_k))
+        if top_down is not None and k < len(top_down):
+            p_k = min(p_k, float(top_down[k]))
         p_values.append(float(p_k))
         if p_k >= stop_level:
             break
@@ -259,6 +333,11 @@ class MarchenkoPasturRule(RankRule):
     inversion's residual estimate, or the MP-median match of the bulk. When
     the inversion flags a structured bulk (first-order softmax), the bulk's
     variance *and* width are fitted to the lower half of the spectrum.
+    Where the inversion's bulk is MP-shaped (``ws.mp_shaped_bulk``), each
+    sequential p-value is combined with the top-down scan
+    (:func:`top_down_p_values`), so that a last spike standing clear of the
+    bulk below it is counted even when the noise level seen from the top is
+    a spike's (most of the spectrum signal).
     A query–key statistic with fewer tokens than features (``ws.leak_ratio``)
     is first read with the white-noise model; the bulk is fitted as
     structured only if the leak implied by the spikes found is visible
@@ -275,10 +354,13 @@ class MarchenkoPasturRule(RankRule):
             noise_variance = ws.noise_variance
             noise_dof = ws.noise_dof if ws.noise_dof > 0 else None
 
+        top_down = (top_down_p_values(ws.eigenvalues, ws.n_columns, ws.min_bulk_columns, max_rank)
+                    if ws.mp_shaped_bulk else None)
+
         def test(structured):
             return sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, noise_variance, max_rank,
                                          fit_bulk_width=structured, noise_dof=noise_dof,
-                                         min_bulk_columns=ws.min_bulk_columns)
+                                         min_bulk_columns=ws.min_bulk_columns, top_down=top_down)
 
         if ws.structured_bulk:
             return test(True)
@@ -291,7 +373,7 @@ class MarchenkoPasturRule(RankRule):
             # the median of the eigenvalues left was a spike: take the noise level from their
             # lower quartile instead, and keep that count if it leaves a white bulk
             robust = sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, None, max_rank,
-                                           noise_quantile=ROBUST_NOISE_QUANTILE)
+                                           noise_quantile=ROBUST_NOISE_QUANTILE, top_down=top_down)
             if robust.rank > res.rank and not _too_wide(_bulk_columns_left(robust, ws.eigenvalues, ws.n_columns),
                                                         ws.n_columns):
                 return robust

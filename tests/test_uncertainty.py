@@ -15,7 +15,7 @@ from rstar.marchenko_pastur import (
     tracy_widom_quantile,
     tracy_widom_sf,
 )
-from rstar.rules import interval_levels, sequential_spike_test
+from rstar.rules import interval_levels, sequential_spike_test, top_down_p_values
 
 
 def test_tracy_widom_sf_inverts_quantile():
@@ -266,3 +266,39 @@ def test_query_key_columns_match_null_second_moment(T):
         ratios.append(np.mean(lam**2) / np.mean(lam) ** 2 - 1)
         predicted.append(d / ws.n_columns)
     assert np.mean(ratios) == pytest.approx(np.mean(predicted), rel=0.15)
+
+
+def _white_spectrum(p, m, spikes=0, scale=1.0, seed=0):
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((p, m))
+    W[:spikes] *= scale
+    return np.linalg.eigvalsh(W @ W.T / m)[::-1]
+
+
+def test_top_down_counts_a_spectrum_that_is_mostly_signal():
+    # 30 of 40 directions at theta = 3: the MP median of the whole spectrum is a spike, so the
+    # sequential test from the top reads 0; the bulk below the 30th eigenvalue shows the gap
+    lam = _white_spectrum(40, 2000, spikes=30, scale=2.0)
+    assert sequential_spike_test(lam, 2000).rank == 0
+    q = top_down_p_values(lam, 2000)
+    assert int(np.sum(q < 0.01)) == 30
+    res = sequential_spike_test(lam, 2000, top_down=q)
+    assert res.rank == 30
+    assert res.rank_interval[0] <= 30 <= res.rank_interval[1]
+    assert np.all(res.p_values[:30] < 0.01) and res.p_values[30] >= 0.01
+
+
+def test_top_down_p_values_shape_and_monotone():
+    lam = _white_spectrum(20, 500, spikes=3, scale=3.0, seed=1)
+    q = top_down_p_values(lam, 500)
+    assert q.shape == (20 - 4 + 1,)
+    assert np.all(np.diff(q) >= 0) and np.all((q >= 0) & (q <= 1))
+    assert top_down_p_values(lam, 500, max_rank=5).shape == (5,)
+    assert top_down_p_values(lam[:3], 500).shape == (0,)
+
+
+@pytest.mark.parametrize("p,m", [(8, 300), (32, 1000)])
+def test_top_down_adds_no_false_alarms_on_white_noise(p, m):
+    # family-wise over the K tests (Bonferroni): P(any q_k < alpha) <= alpha; 300 draws at alpha = 5%
+    hits = [top_down_p_values(_white_spectrum(p, m, seed=s), m)[0] < 0.05 for s in range(300)]
+    assert np.mean(hits) <= 0.05
