@@ -350,10 +350,13 @@ _FITTED_DOC = """
         BBP-debiased population spikes (units of the noise variance).
     p_values_ : ndarray of shape (n_tests,)
         Approximate Tracy–Widom p-values of the sequential spike tests, in
-        order (entry k: is eigenvalue k+1 signal, given k spikes?); the first
-        one at or above ``alpha`` stopped the count. Tests go on up to the
+        order (entry k: is eigenvalue k+1 signal, given k spikes?), each the
+        smaller of the test from the top and the multiplicity-adjusted
+        top-down one (:func:`rstar.rules.top_down_p_values`); the first one
+        at or above ``alpha`` stopped the count. Tests go on up to the
         first one not significant at the lenient level ``min(10 alpha, 0.5)``.
-        Under pure noise ``p_values_[0]`` is close to uniform on (0, 1).
+        Under pure noise ``p_values_[0]`` is close to uniform on (0, 1)
+        (conservative with a fitted bulk or T < d; see docs/estimators.md).
     rank_interval_ : tuple of two ints
         ``(lower, upper)``: the counts of the same sequential test at the
         strict level ``alpha / 10`` and the lenient level ``min(10 alpha, 0.5)``
