@@ -130,10 +130,13 @@ def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=No
     spike from the bulk; this scan sees that gap. Its ``K`` tests are
     Bonferroni-adjusted (``K p_k``), and ``q_k = min(1, K min_{j >= k} p_j)``:
     eigenvalue ``j + 1`` significant implies at least ``j + 1`` spikes, hence
-    at least ``k + 1`` for every ``k <= j``. Under pure noise
-    ``P(min_k q_k < alpha) <= alpha`` (family-wise), and below the first
-    spike the bulk fitted to the lower part of an MP law is never narrower
-    than the nominal one, so the scan adds few false alarms in practice.
+    at least ``k + 1`` for every ``k <= j``. Were each raw p-value exact,
+    ``P(min_k q_k < alpha) <= alpha`` under pure noise (family-wise); the
+    lower part of an MP bulk is not an MP bulk, but its fitted width is never
+    below the nominal one, and on white Wishart nulls the scan adds no false
+    alarms (``tests/test_uncertainty.py``). When the scan makes the count,
+    :func:`sequential_spike_test` reports the noise level, width and cut of
+    the bulk below it.
 
     Parameters
     ----------
@@ -257,6 +260,7 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     level_lo, level_hi = interval_levels(alpha)
     stop_level = max(alpha, level_hi)
     p_values, fits = [], []   # fits[k] = (sigma2_k, m_k) used by test k
+    seq_p = []                # the tests from the top alone
     bulk_exhausted = None     # k at which the bulk became too small to estimate the noise
     sigma2, m_k = noise_variance, m
     k = 0
@@ -277,6 +281,7 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         else:
             p_k = largest_eigenvalue_sf(lam[k], p - k, m_k, sigma2, _test_dof(known, fit_bulk_width, noise_dof, p - k,
                                                                                m_k))
+        seq_p.append(float(p_k))
         if top_down is not None and k < len(top_down):
             p_k = min(p_k, float(top_down[k]))
         p_values.append(float(p_k))
@@ -302,7 +307,15 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     elif not known and p >= 1:
         sigma2 = estimate_noise_variance(lam, m, n_spikes=0) if p >= 2 else None
     threshold = np.inf
-    if sigma2 is not None and np.isfinite(sigma2) and sigma2 > 0:
+    by_top_down = (top_down is not None and 0 < rank <= len(seq_p) and seq_p[rank - 1] >= alpha
+                   and rank < p)
+    if by_top_down:
+        # the last spike counted stood out from the bulk below it, not from the level seen from
+        # the top: report that bulk's fit (level, width) and its cut at the scan's level
+        sigma2, m_k = fit_mp_bulk(lam, m, n_spikes=rank, min_columns=min_bulk_columns)
+        if sigma2 is not None and np.isfinite(sigma2) and sigma2 > 0:
+            threshold = max(largest_eigenvalue_quantile(p - rank, m_k, 1 - alpha / len(top_down), sigma2), floor)
+    elif sigma2 is not None and np.isfinite(sigma2) and sigma2 > 0:
         j = min(rank, p - 1)
         threshold = max(largest_eigenvalue_quantile(p - j, m_k, 1 - alpha, sigma2,
                                                     _test_dof(known, fit_bulk_width, noise_dof, p - j, m_k)), floor)

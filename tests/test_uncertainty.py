@@ -286,6 +286,16 @@ def test_top_down_counts_a_spectrum_that_is_mostly_signal():
     assert res.rank == 30
     assert res.rank_interval[0] <= 30 <= res.rank_interval[1]
     assert np.all(res.p_values[:30] < 0.01) and res.p_values[30] >= 0.01
+    # a given noise level far above the bulk (a residual holding structured terms): the same count,
+    # and the reported level, cut and spikes are those of the bulk below the count, so that
+    # spectrum[:rank] > threshold >= spectrum[rank] and the de-biased spikes are positive
+    for given in (None, 3.5):
+        res = sequential_spike_test(lam, 2000, noise_variance=given, top_down=q)
+        assert res.rank == 30
+        assert lam[29] > res.threshold >= lam[30]
+        assert res.noise_variance == pytest.approx(1.0, rel=0.1)
+        assert np.all(res.spike_strengths > 1.0)
+        assert res.effective_rank == pytest.approx(30, abs=0.5)
 
 
 def test_top_down_p_values_shape_and_monotone():
