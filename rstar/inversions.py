@@ -414,11 +414,12 @@ class QueryKeyInversion(Inversion):
         M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Yc, optimize=True)
         G_pinv = np.einsum("nka,nk,nkb->nab", Wt, inv_s**2, Wt, optimize=True)
         fitted = np.einsum("nta,nav->ntv", Xc, M, optimize=True)
-        res_i = np.maximum(np.sum(Yc**2, axis=(1, 2)) - np.sum(fitted**2, axis=(1, 2)), 0.0)
+        y_sq = np.sum(Yc**2, axis=(1, 2))
+        res_i = np.maximum(y_sq - np.sum(fitted**2, axis=(1, 2)), 0.0)
         dof_i = np.maximum(self._tokens_eff(T) - rank, 0) * d_v
         w = smallest
         if self._reweighted(T, d, d_v):
-            power = np.sum(Yc**2, axis=(1, 2)) / (T * d_v)
+            power = y_sq / (T * d_v)
             rho = np.maximum(res_i / np.maximum(dof_i, 1), 1e-8 * power + np.finfo(float).tiny)
             w = w / rho
         stats["n"] += n

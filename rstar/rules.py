@@ -167,6 +167,10 @@ def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=No
     30
     """
     lam = np.asarray(eigenvalues, dtype=np.float64)
+    if lam.ndim != 1 or not np.all(np.isfinite(lam)):
+        raise ValueError(f"eigenvalues must be a finite 1-D array, got shape {lam.shape}.")
+    if not (np.isfinite(float(n_columns)) and float(n_columns) >= 1):
+        raise ValueError(f"n_columns must be a finite number >= 1, got {n_columns!r}.")
     p = lam.size
     k_hi = p - TOP_DOWN_MIN_BULK
     if max_rank is not None:

@@ -307,6 +307,18 @@ def test_top_down_p_values_shape_and_monotone():
     assert top_down_p_values(lam[:3], 500).shape == (0,)
 
 
+@pytest.mark.parametrize("eigenvalues,n_columns,match", [
+    (np.ones((3, 3)), 100, "1-D"),
+    (np.array([3.0, np.nan, 1.0, 1.0, 1.0]), 100, "finite"),
+    (np.array([3.0, np.inf, 1.0, 1.0, 1.0]), 100, "finite"),
+    (np.linspace(2, 1, 6), 0.5, "n_columns"),
+    (np.linspace(2, 1, 6), np.nan, "n_columns"),
+])
+def test_top_down_p_values_bad_input(eigenvalues, n_columns, match):
+    with pytest.raises(ValueError, match=match):
+        top_down_p_values(eigenvalues, n_columns)
+
+
 @pytest.mark.parametrize("p,m", [(8, 300), (32, 1000)])
 def test_top_down_adds_no_false_alarms_on_white_noise(p, m):
     # family-wise over the K tests (Bonferroni): P(any q_k < alpha) <= alpha; 300 draws at alpha = 5%
