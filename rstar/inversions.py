@@ -89,6 +89,15 @@ class WhitenedStatistic:
         :class:`rstar.rules.MarchenkoPasturRule`). None otherwise.
     residual_variance : float or None
         Exact softmax inversion: the log-domain residual variance (reported only).
+    residual_power : float or None
+        Query–key inversion with tokens to spare (``T_eff > d``): the power per
+        degree of freedom of the part of ``Y_i`` outside ``col(X_i)``, averaged
+        as the whitened bulk weights each sample (same units as
+        ``eigenvalues``). For linear QK it is the noise variance; for the
+        first-order softmax inversion it is the level of the noise *plus* the
+        higher-order terms, an upper reference for the bulk left inside
+        ``col(X_i)`` (:func:`rstar.rules.residual_floor_p_values`). None when
+        the residual has fewer than ``MIN_NOISE_DOF`` degrees of freedom.
     null_spectrum : ndarray of shape (p,) or None
         Exact softmax inversion: eigenvalues of the whitened split-half noise
         draw that set ``noise_variance`` (None if a half was too small).
@@ -120,6 +129,7 @@ class WhitenedStatistic:
     residual_variance: float = None
     null_spectrum: np.ndarray = None
     mp_shaped_bulk: bool = True
+    residual_power: float = None
 
     @property
     def dim(self):
@@ -470,9 +480,11 @@ class QueryKeyInversion(Inversion):
                              "sigma_min(X_i)^2 and the noise Gram is whitened; the estimate rests on the "
                              "better-conditioned samples and may be unreliable. Use T >= 1.5 d or more samples."))
         noise, dof = None, stats["res_dof"]
+        # residual power per dof, each sample weighted as the whitened bulk weights it
+        power = stats["res_w"] / stats["wt"] if dof >= MIN_NOISE_DOF and stats["wt"] > 0 else None
         if self.residual_noise and dof >= MIN_NOISE_DOF:
             if self._reweighted(T, d, d_v):
-                noise = stats["res_w"] / stats["wt"] if stats["wt"] > 0 else None
+                noise = power
             else:
                 noise = max(stats["res"], 0.0) / dof
         # With T < d, X_i^+ X_i is a random projector: the signal leaks a flat,
@@ -481,7 +493,8 @@ class QueryKeyInversion(Inversion):
         leak = (d - T_eff) / (d * T_eff) if 0 < T_eff < d else None
         return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), noise, float(dof), warnings,
                                  structured_bulk=bool(self.structured_bulk), leak_ratio=leak,
-                                 min_bulk_columns=stats["w1"] ** 2 / stats["w2"] if stats["w2"] > 0 else None)
+                                 min_bulk_columns=stats["w1"] ** 2 / stats["w2"] if stats["w2"] > 0 else None,
+                                 residual_power=power)
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:

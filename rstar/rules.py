@@ -31,7 +31,7 @@ from .spectral import (
 )
 from .exceptions import UnidentifiableRankWarning
 
-__all__ = ["RuleResult", "RankRule", "interval_levels", "leak_is_visible", "top_down_p_values", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
+__all__ = ["RuleResult", "RankRule", "interval_levels", "leak_is_visible", "top_down_p_values", "residual_floor_p_values", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
 
 
 @dataclass
@@ -186,9 +186,82 @@ def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=No
     return adjusted
 
 
+#: How far above the residual-level bulk edge an eigenvalue must stand to count by the floor test
+#: (chosen on the held-out recovery grid, seed 1; see residual_floor_p_values).
+RESIDUAL_FLOOR_MARGIN = 2.0
+
+
+def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margin=RESIDUAL_FLOOR_MARGIN,
+                            max_rank=None):
+    """Evidence that at least ``k + 1`` spikes stand above a bulk no higher than the residual's level.
+
+    For the first-order softmax inversion the part of ``Y_i`` outside
+    ``col(X_i)`` holds the noise and the higher-order terms; its power per
+    degree of freedom ``rho`` measures the level of the bulk they leave
+    inside ``col(X_i)`` (within 5% of the fitted bulk's median on average,
+    above it when most of the spectrum is signal). That bulk is a sum of
+    per-sample terms, so it has at least ``min_bulk_columns`` independent
+    columns: no bulk at level ``rho`` is wider than MP with ratio
+    ``p / min_bulk_columns``. Eigenvalue ``k + 1`` is tested against the
+    largest eigenvalue of a ``(p - k) x min_bulk_columns`` Wishart at level
+    ``margin * rho`` (Tracy–Widom tail,
+    :func:`rstar.marchenko_pastur.largest_eigenvalue_sf`); the margin covers
+    the residual's level missing the bulk's (on the held-out recovery grid
+    the largest non-signal eigenvalue exceeded ``rho`` times that edge in 10%
+    of softmax tasks, ``1.5 rho`` times it in 5%). The ``K`` p-values are
+    Bonferroni-adjusted and made monotone like :func:`top_down_p_values`.
+
+    Unlike the fitted-bulk tests this one needs no bulk at all, so it can
+    count up to full rank: when every direction is signal the spectrum has
+    no bulk to estimate the noise from, but the residual still has one.
+
+    Parameters
+    ----------
+    eigenvalues : ndarray of shape (p,)
+        Descending.
+    residual_power : float
+        The residual's power per degree of freedom, in the eigenvalues' units.
+    min_bulk_columns : float
+        Fewest independent columns the bulk can have (``>= 1``).
+    margin : float, default=RESIDUAL_FLOOR_MARGIN
+        Factor on ``residual_power`` (``>= 1``).
+    max_rank : int or None
+
+    Returns
+    -------
+    ndarray of shape (K,)
+        Adjusted p-values ``q_k``, ``k = 0 .. K - 1``, non-decreasing
+        (``K = p``, or ``max_rank``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.rules import residual_floor_p_values
+    >>> lam = np.array([9.0, 7.0, 6.0, 5.0])      # every direction far above a residual level of 1
+    >>> q = residual_floor_p_values(lam, 1.0, min_bulk_columns=200)
+    >>> int(np.sum(q < 0.01))
+    4
+    """
+    lam = np.asarray(eigenvalues, dtype=np.float64)
+    if lam.ndim != 1 or not np.all(np.isfinite(lam)):
+        raise ValueError(f"eigenvalues must be a finite 1-D array, got shape {lam.shape}.")
+    for name, value, low in (("residual_power", residual_power, 0.0), ("min_bulk_columns", min_bulk_columns, 1.0),
+                             ("margin", margin, 1.0)):
+        if not (np.isfinite(float(value)) and float(value) >= low and (low > 0 or float(value) > 0)):
+            raise ValueError(f"{name} must be a finite number {'>= ' + str(low) if low > 0 else '> 0'}, "
+                             f"got {value!r}.")
+    p = lam.size
+    K = p if max_rank is None else min(p, int(max_rank))
+    if K <= 0:
+        return np.zeros(0)
+    level = float(margin) * float(residual_power)
+    raw = np.array([largest_eigenvalue_sf(lam[k], p - k, float(min_bulk_columns), level) for k in range(K)])
+    return np.minimum(1.0, K * np.minimum.accumulate(raw[::-1])[::-1])
+
+
 def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=None, max_rank=None,
                           fit_bulk_width=False, noise_dof=None, min_bulk_columns=None, noise_quantile=0.5,
-                          top_down=None):
+                          top_down=None, residual_floor=None):
     """Count spikes above the noise edge by sequential Tracy–Widom tests.
 
     For ``k = 0, 1, ...``: estimate the noise variance from the ``p - k``
@@ -237,6 +310,11 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         Adjusted top-down p-values (:func:`top_down_p_values`): test ``k``
         then reports ``min(p_k, top_down[k])``, so the count also stops no
         earlier than the last eigenvalue that stands out from the bulk below it.
+    residual_floor : tuple (q, residual_power, columns, margin) or None, default=None
+        Adjusted p-values of :func:`residual_floor_p_values` and the values
+        they were computed with: test ``k`` then reports the smallest of its
+        p-values, so the count also stops no earlier than the last
+        eigenvalue above the residual-level bulk (possibly the full rank).
 
     Returns
     -------
@@ -269,10 +347,19 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     sigma2, m_k = noise_variance, m
     k = 0
     while k < k_max:
-        if not known:
-            if p - k < 2:
-                bulk_exhausted = k
+        if not known and p - k < 2:
+            bulk_exhausted = k
+            if residual_floor is None or k >= len(residual_floor[0]):
                 break
+            # no bulk left to estimate the noise from: only the residual floor can decide
+            fits.append((sigma2, m_k))
+            seq_p.append(1.0)
+            p_values.append(min(1.0, float(residual_floor[0][k])))
+            if p_values[-1] >= stop_level:
+                break
+            k += 1
+            continue
+        if not known:
             if fit_bulk_width:
                 sigma2, m_k = fit_mp_bulk(lam, m, n_spikes=k, sigma2=given_noise, min_columns=min_bulk_columns)
             else:
@@ -288,6 +375,8 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         seq_p.append(float(p_k))
         if top_down is not None and k < len(top_down):
             p_k = min(p_k, float(top_down[k]))
+        if residual_floor is not None and k < len(residual_floor[0]):
+            p_k = min(p_k, float(residual_floor[0][k]))
         p_values.append(float(p_k))
         if p_k >= stop_level:
             break
@@ -296,15 +385,12 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     rank = _count_below(p_values, alpha)
     interval = (_count_below(p_values, level_lo), _count_below(p_values, level_hi))
     warnings = []
-    if bulk_exhausted is not None and rank == bulk_exhausted:
+    floor_decided = residual_floor is not None and bulk_exhausted is not None and rank >= bulk_exhausted
+    if bulk_exhausted is not None and rank == bulk_exhausted and not floor_decided:
         warnings.append((UnidentifiableRankWarning,
                          f"only {p - rank} eigenvalue(s) left in the bulk after {rank} spike(s): the noise level "
                          "cannot be estimated from the spectrum. Fallback: the remaining eigenvalues are "
                          "not counted (pass noise_variance=... to decide them)."))
-    if not known and rank > p / 2 and p > 1:
-        warnings.append((UnidentifiableRankWarning,
-                         f"{rank} of {p} eigenvalues are spikes: the noise level, estimated from the remaining "
-                         "bulk, is unreliable when most of the spectrum is signal. Pass noise_variance=... if known."))
     # noise level and threshold of the test that stopped the count (or of the last one run)
     if fits:
         sigma2, m_k = fits[min(rank, len(fits) - 1)]
@@ -312,8 +398,20 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         sigma2 = estimate_noise_variance(lam, m, n_spikes=0) if p >= 2 else None
     threshold = np.inf
     by_top_down = (top_down is not None and 0 < rank <= len(seq_p) and seq_p[rank - 1] >= alpha
-                   and rank < p)
-    if by_top_down:
+                   and rank - 1 < len(top_down) and top_down[rank - 1] < alpha and rank < p)
+    by_floor = not by_top_down and residual_floor is not None and (
+        floor_decided or (0 < rank <= len(seq_p) and seq_p[rank - 1] >= alpha))
+    if not known and rank > p / 2 and p > 1 and not by_floor:
+        warnings.append((UnidentifiableRankWarning,
+                         f"{rank} of {p} eigenvalues are spikes: the noise level, estimated from the remaining "
+                         "bulk, is unreliable when most of the spectrum is signal. Pass noise_variance=... if known."))
+    if by_floor:
+        # the last spike counted stood above the residual-level bulk: report that level, the widest
+        # bulk it can have, and its cut at the floor test's level
+        q_floor, sigma2, m_k, margin = residual_floor
+        rows = max(p - rank, 1)
+        threshold = max(largest_eigenvalue_quantile(rows, m_k, 1 - alpha / len(q_floor), margin * sigma2), floor)
+    elif by_top_down:
         # the last spike counted stood out from the bulk below it, not from the level seen from
         # the top: report that bulk's fit (level, width) and its cut at the scan's level
         sigma2, m_k = fit_mp_bulk(lam, m, n_spikes=rank, min_columns=min_bulk_columns)
@@ -350,6 +448,10 @@ class MarchenkoPasturRule(RankRule):
     inversion's residual estimate, or the MP-median match of the bulk. When
     the inversion flags a structured bulk (first-order softmax), the bulk's
     variance *and* width are fitted to the lower half of the spectrum.
+    When the structured bulk comes with a residual level
+    (``ws.residual_power``, first-order softmax with ``T - 1 > d``), each
+    p-value is also combined with the residual floor test
+    (:func:`residual_floor_p_values`), which can count up to full rank.
     Where the inversion's bulk is MP-shaped (``ws.mp_shaped_bulk``), each
     sequential p-value is combined with the top-down scan
     (:func:`top_down_p_values`), so that a last spike standing clear of the
@@ -374,13 +476,20 @@ class MarchenkoPasturRule(RankRule):
         top_down = (top_down_p_values(ws.eigenvalues, ws.n_columns, ws.min_bulk_columns, max_rank)
                     if ws.mp_shaped_bulk else None)
 
-        def test(structured):
+        def test(structured, floor=None):
             return sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, noise_variance, max_rank,
                                          fit_bulk_width=structured, noise_dof=noise_dof,
-                                         min_bulk_columns=ws.min_bulk_columns, top_down=top_down)
+                                         min_bulk_columns=ws.min_bulk_columns, top_down=top_down,
+                                         residual_floor=floor)
 
         if ws.structured_bulk:
-            return test(True)
+            floor = None
+            if (noise_variance is None and ws.residual_power is not None and ws.residual_power > 0
+                    and ws.min_bulk_columns is not None and ws.min_bulk_columns >= 1):
+                q = residual_floor_p_values(ws.eigenvalues, ws.residual_power, ws.min_bulk_columns,
+                                            RESIDUAL_FLOOR_MARGIN, max_rank)
+                floor = (q, float(ws.residual_power), float(ws.min_bulk_columns), RESIDUAL_FLOOR_MARGIN)
+            return test(True, floor)
         res = test(False)
         if ws.leak_ratio is not None and leak_is_visible(res.spike_strengths, ws.leak_ratio, ws.n_columns,
                                                          ws.min_bulk_columns):

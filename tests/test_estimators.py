@@ -335,3 +335,22 @@ def test_exact_softmax_split_halves_follow_the_global_sample_index():
     assert stream._stats["n_odd"] == full._stats["n_odd"] == 150
     np.testing.assert_allclose(stream.noise_variance_, full.noise_variance_, rtol=1e-9)
     assert stream.rank_ == full.rank_ == 3
+
+
+@pytest.mark.parametrize("rank", [15, 16])
+def test_softmax_first_order_counts_to_full_rank_from_the_residual(rank):
+    # every (or all but one) of d = 16 directions is signal: the fitted bulk is a spike's level,
+    # so the spectrum alone stopped at 15 for r* = 16 (and warned that the noise level was
+    # unreliable); the residual outside col(P X_i) (noise plus higher-order terms) sets a floor
+    # that decides the last directions
+    X, Y = make_attention_task(1000, kind="softmax", seq_len=64, n_features=16, rank=rank, logit_scale=1.5,
+                               noise=0.05, random_state=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = RStarEstimator().fit(X, Y)
+    assert est.rank_ == rank and est.rank_interval_ == (rank, rank)
+    assert est.spectrum_[rank - 1] > est.threshold_
+    if rank < 16:
+        assert est.threshold_ >= est.spectrum_[rank]
+    assert not any("unreliable" in str(w.message) for w in caught)
+    assert est.effective_rank_ > rank - 3

@@ -15,7 +15,7 @@ from rstar.marchenko_pastur import (
     tracy_widom_quantile,
     tracy_widom_sf,
 )
-from rstar.rules import interval_levels, sequential_spike_test, top_down_p_values
+from rstar.rules import interval_levels, residual_floor_p_values, sequential_spike_test, top_down_p_values
 
 
 def test_tracy_widom_sf_inverts_quantile():
@@ -324,3 +324,60 @@ def test_top_down_adds_no_false_alarms_on_white_noise(p, m):
     # family-wise over the K tests (Bonferroni): P(any q_k < alpha) <= alpha; 300 draws at alpha = 5%
     hits = [top_down_p_values(_white_spectrum(p, m, seed=s), m)[0] < 0.05 for s in range(300)]
     assert np.mean(hits) <= 0.05
+
+
+# --- residual floor (first-order softmax: a bulk no higher than the residual's level) ---
+
+
+def test_residual_floor_counts_full_rank_where_no_bulk_is_left():
+    # every one of 16 directions is signal (theta = 3): no bulk is left to estimate the noise
+    # from, so the sequential test and the top-down scan stop short; a residual level of 1 (the
+    # noise's, measured outside the statistic) decides every eigenvalue, the last one included
+    lam = _white_spectrum(16, 2000, spikes=16, scale=2.0)
+    td = top_down_p_values(lam, 2000)
+    plain = sequential_spike_test(lam, 2000, fit_bulk_width=True, top_down=td)
+    assert plain.rank < 16
+    q = residual_floor_p_values(lam, 1.0, 2000)
+    assert q.shape == (16,) and np.all(q < 1e-6)
+    res = sequential_spike_test(lam, 2000, fit_bulk_width=True, top_down=td, residual_floor=(q, 1.0, 2000.0, 2.0))
+    assert res.rank == 16 and res.rank_interval == (16, 16)
+    assert res.noise_variance == 1.0 and lam[-1] > res.threshold
+    assert np.all(res.spike_strengths > 1.0)
+    assert not any("cannot be estimated" in msg or "unreliable" in msg for _, msg in res.warnings)
+
+
+def test_residual_floor_reports_the_cut_it_made():
+    # 12 spikes of 16 with a residual level at the bulk's: the count is 12, the cut lies between
+    # the 12th and 13th eigenvalues, and the reported level is the residual's
+    lam = _white_spectrum(16, 2000, spikes=12, scale=2.0, seed=3)
+    q = residual_floor_p_values(lam, 1.0, 2000)
+    res = sequential_spike_test(lam, 2000, fit_bulk_width=True, noise_quantile=0.5,
+                                residual_floor=(q, 1.0, 2000.0, 2.0))
+    assert res.rank == 12
+    assert lam[11] > res.threshold >= lam[12]
+
+
+def test_residual_floor_p_values_shape_monotone_and_quiet_on_noise():
+    lam = _white_spectrum(20, 500, spikes=3, scale=3.0, seed=1)
+    q = residual_floor_p_values(lam, 1.0, 500)
+    assert q.shape == (20,) and np.all(np.diff(q) >= 0) and np.all((q >= 0) & (q <= 1))
+    assert residual_floor_p_values(lam, 1.0, 500, max_rank=5).shape == (5,)
+    assert int(np.sum(q < 0.01)) == 3
+    # white noise at the residual's level: no eigenvalue reaches twice its edge (300 draws)
+    hits = [residual_floor_p_values(_white_spectrum(16, 300, seed=s), 1.0, 300)[0] < 0.05 for s in range(300)]
+    assert not any(hits)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(eigenvalues=np.ones((3, 3))), "1-D"),
+    (dict(eigenvalues=np.array([3.0, np.nan, 1.0])), "finite"),
+    (dict(residual_power=0.0), "residual_power"),
+    (dict(residual_power=np.inf), "residual_power"),
+    (dict(min_bulk_columns=0.5), "min_bulk_columns"),
+    (dict(margin=0.5), "margin"),
+])
+def test_residual_floor_p_values_bad_input(kwargs, match):
+    args = dict(eigenvalues=np.linspace(3, 1, 6), residual_power=1.0, min_bulk_columns=100)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        residual_floor_p_values(**args)
