@@ -286,7 +286,35 @@ def generate(task):
         return X, Y, teacher, info
     X, Y, teacher = make_attention_task(n, kind="softmax", logit_scale=task["logit_scale"], **common)
     info["exact_inversion"] = _exact_softmax(task["family"], T, d, d_v)
+    if r and not info["exact_inversion"]:
+        X0, Y0, _ = make_attention_task(n, kind="softmax", logit_scale=task["logit_scale"], **dict(common, noise=0.0))
+        info["clean_gap"] = first_order_clean_gap(X0, Y0, r)
     return X, Y, teacher, info
+
+
+def first_order_clean_gap(X, Y_clean, r):
+    """Eigen-gap at r* of the first-order softmax statistic of noise-free data: lambda_r / lambda_{r+1}.
+
+    The statistic is the centred query-key inversion without residual weights
+    (``QueryKeyInversion(centred=True, reweight=False)``) on the task's tokens and
+    noise-free outputs. Its top r* directions are K*'s; the rest is the higher-order
+    softmax bulk. A gap near 1 means that even without noise the r* signal
+    directions do not stand apart from the higher-order terms, so no rule reading
+    this spectrum can single r* out; ``inf`` when r* = d (no bulk).
+    """
+    from rstar.inversions import QueryKeyInversion
+
+    n, T, d = X.shape
+    inv = QueryKeyInversion(centred=True, residual_noise=False, reweight=False)
+    stats = inv.new_stats(T, d, Y_clean.shape[2])
+    stats["HZ"] = stats["FZ"] = None   # moment sums are for predict only
+    inv.update(stats, X, Y_clean)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lam = inv.whiten(stats).eigenvalues
+    if r >= d:
+        return float("inf")
+    return float(lam[r - 1] / lam[r]) if lam[r] > 0 else float("inf")
 
 
 def _estimators(task, V):
@@ -358,7 +386,8 @@ def run_task(task, fast=True):
         V = teacher.value_map if FAMILIES[task["family"]][2] else None
         rows = []
         base = {k: v for k, v in task.items()}
-        base.update(gamma=info.get("gamma", float("nan")), gen_seconds=round(t_gen, 4),
+        base.update(gamma=info.get("gamma", float("nan")), clean_gap=info.get("clean_gap", float("nan")),
+                    gen_seconds=round(t_gen, 4),
                     exact_inversion=bool(info.get("exact_inversion", False)), residual_noise=_residual_noise(task))
         ref = None
         for name, est in _estimators(task, V):
@@ -517,6 +546,23 @@ def rank_bin(r):
 RANK_BINS = ["r* = 0", "r*/p ≤ 1/4", "1/4 < r*/p ≤ 1/2", "r*/p > 1/2", "r* ≥ p − 1"]
 
 
+def gap_bin(r):
+    """First-order softmax tasks by the eigen-gap at r* of their noise-free statistic."""
+    if r["r_star"] == 0:
+        return "r* = 0"
+    g = r.get("clean_gap", float("nan"))
+    if isinstance(g, float) and math.isnan(g):
+        return "exact inversion" if r.get("exact_inversion") else None
+    if r["r_star"] >= r["d"]:
+        return "r* = d (no bulk)"
+    if g < 1.5:
+        return "gap < 1.5"
+    return "1.5 ≤ gap < 2" if g < 2 else ("2 ≤ gap < 4" if g < 4 else "gap ≥ 4")
+
+
+GAP_BINS = ["r* = 0", "gap < 1.5", "1.5 ≤ gap < 2", "2 ≤ gap < 4", "gap ≥ 4", "r* = d (no bulk)", "exact inversion"]
+
+
 def n_bin(r):
     n = r["n"]
     return "n < 300" if n < 300 else ("300 ≤ n < 1000" if n < 1000 else ("1000 ≤ n < 3000" if n < 3000 else "n ≥ 3000"))
@@ -593,6 +639,9 @@ def goals_table(rows, points):
          and (r["kind"] == "linear_proxy" or r["T"] >= 1.25 * r["d"])])
     add("softmax_unknown_v, logit scale ≤ 4, T ≥ d", "≥ 95%",
         [r for r in rows if r["family"] == "softmax_unknown_v" and r["logit_scale"] <= 4 and r["T"] >= r["d"]])
+    add("softmax_unknown_v, logit scale ≤ 4, T ≥ d, noise-free gap at r* ≥ 2", "(≥ 95%)",
+        [r for r in rows if r["family"] == "softmax_unknown_v" and r["logit_scale"] <= 4 and r["T"] >= r["d"]
+         and (r["r_star"] == 0 or r.get("clean_gap", 0.0) >= 2)])
     add("softmax_known_v, logit scale ≤ 4, T ≥ d", "(≥ 95%)",
         [r for r in rows if r["family"] == "softmax_known_v" and r["logit_scale"] <= 4 and r["T"] >= r["d"]])
     add("false positives, all r*=0 tasks", "≤ 2%", [r for r in rows if r["r_star"] == 0],
@@ -640,7 +689,8 @@ def summarise(rows, det_rows):
                                  ["exact (T ≤ 0.9 min(d, d_v))", "first-order"], "inversion used"), "",
                       table_wide(fam, logit_bin, LOGIT_BINS, "logit scale"), "",
                       table_wide([r for r in fam if r["T"] >= r["d"]], logit_bin, LOGIT_BINS,
-                                 "logit scale, T ≥ d"), ""]
+                                 "logit scale, T ≥ d"), "",
+                      table_wide(fam, gap_bin, GAP_BINS, "noise-free gap at r*"), ""]
         else:
             parts += [table_wide([r for r in fam if r["r_star"] > 0], c_bin, C_BINS, "weakest spike c"), ""]
     return "\n".join(parts), points
