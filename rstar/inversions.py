@@ -38,6 +38,7 @@ __all__ = [
     "TokenInversion",
     "QueryKeyInversion",
     "SoftmaxExactInversion",
+    "coherent_spectrum",
     "merge_stats",
 ]
 
@@ -112,6 +113,15 @@ class WhitenedStatistic:
         can be fitted on its own (:func:`rstar.rules.top_down_p_values`).
         False for the exact softmax inversion, whose clipped, weighted
         log-domain bulk is irregular.
+    coherent_eigenvalues : ndarray of shape (min(d, d_v),) or None
+        Linear query–key inversion with ``T > d`` and a residual noise level:
+        the descending eigenvalues of the whitened *first moment*
+        ``sum_i w_i M_i`` (:func:`coherent_spectrum`), a white Wishart with
+        ``coherent_columns`` columns at ``noise_variance`` plus a signal of
+        rank at most r\* (rank ``min(r*, d_v)`` for a well-conditioned V).
+        Rules may count on it too. None otherwise.
+    coherent_columns : float or None
+        The ``m`` of that Wishart: ``max(d, d_v)``.
     warnings : list of (Warning subclass, str)
         Conditions the estimator must report.
     """
@@ -130,6 +140,8 @@ class WhitenedStatistic:
     null_spectrum: np.ndarray = None
     mp_shaped_bulk: bool = True
     residual_power: float = None
+    coherent_eigenvalues: np.ndarray = None
+    coherent_columns: float = None
 
     @property
     def dim(self):
@@ -179,6 +191,48 @@ def merge_stats(a, b):
         else:
             out[key] = a[key] + b[key]
     return out
+
+
+def coherent_spectrum(M_sum, N_coherent):
+    """Eigenvalues of the whitened first moment of the query–key inversion.
+
+    For linear QK with ``T >= d`` every sample gives ``M_i = X_i^+ Y_i =
+    K G_i V + X_i^+ E_i`` exactly, so the weighted sum
+    ``M = sum_i w_i M_i = K (sum_i w_i G_i) V + E'`` has its signal in
+    range(K) with rank ``min(r*, rank V)``, and its noise columns are
+    independent ``N(0, sigma2 N_c)`` with ``N_c = sum_i w_i^2 (X_i^T X_i)^+``
+    (Gaussian noise: exactly). ``W = N_c^{-1/2} M`` (d × d_v) then has white
+    noise, and the eigenvalues of ``W W^T / d_v`` (or of ``W^T W / d`` when
+    ``d > d_v``, the same non-zero spectrum rescaled) follow a white Wishart
+    with ``p = min(d, d_v)`` rows and ``m = max(d, d_v)`` columns at level
+    ``sigma2``, plus spikes. Because the signal adds coherently over samples
+    while the noise adds incoherently, a direction of K whose spike in the
+    second-moment statistic is ``theta`` has about ``n theta`` here: spikes
+    far below that statistic's BBP threshold stand out, as long as V does not
+    crush them (the signal is ``K G V``, not ``K``) and ``d_v >= r*``.
+
+    Parameters
+    ----------
+    M_sum : ndarray of shape (d, d_v)
+    N_coherent : ndarray of shape (d, d)
+
+    Returns
+    -------
+    eigenvalues : ndarray of shape (min(d, d_v),)
+        Descending.
+    n_columns : float
+        ``max(d, d_v)``.
+    """
+    d, d_v = M_sum.shape
+    vals, vecs = np.linalg.eigh((N_coherent + N_coherent.T) / 2)
+    keep = vals > max(vals.max(), 0.0) * 1e-12
+    if not np.any(keep):
+        return np.zeros(min(d, d_v)), float(max(d, d_v))
+    inv_half = (vecs[:, keep] / np.sqrt(vals[keep])) @ vecs[:, keep].T
+    W = inv_half @ M_sum
+    S = W @ W.T / d_v if d <= d_v else W.T @ W / d
+    lam = np.clip(np.linalg.eigvalsh((S + S.T) / 2)[::-1], 0.0, None)
+    return lam, float(max(d, d_v))
 
 
 def _eigh_desc(W):
@@ -405,6 +459,8 @@ class QueryKeyInversion(Inversion):
             "FZ": np.zeros((d, d, d, d_v)) if moments else None,
             "xbar_xbar": np.zeros((d, d)),
             "xbar_ybar": np.zeros((d, d_v)),
+            "M_sum": np.zeros((d, d_v)),
+            "N_coherent": np.zeros((d, d)),
         }
 
     def _tokens_eff(self, T):
@@ -435,6 +491,9 @@ class QueryKeyInversion(Inversion):
         stats["n"] += n
         stats["C"] += np.einsum("n,nav,nbv->ab", w, M, M, optimize=True)
         stats["N"] += np.einsum("n,nab->ab", w, G_pinv)
+        # first moment: sum_i w_i M_i = K (sum_i w_i G_i) V + noise of covariance sigma2 sum_i w_i^2 G_i^+
+        stats["M_sum"] += np.einsum("n,nav->av", w, M)
+        stats["N_coherent"] += np.einsum("n,nab->ab", w**2, G_pinv)
         tr = np.trace(G_pinv, axis1=1, axis2=2) * w
         stats["s1"] += float(tr.sum())
         stats["s2"] += float(np.sum(tr**2))
@@ -491,7 +550,13 @@ class QueryKeyInversion(Inversion):
         # non-white bulk (theory §4); the rule decides from its size whether to
         # fit it like the softmax one.
         leak = (d - T_eff) / (d * T_eff) if 0 < T_eff < d else None
+        coherent = None
+        if (not self.centred and noise is not None and T_eff > d and stats["n_deficient"] == 0
+                and stats.get("M_sum") is not None):
+            coherent = coherent_spectrum(stats["M_sum"], stats["N_coherent"])
         return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), noise, float(dof), warnings,
+                                 coherent_eigenvalues=None if coherent is None else coherent[0],
+                                 coherent_columns=None if coherent is None else coherent[1],
                                  structured_bulk=bool(self.structured_bulk), leak_ratio=leak,
                                  min_bulk_columns=stats["w1"] ** 2 / stats["w2"] if stats["w2"] > 0 else None,
                                  residual_power=power)

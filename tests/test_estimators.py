@@ -354,3 +354,54 @@ def test_softmax_first_order_counts_to_full_rank_from_the_residual(rank):
         assert est.threshold_ >= est.spectrum_[rank]
     assert not any("unreliable" in str(w.message) for w in caught)
     assert est.effective_rank_ > rank - 3
+
+
+def test_coherent_statistic_counts_spikes_below_the_second_moment_edge():
+    # two weak directions (singular values 0.02, sigma = 0.5): the second-moment statistic's
+    # eigenvalues sit inside its MP bulk, but the first moment sum_i w_i M_i adds the signal
+    # coherently over the 1000 samples and shows both
+    from rstar.rules import sequential_spike_test
+
+    X, Y = make_attention_task(1000, kind="linear_qk", seq_len=24, n_features=8, rank=2, singular_values=[0.02, 0.02],
+                               noise=0.5, random_state=3)
+    est = RStarEstimator("linear_qk").fit(X, Y)
+    ws = est._inv.whiten(est._stats)
+    alone = sequential_spike_test(ws.eigenvalues, ws.n_columns, 0.01, ws.noise_variance, noise_dof=ws.noise_dof)
+    assert alone.rank == 0
+    assert ws.coherent_eigenvalues.shape == (8,) and ws.coherent_columns == 8.0
+    assert est.rank_ == 2 and est.rank_interval_ == (2, 2)
+    assert est.spectrum_[1] > est.threshold_ >= est.spectrum_[2]
+    assert est.effective_rank_ == pytest.approx(2.0, abs=0.2)
+    assert EnergyRankEstimator("linear_qk").fit(X, Y).rank_ == 2
+    # streaming gives the same statistic and count
+    part = RStarEstimator("linear_qk")
+    for start in range(0, 1000, 300):
+        part.partial_fit(X[start:start + 300], Y[start:start + 300])
+    assert part.rank_ == 2
+    ws_part = part._inv.whiten(part._stats)   # units set by the first batch: compare in noise units
+    np.testing.assert_allclose(ws_part.coherent_eigenvalues / ws_part.noise_variance,
+                               ws.coherent_eigenvalues / ws.noise_variance, rtol=1e-8)
+
+
+def test_coherent_spectrum_is_whitening_invariant_and_sized_by_the_smaller_side():
+    from rstar.inversions import coherent_spectrum
+
+    rng = np.random.default_rng(0)
+    for d, d_v in [(6, 10), (10, 4)]:
+        Z = rng.standard_normal((d, d_v))
+        A = rng.standard_normal((d, d)) + 3 * np.eye(d)
+        lam, m = coherent_spectrum(A @ Z, A @ A.T)
+        expected = np.linalg.svd(Z, compute_uv=False) ** 2 / max(d, d_v)
+        assert m == max(d, d_v) and lam.shape == (min(d, d_v),)
+        np.testing.assert_allclose(lam, expected, rtol=1e-8)
+
+
+@pytest.mark.parametrize("kind,seq_len,n_features", [("linear_qk", 8, 8), ("linear_qk", 6, 8), ("softmax", 24, 8)])
+def test_coherent_statistic_only_where_its_null_is_exact(kind, seq_len, n_features):
+    # needs X_i^+ X_i = I (T > d), a residual noise level and no centring (first-order softmax
+    # keeps a deterministic higher-order mean outside range(K*))
+    X, Y = make_attention_task(300, kind=kind, seq_len=seq_len, n_features=n_features, rank=2, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = RStarEstimator(kind).fit(X, Y)
+    assert est._inv.whiten(est._stats).coherent_eigenvalues is None
