@@ -39,12 +39,16 @@ __all__ = [
     "QueryKeyInversion",
     "SoftmaxExactInversion",
     "coherent_spectrum",
+    "proxy_coherent_spectrum",
     "merge_stats",
 ]
 
 # Moment sums for the closed-form operator are skipped above this many entries
 # (e.g. T*d > 4096 for the linear proxy): predict() then says so.
 MAX_MOMENT_ENTRIES = 2**25
+# The linear proxy's coherent statistic keeps a second copy of the regression sums and inverts
+# a (T d) x (T d) matrix: only up to this many entries.
+MAX_COHERENT_ENTRIES = 2**22
 # Residual degrees of freedom needed before the residual noise estimate is used.
 MIN_NOISE_DOF = 50
 # Per-sample residual degrees of freedom needed before samples are reweighted by
@@ -317,6 +321,7 @@ class TokenInversion(Inversion):
 
     def new_stats(self, T, d, d_v):
         moments = _moments_fit(T, d, d_v, T, d, T, d_v)
+        split = moments and (T * d) ** 2 <= MAX_COHERENT_ENTRIES and (T * d) * (T * d_v) <= MAX_COHERENT_ENTRIES
         return {
             "dims": (T, d, d_v),
             "n": 0,
@@ -324,16 +329,29 @@ class TokenInversion(Inversion):
             "yy": 0.0,
             "HZ": np.zeros((T, d, T, d)) if moments else None,
             "FZ": np.zeros((T, d, T, d_v)) if moments else None,
+            # the same sums over the samples with odd global index, for the coherent statistic
+            "HZ_odd": np.zeros((T, d, T, d)) if split else None,
+            "FZ_odd": np.zeros((T, d, T, d_v)) if split else None,
+            "n_odd": 0,
+            "yy_odd": 0.0,
         }
 
     def update(self, stats, X, Y):
-        stats["n"] += X.shape[0]
+        n = X.shape[0]
+        odd = (stats["n"] + np.arange(n)) % 2 == 1
+        stats["n"] += n
         stats["YY"] += np.einsum("nta,nsa->ts", Y, Y, optimize=True)
         stats["yy"] += float(np.sum(Y**2))
+        stats["n_odd"] += int(odd.sum())
+        stats["yy_odd"] += float(np.sum(Y[odd] ** 2))
         if stats["HZ"] is not None:
-            HZ, FZ = _bilinear.moment_sums(X, Y, np.ones(X.shape[0]))
+            HZ, FZ = _bilinear.moment_sums(X, Y, np.ones(n))
             stats["HZ"] += HZ
             stats["FZ"] += FZ
+            if stats.get("HZ_odd") is not None and odd.any():
+                HZ, FZ = _bilinear.moment_sums(X[odd], Y[odd], np.ones(int(odd.sum())))
+                stats["HZ_odd"] += HZ
+                stats["FZ_odd"] += FZ
 
     def whiten(self, stats):
         n = stats["n"]
@@ -347,13 +365,76 @@ class TokenInversion(Inversion):
             dof = T * d_v * n - rank_H * T * d_v
             if dof >= MIN_NOISE_DOF:
                 noise = max(stats["yy"] - fitted, 0.0) / dof
-        return WhitenedStatistic(lam, vecs, np.eye(T), float(m), noise, float(max(dof, 0)))
+        coherent = None
+        if noise is not None and stats.get("HZ_odd") is not None:
+            coherent = proxy_coherent_spectrum(stats)
+        return WhitenedStatistic(lam, vecs, np.eye(T), float(m), noise, float(max(dof, 0)),
+                                 coherent_eigenvalues=None if coherent is None else coherent[0],
+                                 coherent_columns=None if coherent is None else coherent[1])
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:
             return None
         L, R = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T, R_known=self.value_map)
         return _LinearProxyOperator(L, R)
+
+
+def proxy_coherent_spectrum(stats):
+    """Coherent statistic of the linear proxy from split-half regressions (None if a half is too small).
+
+    Under ``Y_i = A X_i V + E_i`` the unconstrained least-squares regression of
+    ``vec Y_i`` on ``vec X_i`` has coefficients ``B[(s, a), (t, v)] =
+    A[t, s] V[a, v]``: rearranged as a ``(d d_v) × T²`` matrix it is the
+    rank-one ``vec(V) vec(A)^T`` (Van Loan & Pitsianis 1993). The direction
+    ``u`` of ``vec(V)`` is taken from the regression on the samples with odd
+    global index, and ``Â = u^T B_even`` from the others, so that ``u`` is
+    independent of the noise in ``Â``. The rows of ``Â`` (T × T) are then
+    independent ``N(·, sigma2 Ω)`` with
+    ``Ω[s, s'] = sum_{a, a'} (U^T U)[a, a'] H_even^{-1}[(s, a), (s', a')]``
+    (``U`` = ``u`` as d_v × d, ``H_even`` the halves' ``sum vec X vec X^T``),
+    and the eigenvalues of ``W W^T / T`` with ``W = Â Ω^{-1/2}`` are a white
+    Wishart (T × T) at level ``sigma2`` plus a signal of rank r\*. The
+    regression averages every sample's signal coherently, so a weak
+    direction of A stands out here long before it does in ``Σ Y_i Y_i^T``.
+
+    Parameters
+    ----------
+    stats : dict
+        :class:`TokenInversion` statistics with the odd-sample moment sums.
+
+    Returns
+    -------
+    (eigenvalues, n_columns) or None
+    """
+    T, d, d_v = stats["dims"]
+    Td = T * d
+    n_odd, n_even = stats["n_odd"], stats["n"] - stats["n_odd"]
+    if min(n_odd, n_even) * T * d_v - Td * T * d_v < MIN_NOISE_DOF or min(n_odd, n_even) <= Td:
+        return None
+    H_odd = stats["HZ_odd"].reshape(Td, Td)
+    H_even = stats["HZ"].reshape(Td, Td) - H_odd
+    F_odd = stats["FZ_odd"].reshape(Td, T * d_v)
+    F_even = stats["FZ"].reshape(Td, T * d_v) - F_odd
+    try:
+        B_odd = linalg.solve(sym(H_odd), F_odd, assume_a="pos", check_finite=False)
+        H_even_inv = linalg.inv(sym(H_even), check_finite=False)
+    except (linalg.LinAlgError, ValueError):
+        return None
+    B_even = H_even_inv @ F_even
+
+    def rearranged(B):   # [(s, a), (t, v)] -> [(a, v), (t, s)]
+        return B.reshape(T, d, T, d_v).transpose(1, 3, 2, 0).reshape(d * d_v, T * T)
+
+    u = np.linalg.svd(rearranged(B_odd), full_matrices=False)[0][:, 0]
+    A_hat = (u @ rearranged(B_even)).reshape(T, T)
+    U = u.reshape(d, d_v)
+    omega = np.einsum("ab,satb->st", U @ U.T, H_even_inv.reshape(T, d, T, d), optimize=True)
+    vals, vecs = np.linalg.eigh(sym(omega))
+    if not vals.min() > 1e-12 * vals.max():
+        return None
+    W = A_hat @ (vecs / np.sqrt(vals)) @ vecs.T
+    lam = np.clip(np.linalg.eigvalsh(sym(W @ W.T / T))[::-1], 0.0, None)
+    return lam, float(T)
 
 
 def _regression_fit(H, F):

@@ -405,3 +405,36 @@ def test_coherent_statistic_only_where_its_null_is_exact(kind, seq_len, n_featur
         warnings.simplefilter("ignore")
         est = RStarEstimator(kind).fit(X, Y)
     assert est._inv.whiten(est._stats).coherent_eigenvalues is None
+
+
+def test_proxy_coherent_statistic_counts_spikes_the_token_statistic_misses():
+    # three weak directions of A (0.1, 0.08, 0.06; sigma = 0.5): sum_i Y_i Y_i^T shows none, the
+    # split-half regression statistic (coherent over the 2000 samples) shows all three
+    from rstar.rules import sequential_spike_test
+
+    X, Y = make_linear_proxy(2000, seq_len=8, n_features=6, value_dim=6, rank=3, singular_values=[0.1, 0.08, 0.06],
+                             noise=0.5, random_state=0)
+    est = RStarEstimator("linear_proxy").fit(X, Y)
+    ws = est._inv.whiten(est._stats)
+    alone = sequential_spike_test(ws.eigenvalues, ws.n_columns, 0.01, ws.noise_variance, noise_dof=ws.noise_dof)
+    assert alone.rank == 0
+    assert ws.coherent_eigenvalues.shape == (8,) and ws.coherent_columns == 8.0
+    assert est.rank_ == 3
+    assert est.spectrum_[2] > est.threshold_ >= est.spectrum_[3]
+    assert est.effective_rank_ == pytest.approx(2.9, abs=0.2)
+    # the halves follow the global sample index, so streaming in odd-sized batches gives the same statistic
+    part = RStarEstimator("linear_proxy")
+    for start in range(0, 2000, 333):
+        part.partial_fit(X[start:start + 333], Y[start:start + 333])
+    ws_part = part._inv.whiten(part._stats)
+    assert part.rank_ == 3
+    np.testing.assert_allclose(ws_part.coherent_eigenvalues / ws_part.noise_variance,
+                               ws.coherent_eigenvalues / ws.noise_variance, rtol=1e-6)
+
+
+def test_proxy_coherent_statistic_needs_each_half_to_identify_the_regression():
+    # T d = 48 regression coefficients per output: 90 samples leave halves of 45 < 48
+    X, Y = make_linear_proxy(90, seq_len=8, n_features=6, value_dim=6, rank=2, random_state=0)
+    est = RStarEstimator("linear_proxy").fit(X, Y)
+    ws = est._inv.whiten(est._stats)
+    assert ws.noise_variance is not None and ws.coherent_eigenvalues is None
