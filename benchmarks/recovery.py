@@ -599,10 +599,19 @@ def detection_table(det_rows):
         for e in ests:
             c50 = fifty_point(curves[e])
             points[(family, e)] = c50
-            half.append("> 5" if c50 is None else _fmt(c50, 2))
+            half.append(_fmt_c50(c50))
         lines.append("| **50% point** | | " + " | ".join(half) + " |")
         out.append("\n".join(lines))
     return "\n\n".join(out), points
+
+
+def _fmt_c50(c50):
+    """The 50%-detection point as printed: "> 5" above the sweep, "≤ 0.5" at or below its first point."""
+    if c50 is None:
+        return f"> {DETECTION_C[-1]:g}"
+    if c50 <= DETECTION_C[0]:
+        return f"≤ {DETECTION_C[0]:g}"
+    return _fmt(c50, 2)
 
 
 def fifty_point(curve):
@@ -654,7 +663,7 @@ def goals_table(rows, points):
                 vals.append("—")
             else:
                 c50 = points[(family, e)]
-                vals.append("> 5" if c50 is None else _fmt(c50, 2))
+                vals.append(_fmt_c50(c50))
         lines.append(f"| 50%-detection point, {family} (× BBP) | ≤ 1.3 | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 

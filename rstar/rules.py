@@ -510,6 +510,10 @@ class MarchenkoPasturRule(RankRule):
     inversion's residual estimate, or the MP-median match of the bulk. When
     the inversion flags a structured bulk (first-order softmax), the bulk's
     variance *and* width are fitted to the lower half of the spectrum.
+    When the inversion also provides a coherent (first-moment) spectrum
+    (``ws.coherent_eigenvalues``: linear proxy and linear QK with a residual
+    noise level), each p-value is also combined with the adjusted sequential
+    p-values of that spectrum (:func:`coherent_p_values`).
     When the structured bulk comes with a residual level
     (``ws.residual_power``, first-order softmax with ``T - 1 > d``), each
     p-value is also combined with the residual floor test
