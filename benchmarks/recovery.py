@@ -743,8 +743,9 @@ def make_figures(rows, det_rows, out_dir):
                 cs = sorted(by_c)
                 ax.plot(cs, [_rate(by_c[c]) for c in cs], label=e, **_STYLE.get(e, {}))
             ax.axvspan(0.45, 1.0, color="red", alpha=0.06)
-            ax.axvline(1.0, color="red", lw=2, alpha=0.7, label="BBP threshold")
-            ax.text(0.72, 55, "below BBP:\nnot identifiable", color="red", ha="center", fontsize=8)
+            ax.axvline(1.0, color="red", lw=2, alpha=0.7, label="BBP threshold (second moment)")
+            ax.text(0.72, 55, "below BBP: invisible\nin the second-moment\nstatistic (coherent\nstatistics still see it)",
+                    color="red", ha="center", fontsize=7)
             ax.axvline(1.5, color="gray", lw=1, ls="--")
             ax.axhline(50, color="gray", lw=0.8, ls=":")
             ax.set_xscale("log")
