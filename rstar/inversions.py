@@ -226,8 +226,30 @@ def coherent_spectrum(M_sum, N_coherent):
         Descending.
     n_columns : float
         ``max(d, d_v)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.datasets import make_attention_task
+    >>> from rstar.inversions import QueryKeyInversion
+    >>> X, Y = make_attention_task(500, kind="linear_qk", seq_len=24, n_features=8, rank=2, random_state=0)
+    >>> inv = QueryKeyInversion()
+    >>> stats = inv.new_stats(24, 8, 8)
+    >>> inv.update(stats, X, Y)
+    >>> ws = inv.whiten(stats)
+    >>> lam = ws.coherent_eigenvalues / ws.noise_variance   # white Wishart 8 x 8 (edge 4) plus 2 spikes
+    >>> int(np.sum(lam > 10)), ws.coherent_columns
+    (2, 8.0)
     """
+    M_sum = np.asarray(M_sum, dtype=np.float64)
+    N_coherent = np.asarray(N_coherent, dtype=np.float64)
+    if M_sum.ndim != 2 or M_sum.size == 0:
+        raise ValueError(f"M_sum must be a non-empty 2-D array (d, d_v), got shape {M_sum.shape}.")
     d, d_v = M_sum.shape
+    if N_coherent.shape != (d, d):
+        raise ValueError(f"N_coherent must have shape ({d}, {d}) to match M_sum, got {N_coherent.shape}.")
+    if not (np.all(np.isfinite(M_sum)) and np.all(np.isfinite(N_coherent))):
+        raise ValueError("M_sum and N_coherent must be finite.")
     vals, vecs = np.linalg.eigh((N_coherent + N_coherent.T) / 2)
     keep = vals > max(vals.max(), 0.0) * 1e-12
     if not np.any(keep):

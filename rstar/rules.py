@@ -222,8 +222,24 @@ def coherent_p_values(eigenvalues, n_columns, noise_variance, noise_dof=None, al
     -------
     ndarray
         Non-decreasing adjusted p-values, one per test run.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.rules import coherent_p_values
+    >>> lam = np.array([60.0, 25.0, 3.1, 1.9, 1.2, 0.6, 0.3, 0.1])   # 8 x 8 white Wishart (edge 4) + 2 spikes
+    >>> q = coherent_p_values(lam, 8, noise_variance=1.0)
+    >>> int(np.sum(q < 0.01))
+    2
     """
-    res = sequential_spike_test(eigenvalues, n_columns, alpha / COHERENT_BONFERRONI, noise_variance, max_rank,
+    lam = np.asarray(eigenvalues, dtype=np.float64)
+    if lam.ndim != 1 or not np.all(np.isfinite(lam)):
+        raise ValueError(f"eigenvalues must be a finite 1-D array, got shape {lam.shape}.")
+    if not (np.isfinite(float(n_columns)) and float(n_columns) >= 1):
+        raise ValueError(f"n_columns must be a finite number >= 1, got {n_columns!r}.")
+    if not (np.isfinite(float(noise_variance)) and float(noise_variance) > 0):
+        raise ValueError(f"noise_variance must be a finite number > 0, got {noise_variance!r}.")
+    res = sequential_spike_test(lam, n_columns, alpha / COHERENT_BONFERRONI, noise_variance, max_rank,
                                 noise_dof=noise_dof)
     q = np.minimum(1.0, COHERENT_BONFERRONI * np.asarray(res.p_values, dtype=np.float64))
     return np.maximum.accumulate(q) if q.size else q

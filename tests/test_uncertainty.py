@@ -381,3 +381,40 @@ def test_residual_floor_p_values_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         residual_floor_p_values(**args)
+
+
+def test_coherent_p_values_adjusted_and_monotone():
+    from rstar.rules import COHERENT_BONFERRONI, coherent_p_values
+
+    lam = _white_spectrum(8, 8, spikes=2, scale=30.0, seed=2)
+    q = coherent_p_values(lam, 8, 1.0)
+    assert np.all(np.diff(q) >= 0) and np.all((q >= 0) & (q <= 1))
+    raw = sequential_spike_test(lam, 8, 0.01 / COHERENT_BONFERRONI, 1.0).p_values
+    np.testing.assert_allclose(q, np.maximum.accumulate(np.minimum(1.0, COHERENT_BONFERRONI * raw)))
+    assert int(np.sum(q < 0.01)) == 2
+
+
+@pytest.mark.parametrize("args,match", [
+    ((np.ones((2, 2)), 8, 1.0), "1-D"),
+    ((np.array([2.0, np.nan]), 8, 1.0), "finite"),
+    ((np.array([2.0, 1.0]), 0.5, 1.0), "n_columns"),
+    ((np.array([2.0, 1.0]), 8, 0.0), "noise_variance"),
+    ((np.array([2.0, 1.0]), 8, np.nan), "noise_variance"),
+])
+def test_coherent_p_values_bad_input(args, match):
+    from rstar.rules import coherent_p_values
+
+    with pytest.raises(ValueError, match=match):
+        coherent_p_values(*args)
+
+
+@pytest.mark.parametrize("M,N,match", [
+    (np.ones(3), np.eye(3), "2-D"),
+    (np.ones((3, 2)), np.eye(2), "shape"),
+    (np.full((2, 2), np.inf), np.eye(2), "finite"),
+])
+def test_coherent_spectrum_bad_input(M, N, match):
+    from rstar.inversions import coherent_spectrum
+
+    with pytest.raises(ValueError, match=match):
+        coherent_spectrum(M, N)
