@@ -559,7 +559,8 @@ class MarchenkoPasturRule(RankRule):
                     if ws.mp_shaped_bulk else None)
 
         coherent = None
-        if ws.coherent_eigenvalues is not None and noise_variance is not None and not ws.structured_bulk:
+        if (ws.coherent_eigenvalues is not None and noise_variance is not None and noise_variance > 0
+                and not ws.structured_bulk):
             coherent = (coherent_p_values(ws.coherent_eigenvalues, ws.coherent_columns, noise_variance, noise_dof,
                                           self.alpha, max_rank), ws.coherent_eigenvalues, ws.coherent_columns)
 
