@@ -117,15 +117,19 @@ class WhitenedStatistic:
         can be fitted on its own (:func:`rstar.rules.top_down_p_values`).
         False for the exact softmax inversion, whose clipped, weighted
         log-domain bulk is irregular.
-    coherent_eigenvalues : ndarray of shape (min(d, d_v),) or None
-        Linear query–key inversion with ``T > d`` and a residual noise level:
-        the descending eigenvalues of the whitened *first moment*
-        ``sum_i w_i M_i`` (:func:`coherent_spectrum`), a white Wishart with
-        ``coherent_columns`` columns at ``noise_variance`` plus a signal of
-        rank at most r\* (rank ``min(r*, d_v)`` for a well-conditioned V).
-        Rules may count on it too. None otherwise.
+    coherent_eigenvalues : ndarray or None
+        A second, *coherent* spectrum whose noise is a white Wishart with
+        ``coherent_columns`` columns at ``noise_variance`` and whose signal
+        has rank at most r\*; rules may count on it too. Linear query–key
+        inversion with ``T > d`` and a residual noise level: the whitened
+        first moment ``sum_i w_i M_i`` (:func:`coherent_spectrum`, shape
+        ``(min(d, d_v),)``, signal rank ``min(r*, d_v)`` for a
+        well-conditioned V). Token inversion with two sample halves that each
+        identify the regression of vec Y on vec X: the split-half estimate of
+        A (:func:`proxy_coherent_spectrum`, shape ``(T,)``). None otherwise.
     coherent_columns : float or None
-        The ``m`` of that Wishart: ``max(d, d_v)``.
+        The ``m`` of that Wishart: ``max(d, d_v)`` (query–key) or ``T``
+        (token).
     warnings : list of (Warning subclass, str)
         Conditions the estimator must report.
     """
@@ -427,6 +431,20 @@ def proxy_coherent_spectrum(stats):
     Returns
     -------
     (eigenvalues, n_columns) or None
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.datasets import make_linear_proxy
+    >>> from rstar.inversions import TokenInversion, proxy_coherent_spectrum
+    >>> X, Y = make_linear_proxy(1000, seq_len=8, n_features=6, value_dim=6, rank=2, random_state=0)
+    >>> inv = TokenInversion()
+    >>> stats = inv.new_stats(8, 6, 6)
+    >>> inv.update(stats, X, Y)
+    >>> lam, m = proxy_coherent_spectrum(stats)
+    >>> sigma2 = inv.whiten(stats).noise_variance
+    >>> int(np.sum(lam / sigma2 > 10)), m          # white 8 x 8 Wishart (edge 4) plus 2 spikes
+    (2, 8.0)
     """
     T, d, d_v = stats["dims"]
     Td = T * d
