@@ -254,14 +254,9 @@ def coherent_spectrum(M_sum, N_coherent):
         raise ValueError(f"N_coherent must have shape ({d}, {d}) to match M_sum, got {N_coherent.shape}.")
     if not (np.all(np.isfinite(M_sum)) and np.all(np.isfinite(N_coherent))):
         raise ValueError("M_sum and N_coherent must be finite.")
-    vals, vecs = np.linalg.eigh((N_coherent + N_coherent.T) / 2)
-    keep = vals > max(vals.max(), 0.0) * 1e-12
-    if not np.any(keep):
-        return np.zeros(min(d, d_v)), float(max(d, d_v))
-    inv_half = (vecs[:, keep] / np.sqrt(vals[keep])) @ vecs[:, keep].T
-    W = inv_half @ M_sum
+    W = psd_power(N_coherent, -0.5) @ M_sum
     S = W @ W.T / d_v if d <= d_v else W.T @ W / d
-    lam = np.clip(np.linalg.eigvalsh((S + S.T) / 2)[::-1], 0.0, None)
+    lam = np.clip(np.linalg.eigvalsh(sym(S))[::-1], 0.0, None)
     return lam, float(max(d, d_v))
 
 
@@ -359,7 +354,6 @@ class TokenInversion(Inversion):
             "HZ_odd": np.zeros((T, d, T, d)) if split else None,
             "FZ_odd": np.zeros((T, d, T, d_v)) if split else None,
             "n_odd": 0,
-            "yy_odd": 0.0,
         }
 
     def update(self, stats, X, Y):
@@ -369,13 +363,22 @@ class TokenInversion(Inversion):
         stats["YY"] += np.einsum("nta,nsa->ts", Y, Y, optimize=True)
         stats["yy"] += float(np.sum(Y**2))
         stats["n_odd"] += int(odd.sum())
-        stats["yy_odd"] += float(np.sum(Y[odd] ** 2))
-        if stats["HZ"] is not None:
+        if stats["HZ"] is None:
+            return
+        if stats.get("HZ_odd") is None:
             HZ, FZ = _bilinear.moment_sums(X, Y, np.ones(n))
             stats["HZ"] += HZ
             stats["FZ"] += FZ
-            if stats.get("HZ_odd") is not None and odd.any():
-                HZ, FZ = _bilinear.moment_sums(X[odd], Y[odd], np.ones(int(odd.sum())))
+            return
+        # each sample's moments once: the odd and even halves, whose sum is the whole
+        for is_odd in (True, False):
+            mask = odd == is_odd
+            if not mask.any():
+                continue
+            HZ, FZ = _bilinear.moment_sums(X[mask], Y[mask], np.ones(int(mask.sum())))
+            stats["HZ"] += HZ
+            stats["FZ"] += FZ
+            if is_odd:
                 stats["HZ_odd"] += HZ
                 stats["FZ_odd"] += FZ
 
@@ -580,8 +583,9 @@ class QueryKeyInversion(Inversion):
             "FZ": np.zeros((d, d, d, d_v)) if moments else None,
             "xbar_xbar": np.zeros((d, d)),
             "xbar_ybar": np.zeros((d, d_v)),
-            "M_sum": np.zeros((d, d_v)),
-            "N_coherent": np.zeros((d, d)),
+            # first moment, read only by the linear (uncentred) inversion
+            "M_sum": None if self.centred else np.zeros((d, d_v)),
+            "N_coherent": None if self.centred else np.zeros((d, d)),
         }
 
     def _tokens_eff(self, T):
@@ -613,8 +617,9 @@ class QueryKeyInversion(Inversion):
         stats["C"] += np.einsum("n,nav,nbv->ab", w, M, M, optimize=True)
         stats["N"] += np.einsum("n,nab->ab", w, G_pinv)
         # first moment: sum_i w_i M_i = K (sum_i w_i G_i) V + noise of covariance sigma2 sum_i w_i^2 G_i^+
-        stats["M_sum"] += np.einsum("n,nav->av", w, M)
-        stats["N_coherent"] += np.einsum("n,nab->ab", w**2, G_pinv)
+        if stats.get("M_sum") is not None:
+            stats["M_sum"] += np.einsum("n,nav->av", w, M)
+            stats["N_coherent"] += np.einsum("n,nab->ab", w**2, G_pinv)
         tr = np.trace(G_pinv, axis1=1, axis2=2) * w
         stats["s1"] += float(tr.sum())
         stats["s2"] += float(np.sum(tr**2))

@@ -112,6 +112,21 @@ def _test_dof(known, fit_bulk_width, noise_dof, p_k, m_k):
     return MEDIAN_EFFICIENCY * p_k * m_k  # the MP-median estimate's degrees of freedom
 
 
+def _checked_spectrum(eigenvalues):
+    """The eigenvalues as a float array; ValueError unless finite and 1-D."""
+    lam = np.asarray(eigenvalues, dtype=np.float64)
+    if lam.ndim != 1 or not np.all(np.isfinite(lam)):
+        raise ValueError(f"eigenvalues must be a finite 1-D array, got shape {lam.shape}.")
+    return lam
+
+
+def _check_number(name, value, low, strict=False):
+    """ValueError unless ``value`` is finite and ``>= low`` (``> low`` when ``strict``)."""
+    v = float(value)
+    if not (np.isfinite(v) and (v > low if strict else v >= low)):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}.")
+
+
 #: Fewest eigenvalues (the candidate spike and those below it) the top-down scan fits a bulk to.
 TOP_DOWN_MIN_BULK = 4
 
@@ -166,11 +181,8 @@ def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=No
     >>> int(np.sum(q < 0.01))
     30
     """
-    lam = np.asarray(eigenvalues, dtype=np.float64)
-    if lam.ndim != 1 or not np.all(np.isfinite(lam)):
-        raise ValueError(f"eigenvalues must be a finite 1-D array, got shape {lam.shape}.")
-    if not (np.isfinite(float(n_columns)) and float(n_columns) >= 1):
-        raise ValueError(f"n_columns must be a finite number >= 1, got {n_columns!r}.")
+    lam = _checked_spectrum(eigenvalues)
+    _check_number("n_columns", n_columns, 1)
     p = lam.size
     k_hi = p - TOP_DOWN_MIN_BULK
     if max_rank is not None:
@@ -232,13 +244,9 @@ def coherent_p_values(eigenvalues, n_columns, noise_variance, noise_dof=None, al
     >>> int(np.sum(q < 0.01))
     2
     """
-    lam = np.asarray(eigenvalues, dtype=np.float64)
-    if lam.ndim != 1 or not np.all(np.isfinite(lam)):
-        raise ValueError(f"eigenvalues must be a finite 1-D array, got shape {lam.shape}.")
-    if not (np.isfinite(float(n_columns)) and float(n_columns) >= 1):
-        raise ValueError(f"n_columns must be a finite number >= 1, got {n_columns!r}.")
-    if not (np.isfinite(float(noise_variance)) and float(noise_variance) > 0):
-        raise ValueError(f"noise_variance must be a finite number > 0, got {noise_variance!r}.")
+    lam = _checked_spectrum(eigenvalues)
+    _check_number("n_columns", n_columns, 1)
+    _check_number("noise_variance", noise_variance, 0, strict=True)
     res = sequential_spike_test(lam, n_columns, alpha / COHERENT_BONFERRONI, noise_variance, max_rank,
                                 noise_dof=noise_dof)
     q = np.minimum(1.0, COHERENT_BONFERRONI * np.asarray(res.p_values, dtype=np.float64))
@@ -301,14 +309,10 @@ def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margi
     >>> int(np.sum(q < 0.01))
     4
     """
-    lam = np.asarray(eigenvalues, dtype=np.float64)
-    if lam.ndim != 1 or not np.all(np.isfinite(lam)):
-        raise ValueError(f"eigenvalues must be a finite 1-D array, got shape {lam.shape}.")
-    for name, value, low in (("residual_power", residual_power, 0.0), ("min_bulk_columns", min_bulk_columns, 1.0),
-                             ("margin", margin, 1.0)):
-        if not (np.isfinite(float(value)) and float(value) >= low and (low > 0 or float(value) > 0)):
-            raise ValueError(f"{name} must be a finite number {'>= ' + str(low) if low > 0 else '> 0'}, "
-                             f"got {value!r}.")
+    lam = _checked_spectrum(eigenvalues)
+    _check_number("residual_power", residual_power, 0, strict=True)
+    _check_number("min_bulk_columns", min_bulk_columns, 1)
+    _check_number("margin", margin, 1)
     p = lam.size
     K = p if max_rank is None else min(p, int(max_rank))
     if K <= 0:
