@@ -20,7 +20,14 @@ from ._validation import (
     check_value_map,
     check_X_Y,
 )
-from .inversions import ILL_CONDITIONED_ASPECT, QueryKeyInversion, SoftmaxExactInversion, TokenInversion
+from .inversions import (
+    ILL_CONDITIONED_ASPECT,
+    MAX_MOMENT_ENTRIES,
+    QueryKeyInversion,
+    QueryKeyLeastSquaresInversion,
+    SoftmaxExactInversion,
+    TokenInversion,
+)
 from .metrics import token_r2_score
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
 
@@ -43,11 +50,16 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
     value_map : ndarray of shape (d, d_v) or None
         Known V, in the units the inversion will see.
     shape : tuple (T, d, d_v) or None
-        Needed to decide ``method="auto"`` for softmax.
+        Needed to decide ``method="auto"``.
     method : {"auto", "first_order", "exact"}, default="auto"
-        Softmax only: ``"exact"`` needs V and ``d >= T``, ``d_v >= T``;
+        Softmax: ``"exact"`` needs V and ``d >= T``, ``d_v >= T``;
         ``"auto"`` uses it when ``X_i V`` is well conditioned
         (``T <= 0.9 min(d, d_v)``), else the first-order inversion.
+        Linear QK: ``"exact"`` (needs V) is the least-squares inversion
+        :class:`~rstar.inversions.QueryKeyLeastSquaresInversion`;
+        ``"auto"`` uses it when V is known and its ``d^2 x d^2`` normal
+        matrix fits the memory budget (``d^4 <= MAX_MOMENT_ENTRIES``, i.e.
+        ``d <= 76``), else ``M_i = X_i^+ Y_i`` (``"first_order"``).
     residual_noise : bool or None
         Query–key inversions: take the noise variance from the residual
         outside ``col(X_i)``. Default: True for linear_qk; False for softmax,
@@ -69,6 +81,13 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
     if operator == "linear_proxy":
         return TokenInversion(value_map=value_map)
     if operator == "linear_qk":
+        if method == "exact" and value_map is None:
+            raise ValueError("method='exact' for operator='linear_qk' needs a known value_map (the least-squares "
+                             "inversion solves Y_i = X_i K X_i^T X_i V for K).")
+        d = None if value_map is None else np.asarray(value_map).shape[0]
+        if method == "exact" or (method == "auto" and d is not None and d**4 <= MAX_MOMENT_ENTRIES
+                                 and (residual_noise is None or residual_noise)):
+            return QueryKeyLeastSquaresInversion(value_map)
         return QueryKeyInversion(centred=False, residual_noise=True if residual_noise is None else residual_noise,
                                  value_map=value_map)
     if operator == "softmax":

@@ -18,6 +18,8 @@ Available inversions:
 - :class:`QueryKeyInversion` (B1, linear QK ``Y = X K X^T X V / c``):
   ``M_i = X_i^+ Y_i = K G_i V + X_i^+ E_i``; with ``centred=True`` it is the
   first-order softmax inversion applied to ``(P X, P Y)``.
+- :class:`QueryKeyLeastSquaresInversion` (B1 with a known V): least squares of
+  ``K`` on ``Y_i = X_i K G_i V + E_i`` itself, unbiased for any ``T``.
 - :class:`SoftmaxExactInversion` (B2 with a known V and ``d, d_v >= T``):
   weighted least squares on ``log S_i`` where ``S_i = Y_i (X_i V)^+``.
 """
@@ -37,6 +39,7 @@ __all__ = [
     "Inversion",
     "TokenInversion",
     "QueryKeyInversion",
+    "QueryKeyLeastSquaresInversion",
     "SoftmaxExactInversion",
     "coherent_spectrum",
     "proxy_coherent_spectrum",
@@ -54,6 +57,10 @@ MIN_NOISE_DOF = 50
 # Per-sample residual degrees of freedom needed before samples are reweighted by
 # their residual power (first-order softmax): 1/rho_i then has about 30% relative sd.
 MIN_SAMPLE_DOF = 20
+# Draws of the least-squares query-key estimate's noise for its simulated null, and their seed
+# (fixed, so that fit is a deterministic function of the data and partial_fit equals fit).
+NULL_DRAWS = 1000
+NULL_SEED = 20260
 # Aspect ratio min(T, d) / max(T, d) above which X_i^+ is ill-conditioned
 # (hard edge of the MP law at ratio 1).
 ILL_CONDITIONED_ASPECT = 0.9
@@ -61,7 +68,7 @@ ILL_CONDITIONED_ASPECT = 0.9
 
 @dataclass
 class WhitenedStatistic:
-    """The output of an inversion: a whitened symmetric statistic.
+    r"""The output of an inversion: a whitened symmetric statistic.
 
     Attributes
     ----------
@@ -130,6 +137,16 @@ class WhitenedStatistic:
     coherent_columns : float or None
         The ``m`` of that Wishart: ``max(d, d_v)`` (query–key) or ``T``
         (token).
+    statistic_matrix : ndarray of shape (p, p) or None
+        Least-squares query–key inversion: the whitened kernel estimate
+        ``K~`` whose ``K~ K~^T / d`` has the eigenvalues above (so rules can
+        deflate it). None otherwise.
+    null_draws : ndarray of shape (B, p, p) or None
+        Least-squares query–key inversion: ``B`` draws of the whitened
+        estimate's exact Gaussian noise (covariance ``sigma2`` times the
+        whitened inverse normal matrix, at ``noise_variance``), for the
+        simulated sequential test :func:`rstar.rules.simulated_null_p_values`.
+        None otherwise.
     warnings : list of (Warning subclass, str)
         Conditions the estimator must report.
     """
@@ -150,6 +167,8 @@ class WhitenedStatistic:
     residual_power: float = None
     coherent_eigenvalues: np.ndarray = None
     coherent_columns: float = None
+    statistic_matrix: np.ndarray = None
+    null_draws: np.ndarray = None
 
     @property
     def dim(self):
@@ -409,7 +428,7 @@ class TokenInversion(Inversion):
 
 
 def proxy_coherent_spectrum(stats):
-    """Coherent statistic of the linear proxy from split-half regressions (None if a half is too small).
+    r"""Coherent statistic of the linear proxy from split-half regressions (None if a half is too small).
 
     Under ``Y_i = A X_i V + E_i`` the unconstrained least-squares regression of
     ``vec Y_i`` on ``vec X_i`` has coefficients ``B[(s, a), (t, v)] =
@@ -710,6 +729,145 @@ class QueryKeyInversion(Inversion):
         if beta == 0.0 or not np.isfinite(beta):
             return _SoftmaxOperator(np.zeros((d, d)), solve_psd(Sxx, Sxy))
         return _SoftmaxOperator(L * c / beta, beta * R)
+
+
+class QueryKeyLeastSquaresInversion(QueryKeyInversion):
+    """Least-squares inversion of linear QK with a known V (theory §4, B1).
+
+    With V known, ``Y_i = X_i K (G_i V) + E_i`` (``G_i = X_i^T X_i``, the
+    scale ``1/c`` absorbed in K) is *linear* in K: ``vec K`` is the
+    least-squares solution of the pooled system, with normal matrix
+    ``H = sum_i G_i (x) G_i V V^T G_i`` (``d^2 x d^2``) and right-hand side
+    ``sum_i vec(X_i^T Y_i V^T G_i)``. Unlike ``M_i = X_i^+ Y_i``, which keeps
+    only the projection ``X_i^+ X_i K`` when ``T < d``, it is unbiased for any
+    ``T`` (each sample pins the bilinear form of K on the row space of
+    ``X_i``; the samples together pin all of K), and its noise is exactly
+    Gaussian, ``N(0, sigma2 H^{-1})``, with ``sigma2`` from the residual
+    (``n T d_v - d^2`` degrees of freedom).
+
+    The statistic is ``K~ K~^T / d`` with ``K~ = A^{1/2} K B^{1/2}`` and
+    ``A (x) B`` the nearest Kronecker product to ``H`` (Van Loan & Pitsianis
+    1993), so that its noise is close to white at level ``sigma2`` (MP ratio
+    1). Because ``H`` is not exactly a Kronecker product, the rule does not
+    lean on the MP law: ``null_draws`` carries ``NULL_DRAWS`` exact draws of
+    the whitened noise (seeded with ``NULL_SEED``), and
+    :func:`rstar.rules.simulated_null_p_values` tests each eigenvalue
+    against them.
+
+    The sums of :class:`QueryKeyInversion` are kept too: with fewer samples
+    than the pooled system needs (``n min(T, d) min(T, d, d_v) < d^2``) the
+    statistic falls back to that first-order inversion, with a warning.
+
+    Parameters
+    ----------
+    value_map : ndarray of shape (d, d_v)
+        The known V (in the estimator's internal units).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.datasets import make_attention_task
+    >>> from rstar.inversions import QueryKeyLeastSquaresInversion
+    >>> X, Y, t = make_attention_task(300, kind="linear_qk", seq_len=6, n_features=12, rank=3,
+    ...                               noise=0.1, random_state=0, return_teacher=True)
+    >>> inv = QueryKeyLeastSquaresInversion(t.value_map)
+    >>> stats = inv.new_stats(6, 12, 12)
+    >>> inv.update(stats, X, Y)
+    >>> ws = inv.whiten(stats)
+    >>> round(ws.noise_variance / 0.1**2, 2), ws.null_draws.shape
+    (1.0, (1000, 12, 12))
+    """
+
+    def __init__(self, value_map):
+        super().__init__(centred=False, residual_noise=True, value_map=value_map)
+
+    def least_squares_samples(self, T, d, d_v):
+        """Fewest samples for which the pooled normal matrix can have full rank ``d^2``."""
+        t = min(T, d)
+        return max(2, -(-d * d // (t * min(t, d_v))) + 1)
+
+    def new_stats(self, T, d, d_v):
+        stats = super().new_stats(T, d, d_v)
+        # the first-order sums serve only the fallback; predict uses the least-squares sums
+        stats["HZ"] = stats["FZ"] = None
+        stats.update(R_ls=np.zeros((d * d, d * d)), rhs_ls=np.zeros(d * d), yy=0.0)
+        return stats
+
+    def update(self, stats, X, Y, chunk=256):
+        super().update(stats, X, Y)
+        n, _, d = X.shape
+        V = self.value_map
+        for start in range(0, n, chunk):
+            Xb, Yb = X[start:start + chunk], Y[start:start + chunk]
+            G = np.einsum("nta,ntb->nab", Xb, Xb, optimize=True)
+            GV = G @ V
+            P = GV @ np.swapaxes(GV, 1, 2)
+            # H[(a,b),(a',b')] = sum_i G_i[a,a'] P_i[b,b']: its rearrangement R[(a,a'),(b,b')]
+            # is one matrix product over samples
+            stats["R_ls"] += G.reshape(len(Xb), -1).T @ P.reshape(len(Xb), -1)
+            stats["rhs_ls"] += np.einsum("nta,ntv,nbv->ab", Xb, Yb, GV, optimize=True).ravel()
+            stats["yy"] += float(np.sum(Yb**2))
+
+    @staticmethod
+    def normal_matrix(stats):
+        """The pooled normal matrix ``H`` (``d^2 x d^2``, row-major ``vec K``) from the sums."""
+        d = stats["dims"][1]
+        return stats["R_ls"].reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)
+
+    def whiten(self, stats):
+        T, d, d_v = stats["dims"]
+        n = stats["n"]
+        dof = n * T * d_v - d * d
+        if n < self.least_squares_samples(T, d, d_v) or dof < MIN_NOISE_DOF:
+            ws = super().whiten(stats)
+            ws.warnings.append((IllConditionedInversionWarning,
+                                f"{n} samples are too few for the least-squares query-key inversion with a known "
+                                f"V at T={T}, d={d}, d_v={d_v} (it needs {self.least_squares_samples(T, d, d_v)} "
+                                f"and {MIN_NOISE_DOF} residual degrees of freedom). Fallback in use: the first-order "
+                                "inversion M_i = X_i^+ Y_i, biased towards the projections X_i^+ X_i when T < d."))
+            return ws
+        H = self.normal_matrix(stats)
+        H = sym(H)
+        scale = float(np.trace(H)) / H.shape[0]
+        warnings = []
+        try:
+            L = linalg.cholesky(H, lower=True, check_finite=False)
+            cond_ok = np.min(np.abs(np.diag(L))) > 1e-6 * np.max(np.abs(np.diag(L)))
+        except linalg.LinAlgError:
+            cond_ok = False
+        if not cond_ok:
+            # a direction of K no sample sees (e.g. degenerate tokens): a tiny ridge keeps it at zero
+            warnings.append((IllConditionedInversionWarning,
+                             "the least-squares query-key normal matrix is singular or ill-conditioned (some "
+                             "directions of K are not seen by any sample). Fallback in use: a ridge of 1e-8 "
+                             "times its mean diagonal, which sets unseen directions of K to zero."))
+            H = H + 1e-8 * max(scale, np.finfo(float).tiny) * np.eye(H.shape[0])
+            L = linalg.cholesky(H, lower=True, check_finite=False)
+        k = linalg.cho_solve((L, True), stats["rhs_ls"], check_finite=False)
+        sigma2 = max(stats["yy"] - float(stats["rhs_ls"] @ k), 0.0) / dof
+        A, B = nearest_kronecker_product(H, d)
+        A_half, B_half = psd_power(A, 0.5), psd_power(B, 0.5)
+        Kt = A_half @ k.reshape(d, d) @ B_half
+        lam, vecs = _eigh_desc(Kt @ Kt.T / d)
+        lam = np.clip(lam, 0.0, None)
+        # exact draws of the whitened noise: vec N ~ N(0, sigma2 H^{-1}) = sigma L^{-T} z
+        rng = np.random.default_rng(NULL_SEED)
+        Z = linalg.solve_triangular(L, rng.standard_normal((d * d, NULL_DRAWS)), lower=True, trans="T",
+                                    check_finite=False) * np.sqrt(sigma2)
+        draws = np.einsum("ab,bcj,cd->jad", A_half, Z.reshape(d, d, NULL_DRAWS), B_half, optimize=True)
+        return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), float(sigma2), float(dof), warnings,
+                                 statistic_matrix=Kt, null_draws=draws)
+
+    def fit_operator(self, stats, basis):
+        d = stats["dims"][1]
+        U = basis.T
+        r = U.shape[1]
+        if r == 0:
+            return _LinearQKOperator(np.zeros((d, d)), self.value_map)
+        H = self.normal_matrix(stats)
+        J = np.kron(U, np.eye(d))  # vec_row(U B) = J vec_row(B)
+        b = solve_psd(J.T @ H @ J, J.T @ stats["rhs_ls"])
+        return _LinearQKOperator(U @ b.reshape(r, d), self.value_map)
 
 
 class _LinearQKOperator:

@@ -31,7 +31,7 @@ from .spectral import (
 )
 from .exceptions import UnidentifiableRankWarning
 
-__all__ = ["RuleResult", "RankRule", "interval_levels", "leak_is_visible", "top_down_p_values", "residual_floor_p_values", "coherent_p_values", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
+__all__ = ["RuleResult", "RankRule", "interval_levels", "leak_is_visible", "top_down_p_values", "residual_floor_p_values", "coherent_p_values", "simulated_null_p_values", "NumericalRule", "MarchenkoPasturRule", "EnergyRule", "sequential_spike_test"]
 
 
 @dataclass
@@ -205,7 +205,7 @@ COHERENT_BONFERRONI = 4.0
 
 
 def coherent_p_values(eigenvalues, n_columns, noise_variance, noise_dof=None, alpha=0.01, max_rank=None):
-    """Sequential p-values on the coherent query–key spectrum, Bonferroni-adjusted for combination.
+    r"""Sequential p-values on the coherent query–key spectrum, Bonferroni-adjusted for combination.
 
     The whitened first moment of the linear query–key inversion
     (:func:`rstar.inversions.coherent_spectrum`) is a white Wishart with
@@ -322,10 +322,106 @@ def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margi
     return np.minimum(1.0, K * np.minimum.accumulate(raw[::-1])[::-1])
 
 
+def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None):
+    """Sequential p-values of the eigenvalues of ``M M^T / p`` against simulated noise draws.
+
+    For a statistic ``M = S + N`` (``p x q``) whose noise ``N`` can be drawn
+    exactly (the least-squares query–key inversion,
+    :class:`rstar.inversions.QueryKeyLeastSquaresInversion`), test ``k``
+    asks whether the ``(k+1)``-th eigenvalue ``s_{k+1}^2 / p`` is larger than
+    under the hypothesis ``rank S = k``: a parametric bootstrap of that
+    hypothesis, with ``S`` taken as the rank-``k`` truncation ``S_k`` of
+    ``M`` and the null law that of ``s_{k+1}(S_k + N_j)^2 / p`` over the
+    ``B`` draws ``N_j``. The p-value is the Monte Carlo
+    ``(1 + #{null >= observed}) / (B + 1)`` (no asymptotic law of the
+    largest eigenvalue is assumed, so it holds for any noise covariance that
+    the draws reproduce; its smallest value is ``1 / (B + 1)``).
+    Where the eigenvalue exceeds the largest ``s_1(N_j)^2 / p`` (Weyl:
+    ``s_{k+1}(S_k + N) <= s_1(N)``), the test rejects with that smallest
+    p-value without the draws being deflated. The tests run on up to the
+    first p-value at or above the lenient level of :func:`interval_levels`.
+
+    Parameters
+    ----------
+    matrix : ndarray of shape (p, q)
+    null_draws : ndarray of shape (B, p, q)
+        Draws of the noise ``N``.
+    alpha : float in (0, 1), default=0.01
+    max_rank : int or None, default=None
+
+    Returns
+    -------
+    p_values : ndarray of shape (n_tested,)
+    cuts : ndarray of shape (n_tested,)
+        The ``1 - alpha`` quantile of each test's null law (eigenvalue units).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.rules import simulated_null_p_values
+    >>> rng = np.random.default_rng(0)
+    >>> S = np.zeros((10, 10)); S[0, 0], S[1, 1] = 8.0, 6.0
+    >>> M = S + rng.standard_normal((10, 10))
+    >>> q, cuts = simulated_null_p_values(M, rng.standard_normal((500, 10, 10)))
+    >>> int(np.sum(np.cumprod(q < 0.01)))
+    2
+    """
+    M = np.asarray(matrix, dtype=np.float64)
+    Z = np.asarray(null_draws, dtype=np.float64)
+    if M.ndim != 2 or M.size == 0 or not np.all(np.isfinite(M)):
+        raise ValueError(f"matrix must be a finite, non-empty 2-D array, got shape {M.shape}.")
+    if Z.ndim != 3 or Z.shape[1:] != M.shape or Z.shape[0] < 1 or not np.all(np.isfinite(Z)):
+        raise ValueError(f"null_draws must be a finite array of shape (B, {M.shape[0]}, {M.shape[1]}) with B >= 1, "
+                         f"got shape {Z.shape}.")
+    _check_number("alpha", alpha, 0.0, strict=True)
+    p, q = M.shape
+    B = Z.shape[0]
+    U, s, Wt = np.linalg.svd(M)
+    lam = np.zeros(p)
+    lam[: s.size] = s**2 / p
+    top = np.linalg.svd(Z, compute_uv=False)[:, 0] ** 2 / p
+    stop_level = max(alpha, interval_levels(alpha)[1])
+    k_max = min(p, q) if max_rank is None else min(p, q, int(max_rank))
+    p_values, cuts = [], []
+    for k in range(k_max):
+        if lam[k] > top.max():
+            null = top
+        else:
+            S_k = (U[:, :k] * s[:k]) @ Wt[:k]
+            null = np.linalg.svd(S_k + Z, compute_uv=False)[:, k] ** 2 / p
+        p_values.append((1.0 + np.sum(null >= lam[k])) / (B + 1.0))
+        cuts.append(float(np.quantile(null, 1.0 - alpha)))
+        if p_values[-1] >= stop_level:
+            break
+    return np.asarray(p_values), np.asarray(cuts)
+
+
+def _simulated_null_result(ws, noise_variance, alpha, max_rank):
+    """The rule's result on a statistic that carries exact noise draws (``ws.null_draws``)."""
+    sigma2 = float(ws.noise_variance)
+    draws = ws.null_draws
+    if noise_variance is not None and sigma2 > 0:
+        # the user's noise level: rescale the draws (made at the residual estimate)
+        draws = draws * np.sqrt(noise_variance / sigma2)
+        sigma2 = float(noise_variance)
+    q, cuts = simulated_null_p_values(ws.statistic_matrix, draws, alpha, max_rank)
+    rank = _count_below(q, alpha)
+    lo, hi = interval_levels(alpha)
+    lam = ws.eigenvalues
+    p = lam.size
+    threshold = float(cuts[min(rank, len(cuts) - 1)]) if len(cuts) else float(lam[0]) if p else 0.0
+    if sigma2 > 0:
+        theta = debias_spike(lam[:rank] / sigma2, p / ws.n_columns)
+    else:
+        theta = np.maximum(lam[:rank], 0.0)
+    return RuleResult(rank, threshold, entropy_effective_rank_from_singular_values(np.sqrt(np.maximum(theta, 0.0))),
+                      sigma2, theta, q, [], (_count_below(q, lo), _count_below(q, hi)))
+
+
 def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=None, max_rank=None,
                           fit_bulk_width=False, noise_dof=None, min_bulk_columns=None, noise_quantile=0.5,
                           top_down=None, residual_floor=None, coherent=None):
-    """Count spikes above the noise edge by sequential Tracy–Widom tests.
+    r"""Count spikes above the noise edge by sequential Tracy–Widom tests.
 
     For ``k = 0, 1, ...``: estimate the noise variance from the ``p - k``
     smallest eigenvalues (MP-median matching, unless ``noise_variance`` is
@@ -546,7 +642,9 @@ class MarchenkoPasturRule(RankRule):
     A query–key statistic with fewer tokens than features (``ws.leak_ratio``)
     is first read with the white-noise model; the bulk is fitted as
     structured only if the leak implied by the spikes found is visible
-    (:func:`leak_is_visible`). A residual estimate enters the tests with its degrees of freedom
+    (:func:`leak_is_visible`). A statistic that carries exact draws of its
+    noise (``ws.null_draws``: linear QK with a known V) is tested against
+    them instead (:func:`simulated_null_p_values`). A residual estimate enters the tests with its degrees of freedom
     (``ws.noise_dof``); a user's value is taken as exact.
     """
 
@@ -554,6 +652,8 @@ class MarchenkoPasturRule(RankRule):
         self.alpha = alpha
 
     def __call__(self, ws, noise_variance=None, max_rank=None):
+        if ws.null_draws is not None and ws.statistic_matrix is not None and ws.noise_variance is not None:
+            return _simulated_null_result(ws, noise_variance, self.alpha, max_rank)
         noise_dof = None
         if noise_variance is None and ws.noise_variance is not None:
             noise_variance = ws.noise_variance

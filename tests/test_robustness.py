@@ -173,8 +173,10 @@ D = 12
 # softmax at T = d - 1 is not here: with T > 0.9 min(d, d_v) method="auto" uses the first-order
 # inversion even when V is known, and it sees T-1 = d-2 centred tokens, which is not ill-conditioned
 # (see test_t_close_to_d_softmax_first_order_below_edge_recovers).
+# linear QK with a known V is not here either: its least-squares inversion pools every sample into one
+# system for K and is not ill-conditioned at T = d (see test_t_close_to_d_linear_qk_known_v_least_squares).
 NEAR_EDGE = [pytest.param(kind, known_v, T, id=f"{kind}-{'V_known' if known_v else 'V_unknown'}-T{T}")
-             for kind, known_v in [("linear_qk", False), ("linear_qk", True), ("softmax", False), ("softmax", True)]
+             for kind, known_v in [("linear_qk", False), ("softmax", False), ("softmax", True)]
              for T in (D - 1, D, D + 1) if not (kind == "softmax" and T == D - 1)]
 
 
@@ -190,6 +192,20 @@ def test_t_close_to_d_warns_ill_conditioned(kind, known_v, T):
         assert type(est._inv).__name__ == "QueryKeyInversion"
         assert t.rank <= est.rank_ <= t.rank + 2, (seed, est.rank_)
         assert _captured(est.components_[:t.rank], _range(t.kernel, t.rank)) > t.rank - 0.15
+
+
+@pytest.mark.parametrize("T", [D - 1, D, D + 1])
+def test_t_close_to_d_linear_qk_known_v_least_squares(T):
+    """With V known, K is the least-squares solution of Y_i = X_i K G_i V pooled over samples: no X_i^+,
+    so T = d is an ordinary, well-posed regression. No warning, and r* exactly."""
+    for seed in range(3):
+        X, Y, t = _attention("linear_qk", seed, seq_len=T, n_features=D)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", IllConditionedInversionWarning)
+            est = _estimator("linear_qk", t, True).fit(X, Y)
+        assert type(est._inv).__name__ == "QueryKeyLeastSquaresInversion"
+        assert est.rank_ == t.rank, (seed, est.rank_)
+        assert _captured(est.components_[:t.rank], _range(t.kernel, t.rank)) > t.rank - 0.01
 
 
 @pytest.mark.parametrize("known_v", [False, True], ids=["V_unknown", "V_known"])
