@@ -5,7 +5,8 @@ For each null regime, fits ``RStarEstimator`` (default alpha = 0.01) on
 the strict and the lenient ends of ``rank_interval_`` are above 0, and how the
 first sequential p-value is distributed (a calibrated p-value is uniform:
 P(p < 0.1) = 0.1, P(p < 0.5) = 0.5). The regimes are those of
-``tests/test_uncertainty.py::NULL_TASKS``.
+``tests/test_uncertainty.py::NULL_TASKS``, plus linear QK with a known V
+(the least-squares inversion, tested in ``tests/test_least_squares_qk.py``).
 
 Usage::
 
@@ -29,6 +30,11 @@ import numpy as np  # noqa: E402
 from rstar import RStarEstimator  # noqa: E402
 from rstar.datasets import make_attention_task, make_linear_proxy  # noqa: E402
 
+def _known_v(task):
+    X, Y, teacher = task
+    return X, Y, teacher.value_map
+
+
 REGIMES = {
     "linear proxy, residual σ² (T=12, d=8, n=200)":
         ("linear_proxy", lambda s: make_linear_proxy(200, seq_len=12, n_features=8, rank=0, random_state=s)),
@@ -43,6 +49,12 @@ REGIMES = {
     "linear QK, T = d (T=16, d=16, n=300)":
         ("linear_qk", lambda s: make_attention_task(300, kind="linear_qk", seq_len=16, n_features=16, rank=0,
                                                     random_state=s)),
+    "linear QK, V known, T < d (T=6, d=8, n=150)":
+        ("linear_qk", lambda s: _known_v(make_attention_task(150, kind="linear_qk", seq_len=6, n_features=8, rank=0,
+                                                             random_state=s, return_teacher=True))),
+    "linear QK, V known, T = d (T=16, d=16, n=300)":
+        ("linear_qk", lambda s: _known_v(make_attention_task(300, kind="linear_qk", seq_len=16, n_features=16,
+                                                             rank=0, random_state=s, return_teacher=True))),
     "softmax first order (T=24, d=8, n=150)":
         ("softmax", lambda s: make_attention_task(150, kind="softmax", seq_len=24, n_features=8, rank=0,
                                                   random_state=s)),
@@ -60,10 +72,10 @@ def main(argv=None):
         t0 = time.perf_counter()
         ranks, p0, lo, hi = [], [], [], []
         for seed in range(args.tasks):
-            X, Y = make(seed)
+            X, Y, *V = make(seed)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                est = RStarEstimator(operator).fit(X, Y)
+                est = RStarEstimator(operator, value_map=V[0] if V else None).fit(X, Y)
             ranks.append(est.rank_)
             p0.append(est.p_values_[0])
             lo.append(est.rank_interval_[0])
