@@ -132,11 +132,18 @@ class WhitenedStatistic:
         first moment ``sum_i w_i M_i`` (:func:`coherent_spectrum`, shape
         ``(min(d, d_v),)``, signal rank ``min(r*, d_v)`` for a
         well-conditioned V). Token inversion with two sample halves that each
-        identify the regression of vec Y on vec X: the split-half estimate of
-        A (:func:`proxy_coherent_spectrum`, shape ``(T,)``). None otherwise.
+        fit the bilinear model (odd half: V) and the restricted regression
+        for A given V (even half): :func:`proxy_coherent_spectrum`, shape
+        ``(T,)``. None otherwise.
     coherent_columns : float or None
         The ``m`` of that Wishart: ``max(d, d_v)`` (query–key) or ``T``
         (token).
+    coherent_noise_variance, coherent_noise_dof : float or None
+        Linear proxy with ``n <= T d`` (no residual of the unconstrained
+        regression): the noise level for the coherent statistic alone, from
+        the residual of its restricted regression on the even samples
+        (exact chi-square with ``coherent_noise_dof`` degrees of freedom
+        under the null; a little above the noise with signal). None otherwise.
     statistic_matrix : ndarray of shape (p, p) or None
         Least-squares query–key inversion: the whitened kernel estimate
         ``K~`` whose ``K~ K~^T / d`` has the eigenvalues above (so rules can
@@ -169,6 +176,8 @@ class WhitenedStatistic:
     coherent_columns: float = None
     statistic_matrix: np.ndarray = None
     null_draws: np.ndarray = None
+    coherent_noise_variance: float = None
+    coherent_noise_dof: float = None
 
     @property
     def dim(self):
@@ -373,6 +382,7 @@ class TokenInversion(Inversion):
             "HZ_odd": np.zeros((T, d, T, d)) if split else None,
             "FZ_odd": np.zeros((T, d, T, d_v)) if split else None,
             "n_odd": 0,
+            "yy_odd": 0.0,
         }
 
     def update(self, stats, X, Y):
@@ -382,6 +392,7 @@ class TokenInversion(Inversion):
         stats["YY"] += np.einsum("nta,nsa->ts", Y, Y, optimize=True)
         stats["yy"] += float(np.sum(Y**2))
         stats["n_odd"] += int(odd.sum())
+        stats["yy_odd"] += float(np.sum(Y[odd] ** 2))
         if stats["HZ"] is None:
             return
         if stats.get("HZ_odd") is None:
@@ -413,12 +424,20 @@ class TokenInversion(Inversion):
             dof = T * d_v * n - rank_H * T * d_v
             if dof >= MIN_NOISE_DOF:
                 noise = max(stats["yy"] - fitted, 0.0) / dof
-        coherent = None
-        if noise is not None and stats.get("HZ_odd") is not None:
+        coherent, coh_noise, coh_dof = None, None, None
+        if stats.get("HZ_odd") is not None:
             coherent = proxy_coherent_spectrum(stats)
+            if coherent is not None and noise is None:
+                # n <= T d: no regression residual; the even half's restricted residual serves the
+                # coherent test alone (the second-moment test keeps its bulk estimate)
+                coh_noise, coh_dof = coherent[2], coherent[3]
+                if coh_noise is None:
+                    coherent = None
         return WhitenedStatistic(lam, vecs, np.eye(T), float(m), noise, float(max(dof, 0)),
                                  coherent_eigenvalues=None if coherent is None else coherent[0],
-                                 coherent_columns=None if coherent is None else coherent[1])
+                                 coherent_columns=None if coherent is None else coherent[1],
+                                 coherent_noise_variance=coh_noise if coherent is not None else None,
+                                 coherent_noise_dof=coh_dof if coherent is not None else None)
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:
@@ -428,22 +447,27 @@ class TokenInversion(Inversion):
 
 
 def proxy_coherent_spectrum(stats):
-    r"""Coherent statistic of the linear proxy from split-half regressions (None if a half is too small).
+    r"""Coherent statistic of the linear proxy from split-half fits (None if a half is too small).
 
-    Under ``Y_i = A X_i V + E_i`` the unconstrained least-squares regression of
-    ``vec Y_i`` on ``vec X_i`` has coefficients ``B[(s, a), (t, v)] =
-    A[t, s] V[a, v]``: rearranged as a ``(d d_v) × T²`` matrix it is the
-    rank-one ``vec(V) vec(A)^T`` (Van Loan & Pitsianis 1993). The direction
-    ``u`` of ``vec(V)`` is taken from the regression on the samples with odd
-    global index, and ``Â = u^T B_even`` from the others, so that ``u`` is
-    independent of the noise in ``Â``. The rows of ``Â`` (T × T) are then
-    independent ``N(·, sigma2 Ω)`` with
-    ``Ω[s, s'] = sum_{a, a'} (U^T U)[a, a'] H_even^{-1}[(s, a), (s', a')]``
-    (``U`` = ``u`` as d_v × d, ``H_even`` the halves' ``sum vec X vec X^T``),
-    and the eigenvalues of ``W W^T / T`` with ``W = Â Ω^{-1/2}`` are a white
-    Wishart (T × T) at level ``sigma2`` plus a signal of rank r\*. The
-    regression averages every sample's signal coherently, so a weak
-    direction of A stands out here long before it does in ``Σ Y_i Y_i^T``.
+    Under ``Y_i = A X_i V + E_i`` every sample carries the same A, so a
+    regression that pools the samples adds their signal *coherently*, while
+    ``Σ Y_i Y_i^T`` adds it incoherently. V is estimated from the samples
+    with odd global index, by alternating least squares of the bilinear model
+    with a full-rank A (:func:`rstar._bilinear.fit_bilinear` on their moment
+    sums; it needs far fewer than the ``T d`` samples of the unconstrained
+    regression of ``vec Y`` on ``vec X``), and normalised to ``U``. Given
+    ``U``, the model on the other samples is *linear* in A:
+    ``Y_i ≈ Â (X_i U)``, the restricted regression with normal matrix
+    ``Ω = Σ_even (X_i U)(X_i U)^T`` (T × T; a contraction of the moment sums
+    with ``U U^T``) and right-hand side ``R = Σ_even Y_i (X_i U)^T``.
+    Because ``U`` is independent of the even samples' noise, the rows of
+    ``Â = R Ω^{-1}`` are independent ``N(·, sigma2 Ω^{-1})``, so
+    ``W = Â Ω^{1/2}`` has white noise and the eigenvalues of ``W W^T / T``
+    are a white T × T Wishart at level ``sigma2`` plus a signal
+    ``A Q`` (``Q`` a T × T matrix) of rank at most r\*. The residual of the
+    same restricted regression gives an independent, exactly chi-square
+    estimate of ``sigma2`` with ``n_even T d_v - T^2`` degrees of freedom,
+    used when the unconstrained regression has none (``n <= T d``).
 
     Parameters
     ----------
@@ -452,7 +476,9 @@ def proxy_coherent_spectrum(stats):
 
     Returns
     -------
-    (eigenvalues, n_columns) or None
+    (eigenvalues, n_columns, noise_variance, noise_dof) or None
+        ``noise_variance`` is None when the restricted residual has fewer
+        than ``MIN_NOISE_DOF`` degrees of freedom.
 
     Examples
     --------
@@ -463,40 +489,38 @@ def proxy_coherent_spectrum(stats):
     >>> inv = TokenInversion()
     >>> stats = inv.new_stats(8, 6, 6)
     >>> inv.update(stats, X, Y)
-    >>> lam, m = proxy_coherent_spectrum(stats)
-    >>> sigma2 = inv.whiten(stats).noise_variance
+    >>> lam, m, sigma2, dof = proxy_coherent_spectrum(stats)
     >>> int(np.sum(lam / sigma2 > 10)), m          # white 8 x 8 Wishart (edge 4) plus 2 spikes
     (2, 8.0)
+    >>> # the restricted residual also holds the misfit of the estimated U: a little above the noise
+    >>> round(sigma2 / inv.whiten(stats).noise_variance, 2)
+    1.03
     """
     T, d, d_v = stats["dims"]
     Td = T * d
     n_odd, n_even = stats["n_odd"], stats["n"] - stats["n_odd"]
-    if min(n_odd, n_even) * T * d_v - Td * T * d_v < MIN_NOISE_DOF or min(n_odd, n_even) <= Td:
+    # the odd half must identify the bilinear model (T^2 + d d_v parameters) and the even half A given U
+    if n_odd * T * d_v < 2 * (T * T + d * d_v) or n_odd * T < 2 * d or n_even * d_v < 2 * T:
         return None
-    H_odd = stats["HZ_odd"].reshape(Td, Td)
-    H_even = stats["HZ"].reshape(Td, Td) - H_odd
-    F_odd = stats["FZ_odd"].reshape(Td, T * d_v)
-    F_even = stats["FZ"].reshape(Td, T * d_v) - F_odd
-    try:
-        B_odd = linalg.solve(sym(H_odd), F_odd, assume_a="pos", check_finite=False)
-        H_even_inv = linalg.inv(sym(H_even), check_finite=False)
-    except (linalg.LinAlgError, ValueError):
+    _, U = _bilinear.fit_bilinear(stats["HZ_odd"], stats["FZ_odd"], np.eye(T))
+    scale = np.linalg.norm(U)
+    if not (np.isfinite(scale) and scale > 0):
         return None
-    B_even = H_even_inv @ F_even
-
-    def rearranged(B):   # [(s, a), (t, v)] -> [(a, v), (t, s)]
-        return B.reshape(T, d, T, d_v).transpose(1, 3, 2, 0).reshape(d * d_v, T * T)
-
-    u = np.linalg.svd(rearranged(B_odd), full_matrices=False)[0][:, 0]
-    A_hat = (u @ rearranged(B_even)).reshape(T, T)
-    U = u.reshape(d, d_v)
-    omega = np.einsum("ab,satb->st", U @ U.T, H_even_inv.reshape(T, d, T, d), optimize=True)
+    U = U / scale
+    H_even = (stats["HZ"] - stats["HZ_odd"]).reshape(T, d, T, d)
+    F_even = (stats["FZ"] - stats["FZ_odd"]).reshape(T, d, T, d_v)
+    omega = np.einsum("ab,satb->st", U @ U.T, H_even, optimize=True)
+    R = np.einsum("satv,av->ts", F_even, U, optimize=True)
     vals, vecs = np.linalg.eigh(sym(omega))
     if not vals.min() > 1e-12 * vals.max():
         return None
-    W = A_hat @ (vecs / np.sqrt(vals)) @ vecs.T
+    W = R @ (vecs / np.sqrt(vals)) @ vecs.T   # Â Ω^{1/2} = R Ω^{-1/2}
     lam = np.clip(np.linalg.eigvalsh(sym(W @ W.T / T))[::-1], 0.0, None)
-    return lam, float(T)
+    dof = n_even * T * d_v - T * T
+    noise = None
+    if dof >= MIN_NOISE_DOF and stats.get("yy_odd") is not None:
+        noise = max(stats["yy"] - stats["yy_odd"] - float(np.sum(W**2)), 0.0) / dof
+    return lam, float(T), noise, float(dof)
 
 
 def _regression_fit(H, F):

@@ -663,9 +663,13 @@ class MarchenkoPasturRule(RankRule):
                     if ws.mp_shaped_bulk else None)
 
         coherent = None
-        if (ws.coherent_eigenvalues is not None and noise_variance is not None and noise_variance > 0
+        coh_noise, coh_dof = noise_variance, noise_dof
+        if coh_noise is None and ws.coherent_noise_variance is not None:
+            # a noise level that only the coherent statistic uses (linear proxy with n <= T d)
+            coh_noise, coh_dof = ws.coherent_noise_variance, ws.coherent_noise_dof
+        if (ws.coherent_eigenvalues is not None and coh_noise is not None and coh_noise > 0
                 and not ws.structured_bulk):
-            coherent = (coherent_p_values(ws.coherent_eigenvalues, ws.coherent_columns, noise_variance, noise_dof,
+            coherent = (coherent_p_values(ws.coherent_eigenvalues, ws.coherent_columns, coh_noise, coh_dof,
                                           self.alpha, max_rank), ws.coherent_eigenvalues, ws.coherent_columns)
 
         def test(structured, floor=None):

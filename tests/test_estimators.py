@@ -15,7 +15,9 @@ from rstar import (
 )
 from rstar.datasets import make_attention_task, make_linear_proxy
 from rstar.exceptions import UnidentifiableRankWarning
+from rstar.inversions import proxy_coherent_spectrum
 from rstar.metrics import token_r2_score
+from rstar.rules import sequential_spike_test
 
 LINEAR_PROXY_ESTIMATORS = [
     NumericalRankEstimator(operator="linear_proxy"),
@@ -410,8 +412,6 @@ def test_coherent_statistic_only_where_its_null_is_exact(kind, seq_len, n_featur
 def test_proxy_coherent_statistic_counts_spikes_the_token_statistic_misses():
     # three weak directions of A (0.1, 0.08, 0.06; sigma = 0.5): sum_i Y_i Y_i^T shows none, the
     # split-half regression statistic (coherent over the 2000 samples) shows all three
-    from rstar.rules import sequential_spike_test
-
     X, Y = make_linear_proxy(2000, seq_len=8, n_features=6, value_dim=6, rank=3, singular_values=[0.1, 0.08, 0.06],
                              noise=0.5, random_state=0)
     est = RStarEstimator("linear_proxy").fit(X, Y)
@@ -432,9 +432,32 @@ def test_proxy_coherent_statistic_counts_spikes_the_token_statistic_misses():
                                ws.coherent_eigenvalues / ws.noise_variance, rtol=1e-6)
 
 
-def test_proxy_coherent_statistic_needs_each_half_to_identify_the_regression():
-    # T d = 48 regression coefficients per output: 90 samples leave halves of 45 < 48
+def test_proxy_coherent_statistic_runs_with_halves_smaller_than_the_regression():
+    # T d = 48 regression coefficients per output: 90 samples leave halves of 45 < 48, but V (d x d_v) comes
+    # from the bilinear fit on the odd half and A from the restricted regression on the even half
     X, Y = make_linear_proxy(90, seq_len=8, n_features=6, value_dim=6, rank=2, random_state=0)
     est = RStarEstimator("linear_proxy").fit(X, Y)
     ws = est._inv.whiten(est._stats)
-    assert ws.noise_variance is not None and ws.coherent_eigenvalues is None
+    assert ws.noise_variance is not None and ws.coherent_eigenvalues is not None
+    assert est.rank_ == 2
+    # too few samples for the bilinear fit of the odd half (2 x 8 x 6 = 96 equations < 2 (64 + 36)): none
+    stats = est._inv.new_stats(8, 6, 6)
+    est._inv.update(stats, X[:4], Y[:4])
+    assert proxy_coherent_spectrum(stats) is None
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_proxy_coherent_statistic_without_a_regression_residual(seed):
+    # n = 80 <= T d = 96: no residual of the unconstrained regression, so the second-moment test takes
+    # sigma2 from its bulk and sees one of the two weak directions; the coherent statistic brings its own
+    # sigma2 (the even half's restricted residual, exact chi-square under the null) and sees both
+    X, Y = make_linear_proxy(80, seq_len=12, n_features=8, value_dim=32, rank=2, singular_values=[0.2, 0.15],
+                             noise=0.5, random_state=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = RStarEstimator("linear_proxy").fit(X, Y)
+    ws = est._inv.whiten(est._stats)
+    assert ws.noise_variance is None
+    assert ws.coherent_noise_variance * est._y_scale**2 == pytest.approx(0.25, rel=0.05)
+    alone = sequential_spike_test(ws.eigenvalues, ws.n_columns, 0.01)
+    assert alone.rank == 1 and est.rank_ == 2
