@@ -174,3 +174,22 @@ def test_simulated_null_p_values_bad_input(matrix, draws, match):
         simulated_null_p_values(matrix, draws)
     with pytest.raises(ValueError, match="alpha"):
         simulated_null_p_values(np.eye(3), np.zeros((5, 3, 3)), alpha=0.0)
+
+
+def test_pickle_clone_and_rank_sweep_with_known_v():
+    import pickle
+
+    from sklearn.base import clone
+    from sklearn.model_selection import GridSearchCV
+
+    from rstar.metrics import token_r2_scorer
+
+    X, Y, V = _task(400, 6, 8, 2, noise=0.05)
+    est = RStarEstimator("linear_qk", value_map=V).fit(X, Y)
+    again = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(again.predict(X[:5]), est.predict(X[:5]))
+    np.testing.assert_array_equal(clone(est).get_params()["value_map"], V)
+    search = GridSearchCV(RStarEstimator("linear_qk", value_map=V), {"rank": [1, 2, 3]}, scoring=token_r2_scorer,
+                          cv=3).fit(X, Y)
+    assert search.best_params_["rank"] >= 2
+    assert search.cv_results_["mean_test_score"][1] > search.cv_results_["mean_test_score"][0]
