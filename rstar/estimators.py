@@ -78,6 +78,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
     >>> type(make_inversion("linear_qk")).__name__
     'QueryKeyInversion'
     """
+    if method not in ("auto", "first_order", "exact"):
+        raise ValueError(f"method must be 'auto', 'first_order' or 'exact', got {method!r}.")
     if operator == "linear_proxy":
         return TokenInversion(value_map=value_map)
     if operator == "linear_qk":

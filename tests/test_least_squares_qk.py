@@ -28,6 +28,8 @@ def test_make_inversion_picks_least_squares_with_known_v():
     assert type(make_inversion("linear_qk", np.ones((80, 4)), shape=(6, 80, 4))) is QueryKeyInversion
     with pytest.raises(ValueError, match="needs a known value_map"):
         make_inversion("linear_qk", None, method="exact")
+    with pytest.raises(ValueError, match="method must be"):
+        make_inversion("linear_qk", V, shape=(6, 8, 4), method="least_squares")
 
 
 @pytest.mark.parametrize("T,d,d_v,r", [(6, 12, 12, 8), (4, 8, 16, 5), (8, 16, 4, 12), (12, 12, 12, 6)])
