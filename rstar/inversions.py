@@ -49,8 +49,8 @@ __all__ = [
 # Moment sums for the closed-form operator are skipped above this many entries
 # (e.g. T*d > 4096 for the linear proxy): predict() then says so.
 MAX_MOMENT_ENTRIES = 2**25
-# The linear proxy's coherent statistic keeps a second copy of the regression sums and inverts
-# a (T d) x (T d) matrix: only up to this many entries.
+# The linear proxy's coherent statistic keeps a second copy of the moment sums (the odd half's, for
+# its bilinear fit): only up to this many entries.
 MAX_COHERENT_ENTRIES = 2**22
 # Residual degrees of freedom needed before the residual noise estimate is used.
 MIN_NOISE_DOF = 50
@@ -436,8 +436,7 @@ class TokenInversion(Inversion):
         return WhitenedStatistic(lam, vecs, np.eye(T), float(m), noise, float(max(dof, 0)),
                                  coherent_eigenvalues=None if coherent is None else coherent[0],
                                  coherent_columns=None if coherent is None else coherent[1],
-                                 coherent_noise_variance=coh_noise if coherent is not None else None,
-                                 coherent_noise_dof=coh_dof if coherent is not None else None)
+                                 coherent_noise_variance=coh_noise, coherent_noise_dof=coh_dof)
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:
@@ -497,7 +496,6 @@ def proxy_coherent_spectrum(stats):
     1.03
     """
     T, d, d_v = stats["dims"]
-    Td = T * d
     n_odd, n_even = stats["n_odd"], stats["n"] - stats["n_odd"]
     # the odd half must identify the bilinear model (T^2 + d d_v parameters) and the even half A given U
     if n_odd * T * d_v < 2 * (T * T + d * d_v) or n_odd * T < 2 * d or n_even * d_v < 2 * T:
@@ -518,7 +516,7 @@ def proxy_coherent_spectrum(stats):
     lam = np.clip(np.linalg.eigvalsh(sym(W @ W.T / T))[::-1], 0.0, None)
     dof = n_even * T * d_v - T * T
     noise = None
-    if dof >= MIN_NOISE_DOF and stats.get("yy_odd") is not None:
+    if dof >= MIN_NOISE_DOF:
         noise = max(stats["yy"] - stats["yy_odd"] - float(np.sum(W**2)), 0.0) / dof
     return lam, float(T), noise, float(dof)
 
@@ -836,15 +834,19 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
             stats["yy"] += float(np.sum(Yb**2))
 
     @staticmethod
-    def normal_matrix(stats):
-        """The pooled normal matrix ``H`` (``d^2 x d^2``, row-major ``vec K``) from the sums."""
+    def _rearranged_normal_matrix(stats):
+        """``R[(a,a'),(b,b')] = sum_i G_i[a,a'] P_i[b,b']`` in full, from its upper-triangle sums."""
         d = stats["dims"][1]
         # position of the pair (a, a') in the upper triangle, for every (a, a')
         pos = np.zeros((d, d), dtype=np.intp)
         pos[np.triu_indices(d)] = np.arange(d * (d + 1) // 2)
         pos = np.maximum(pos, pos.T).ravel()
-        R = stats["R_ls"][np.ix_(pos, pos)]
-        return R.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)
+        return stats["R_ls"][np.ix_(pos, pos)]
+
+    @classmethod
+    def normal_matrix(cls, stats):
+        """The pooled normal matrix ``H`` (``d^2 x d^2``, row-major ``vec K``) from the sums (exactly symmetric)."""
+        return _rearranged(cls._rearranged_normal_matrix(stats), stats["dims"][1])
 
     def whiten(self, stats):
         T, d, d_v = stats["dims"]
@@ -858,8 +860,8 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
                                 f"and {MIN_NOISE_DOF} residual degrees of freedom). Fallback in use: the first-order "
                                 "inversion M_i = X_i^+ Y_i, biased towards the projections X_i^+ X_i when T < d."))
             return ws
-        H = self.normal_matrix(stats)
-        H = sym(H)
+        R = self._rearranged_normal_matrix(stats)
+        H = _rearranged(R, d)
         scale = float(np.trace(H)) / H.shape[0]
         warnings = []
         try:
@@ -874,10 +876,11 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
                              "directions of K are not seen by any sample). Fallback in use: a ridge of 1e-8 "
                              "times its mean diagonal, which sets unseen directions of K to zero."))
             H = H + 1e-8 * max(scale, np.finfo(float).tiny) * np.eye(H.shape[0])
+            R = _rearranged(H, d)
             L = linalg.cholesky(H, lower=True, check_finite=False)
         k = linalg.cho_solve((L, True), stats["rhs_ls"], check_finite=False)
         sigma2 = max(stats["yy"] - float(stats["rhs_ls"] @ k), 0.0) / dof
-        A, B = nearest_kronecker_product(H, d)
+        A, B = _kronecker_factors(R, d)   # nearest Kronecker product to H (R is its rearrangement)
         A_half, B_half = psd_power(A, 0.5), psd_power(B, 0.5)
         Kt = A_half @ k.reshape(d, d) @ B_half
         lam, vecs = _eigh_desc(Kt @ Kt.T / d)
@@ -891,15 +894,19 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
                                  statistic_matrix=Kt, null_draws=draws)
 
     def fit_operator(self, stats, basis):
-        d = stats["dims"][1]
-        U = basis.T
-        r = U.shape[1]
-        if r == 0:
-            return _LinearQKOperator(np.zeros((d, d)), self.value_map)
-        H = self.normal_matrix(stats)
-        J = np.kron(U, np.eye(d))  # vec_row(U B) = J vec_row(B)
-        b = solve_psd(J.T @ H @ J, J.T @ stats["rhs_ls"])
-        return _LinearQKOperator(U @ b.reshape(r, d), self.value_map)
+        return _LinearQKOperator(_kernel_in_basis(self.normal_matrix(stats), stats["rhs_ls"], basis.T),
+                                 self.value_map)
+
+
+def _kernel_in_basis(H, rhs, U):
+    """Least-squares kernel ``K = U B`` (range in the columns of ``U``, d x r) from the normal
+    equations ``H vec K = rhs`` of a row-major ``vec K`` (``H``: d^2 x d^2)."""
+    d, r = U.shape
+    if r == 0:
+        return np.zeros((d, d))
+    J = np.kron(U, np.eye(d))  # vec_row(U B) = J vec_row(B)
+    b = solve_psd(J.T @ H @ J, J.T @ rhs)
+    return U @ b.reshape(r, d)
 
 
 class _LinearQKOperator:
@@ -1064,14 +1071,7 @@ class SoftmaxExactInversion(Inversion):
                                  mp_shaped_bulk=False)
 
     def fit_operator(self, stats, basis):
-        d = stats["dims"][1]
-        U = basis.T
-        r = U.shape[1]
-        if r == 0:
-            return _SoftmaxOperator(np.zeros((d, d)), self.value_map)
-        J = np.kron(U, np.eye(d))  # vec_row(U B) = J vec_row(B)
-        b = solve_psd(J.T @ stats["H"] @ J, J.T @ stats["rhs"])
-        return _SoftmaxOperator(U @ b.reshape(r, d), self.value_map)
+        return _SoftmaxOperator(_kernel_in_basis(stats["H"], stats["rhs"], basis.T), self.value_map)
 
 
 def nearest_kronecker_product(H, d, n_iter=100):
@@ -1090,7 +1090,16 @@ def nearest_kronecker_product(H, d, n_iter=100):
     -------
     A, B : ndarray of shape (d, d)
     """
-    R = H.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)
+    return _kronecker_factors(_rearranged(H, d), d, n_iter)
+
+
+def _rearranged(M, d):
+    """Van Loan–Pitsianis rearrangement ``R[(i,k),(j,l)] = M[(i,j),(k,l)]`` (its own inverse)."""
+    return M.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)
+
+
+def _kronecker_factors(R, d, n_iter=100):
+    """:func:`nearest_kronecker_product` from the rearranged matrix ``R``."""
     v = np.eye(d).ravel() / np.sqrt(d)
     for _ in range(n_iter):
         u = R @ v

@@ -19,6 +19,13 @@ from rstar.inversions import proxy_coherent_spectrum
 from rstar.metrics import token_r2_score
 from rstar.rules import sequential_spike_test
 
+def _streamed(est, X, Y, batch_size):
+    """``est`` after ``partial_fit`` on consecutive batches of ``batch_size`` samples."""
+    for start in range(0, len(X), batch_size):
+        est.partial_fit(X[start:start + batch_size], Y[start:start + batch_size])
+    return est
+
+
 LINEAR_PROXY_ESTIMATORS = [
     NumericalRankEstimator(operator="linear_proxy"),
     MPRankEstimator(operator="linear_proxy"),
@@ -331,9 +338,8 @@ def test_exact_softmax_split_halves_follow_the_global_sample_index():
     X, Y, t = make_attention_task(301, kind="softmax", seq_len=8, n_features=12, rank=3, random_state=2,
                                   return_teacher=True)
     full = RStarEstimator(value_map=t.value_map).fit(X, Y)
-    stream = RStarEstimator(value_map=t.value_map)
-    for start in range(0, 301, 37):   # odd batch sizes: parity must follow the global index
-        stream.partial_fit(X[start:start + 37], Y[start:start + 37])
+    # odd batch sizes: parity must follow the global index
+    stream = _streamed(RStarEstimator(value_map=t.value_map), X, Y, 37)
     assert stream._stats["n_odd"] == full._stats["n_odd"] == 150
     np.testing.assert_allclose(stream.noise_variance_, full.noise_variance_, rtol=1e-9)
     assert stream.rank_ == full.rank_ == 3
@@ -376,9 +382,7 @@ def test_coherent_statistic_counts_spikes_below_the_second_moment_edge():
     assert est.effective_rank_ == pytest.approx(2.0, abs=0.2)
     assert EnergyRankEstimator("linear_qk").fit(X, Y).rank_ == 2
     # streaming gives the same statistic and count
-    part = RStarEstimator("linear_qk")
-    for start in range(0, 1000, 300):
-        part.partial_fit(X[start:start + 300], Y[start:start + 300])
+    part = _streamed(RStarEstimator("linear_qk"), X, Y, 300)
     assert part.rank_ == 2
     ws_part = part._inv.whiten(part._stats)   # units set by the first batch: compare in noise units
     np.testing.assert_allclose(ws_part.coherent_eigenvalues / ws_part.noise_variance,
@@ -423,9 +427,7 @@ def test_proxy_coherent_statistic_counts_spikes_the_token_statistic_misses():
     assert est.spectrum_[2] > est.threshold_ >= est.spectrum_[3]
     assert est.effective_rank_ == pytest.approx(2.9, abs=0.2)
     # the halves follow the global sample index, so streaming in odd-sized batches gives the same statistic
-    part = RStarEstimator("linear_proxy")
-    for start in range(0, 2000, 333):
-        part.partial_fit(X[start:start + 333], Y[start:start + 333])
+    part = _streamed(RStarEstimator("linear_proxy"), X, Y, 333)
     ws_part = part._inv.whiten(part._stats)
     assert part.rank_ == 3
     np.testing.assert_allclose(ws_part.coherent_eigenvalues / ws_part.noise_variance,
