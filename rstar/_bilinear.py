@@ -61,13 +61,15 @@ class _Contractions:
         return solve_psd(sym(lhs), (U.T @ rhs).T).T
 
     def r_step(self, U, B):
+        """Least-squares R given B, and the sum of squares it explains, ``tr(R^T rhs)``."""
         a, b, c, e = self.shape
         lhs = ((B.T @ B).ravel() @ self.H).reshape(c, c)
         rhs = ((B.T @ U.T).ravel() @ self.F_r).reshape(c, e)
-        return solve_psd(sym(lhs), rhs)
+        R = solve_psd(sym(lhs), rhs)
+        return R, float(np.sum(R * rhs))
 
 
-def fit_bilinear(HZ, FZ, U, R_known=None, max_iter=500, tol=1e-9):
+def fit_bilinear(HZ, FZ, U, R_known=None, max_iter=500, tol=1e-9, fit_tol=None):
     """Fit ``L = U B`` and ``R`` of the sandwich model by alternating least squares.
 
     Parameters
@@ -82,6 +84,12 @@ def fit_bilinear(HZ, FZ, U, R_known=None, max_iter=500, tol=1e-9):
     max_iter : int, default=500
     tol : float, default=1e-9
         Stop when the relative change of ``B`` and ``R`` falls below it.
+    fit_tol : float or None, default=None
+        Also stop when an iteration raises the explained sum of squares by
+        less than this fraction of it. For callers that need a good fit
+        rather than converged factors: where the model is weakly identified
+        (e.g. no signal) the factors drift along nearly flat directions for
+        hundreds of iterations while the fit no longer moves.
 
     Returns
     -------
@@ -98,18 +106,20 @@ def fit_bilinear(HZ, FZ, U, R_known=None, max_iter=500, tol=1e-9):
         return U @ ops.b_step(U, R_known), R_known
     # initial guess: L = U U^T restricted to the first r rows/cols of Z's range
     B = U.T[:, :b] if a == b else np.eye(r, b)
-    R = ops.r_step(U, B)
+    R, explained = ops.r_step(U, B)
     tiny = np.finfo(float).tiny
     for _ in range(max_iter):
-        B_prev, R_prev = B, R
+        B_prev, R_prev, explained_prev = B, R, explained
         B = ops.b_step(U, R)
         norm = np.linalg.norm(B)
         if norm == 0:
             break
         B = B / norm  # fix the scale ambiguity (B, R) ~ (sB, R/s)
-        R = ops.r_step(U, B)
+        R, explained = ops.r_step(U, B)
         change = np.linalg.norm(B - B_prev) / max(np.linalg.norm(B), tiny) + np.linalg.norm(
             R - R_prev) / max(np.linalg.norm(R), tiny)
         if change < tol:
+            break
+        if fit_tol is not None and explained - explained_prev <= fit_tol * max(abs(explained), tiny):
             break
     return U @ B, R

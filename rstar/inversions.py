@@ -51,7 +51,11 @@ __all__ = [
 MAX_MOMENT_ENTRIES = 2**25
 # The linear proxy's coherent statistic keeps a second copy of the moment sums (the odd half's, for
 # its bilinear fit): only up to this many entries.
-MAX_COHERENT_ENTRIES = 2**22
+MAX_COHERENT_ENTRIES = 2**25
+# The coherent statistic's bilinear fit on the odd half stops once an iteration adds less than this
+# fraction to the explained sum of squares: any V estimate independent of the even half gives a valid
+# test, its accuracy only sets the power, and without signal the factors never converge.
+COHERENT_FIT_TOL = 1e-6
 # Residual degrees of freedom needed before the residual noise estimate is used.
 MIN_NOISE_DOF = 50
 # Per-sample residual degrees of freedom needed before samples are reweighted by
@@ -500,15 +504,17 @@ def proxy_coherent_spectrum(stats):
     # the odd half must identify the bilinear model (T^2 + d d_v parameters) and the even half A given U
     if n_odd * T * d_v < 2 * (T * T + d * d_v) or n_odd * T < 2 * d or n_even * d_v < 2 * T:
         return None
-    _, U = _bilinear.fit_bilinear(stats["HZ_odd"], stats["FZ_odd"], np.eye(T))
+    _, U = _bilinear.fit_bilinear(stats["HZ_odd"], stats["FZ_odd"], np.eye(T), fit_tol=COHERENT_FIT_TOL)
     scale = np.linalg.norm(U)
     if not (np.isfinite(scale) and scale > 0):
         return None
     U = U / scale
-    H_even = (stats["HZ"] - stats["HZ_odd"]).reshape(T, d, T, d)
-    F_even = (stats["FZ"] - stats["FZ_odd"]).reshape(T, d, T, d_v)
-    omega = np.einsum("ab,satb->st", U @ U.T, H_even, optimize=True)
-    R = np.einsum("satv,av->ts", F_even, U, optimize=True)
+    UU = U @ U.T
+    # the even half's contractions as whole minus odd (no even-half copy of the sums)
+    omega = (np.einsum("ab,satb->st", UU, stats["HZ"], optimize=True)
+             - np.einsum("ab,satb->st", UU, stats["HZ_odd"], optimize=True))
+    R = (np.einsum("satv,av->ts", stats["FZ"], U, optimize=True)
+         - np.einsum("satv,av->ts", stats["FZ_odd"], U, optimize=True))
     vals, vecs = np.linalg.eigh(sym(omega))
     if not vals.min() > 1e-12 * vals.max():
         return None

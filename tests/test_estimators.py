@@ -448,6 +448,61 @@ def test_proxy_coherent_statistic_runs_with_halves_smaller_than_the_regression()
     assert proxy_coherent_spectrum(stats) is None
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_proxy_coherent_statistic_beyond_t_d_2048(seed):
+    # T d = 2304 (its moment sums 2^22.3 entries, above the old cap of 2^22): 28 of 48 token directions
+    # at 0.3 with n = 160 < T d, so there is no regression residual and the bulk holds only 20 noise
+    # eigenvalues; the second-moment test alone finds a handful, the coherent statistic all 28
+    X, Y = make_linear_proxy(160, seq_len=48, n_features=48, value_dim=16, rank=28, singular_values=[0.3] * 28,
+                             noise=0.5, random_state=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = RStarEstimator("linear_proxy").fit(X, Y)
+        ws = est._inv.whiten(est._stats)
+        alone = sequential_spike_test(ws.eigenvalues, ws.n_columns, 0.01)
+    assert ws.noise_variance is None and ws.coherent_eigenvalues is not None
+    assert alone.rank < 10
+    assert est.rank_ == 28 and est.rank_interval_ == (28, 28)
+
+
+def test_bilinear_fit_tolerance_stops_a_stalled_fit():
+    # without signal the factors of the odd half's bilinear fit drift for hundreds of iterations while the
+    # explained sum of squares barely moves: fit_tol stops it early at nearly the same fit; with signal it
+    # stops near the converged factors
+    from rstar import _bilinear
+
+    def explained(Z, Tg, L, R):
+        return float(np.sum(Tg**2) - np.sum((Tg - L @ Z @ R) ** 2))
+
+    calls = []
+    for rank in (0, 3):
+        X, Y = make_linear_proxy(300, seq_len=16, n_features=10, value_dim=10, rank=rank, noise=0.1, random_state=0)
+        HZ, FZ = _bilinear.moment_sums(X, Y, np.ones(len(X)))
+        counted = []
+
+        def fits(**kw):
+            counted.clear()
+            original = _bilinear._Contractions.b_step
+            _bilinear._Contractions.b_step = lambda self, U, R: (counted.append(1), original(self, U, R))[1]
+            try:
+                L, R = _bilinear.fit_bilinear(HZ, FZ, np.eye(16), **kw)
+            finally:
+                _bilinear._Contractions.b_step = original
+            return L, R, len(counted)
+
+        L0, R0, it0 = fits()
+        L1, R1, it1 = fits(fit_tol=1e-4)
+        calls.append((it0, it1))
+        e0, e1 = explained(X, Y, L0, R0), explained(X, Y, L1, R1)
+        assert e0 >= e1 >= e0 * (1 - 2e-3)   # within one noise variance (sigma2 = 0.01) of e0 = 6.66
+        if rank:
+            cos = abs(np.sum(R0 * R1)) / (np.linalg.norm(R0) * np.linalg.norm(R1))
+            assert cos > 1 - 1e-6
+    (null_full, null_tol), (sig_full, sig_tol) = calls
+    assert null_full > 300 and 3 * null_tol < null_full
+    assert sig_tol <= sig_full
+
+
 @pytest.mark.parametrize("seed", [1, 3])
 def test_proxy_coherent_statistic_without_a_regression_residual(seed):
     # n = 80 <= T d = 96: no residual of the unconstrained regression, so the second-moment test takes
