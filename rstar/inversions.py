@@ -55,7 +55,7 @@ MAX_COHERENT_ENTRIES = 2**25
 # The coherent statistic's bilinear fit on the odd half stops once an iteration adds less than this
 # fraction to the explained sum of squares: any V estimate independent of the even half gives a valid
 # test, its accuracy only sets the power, and without signal the factors never converge.
-COHERENT_FIT_TOL = 1e-6
+COHERENT_FIT_TOL = 1e-4
 # Residual degrees of freedom needed before the residual noise estimate is used.
 MIN_NOISE_DOF = 50
 # Per-sample residual degrees of freedom needed before samples are reweighted by
