@@ -123,3 +123,63 @@ def fit_bilinear(HZ, FZ, U, R_known=None, max_iter=500, tol=1e-9, fit_tol=None):
         if fit_tol is not None and explained - explained_prev <= fit_tol * max(abs(explained), tiny):
             break
     return U @ B, R
+
+
+def _token_gram(A, B):
+    """``sum_i A_i B_i^T`` over a stack of (n, T, e) arrays: a T x T matrix."""
+    n, T, e = A.shape
+    return A.transpose(1, 0, 2).reshape(T, n * e) @ B.transpose(1, 0, 2).reshape(T, n * e).T
+
+
+def fit_bilinear_samples(Z, Tgt, max_iter=500, tol=1e-9, fit_tol=None):
+    """Fit ``T_i ~ L Z_i R`` with a full ``L`` (a x a, a = rows of Z) from the samples themselves.
+
+    The same alternating least squares as :func:`fit_bilinear` with
+    ``U = I``, for when the moment sums (``(b c)^2`` entries) are too large to
+    keep but the samples are not: each step is a pass over the samples
+    (``O(n a c (a + e))`` per iteration) instead of a product with the sums.
+
+    Parameters
+    ----------
+    Z : ndarray of shape (n, a, c)
+    Tgt : ndarray of shape (n, a, e)
+    max_iter, tol, fit_tol
+        As in :func:`fit_bilinear`.
+
+    Returns
+    -------
+    L : ndarray of shape (a, a)
+    R : ndarray of shape (c, e)
+    """
+    n, a, c = Z.shape
+    e = Tgt.shape[2]
+    Zf = Z.reshape(n * a, c)
+
+    def r_step(B):
+        LZ = np.matmul(B, Z).reshape(n * a, c)
+        lhs, rhs = LZ.T @ LZ, LZ.T @ Tgt.reshape(n * a, e)
+        R = solve_psd(sym(lhs), rhs)
+        return R, float(np.sum(R * rhs))
+
+    def b_step(R):
+        ZR = (Zf @ R).reshape(n, a, e)
+        return solve_psd(sym(_token_gram(ZR, ZR)), _token_gram(Tgt, ZR).T).T
+
+    B = np.eye(a)
+    R, explained = r_step(B)
+    tiny = np.finfo(float).tiny
+    for _ in range(max_iter):
+        B_prev, R_prev, explained_prev = B, R, explained
+        B = b_step(R)
+        norm = np.linalg.norm(B)
+        if norm == 0:
+            break
+        B = B / norm
+        R, explained = r_step(B)
+        change = np.linalg.norm(B - B_prev) / max(np.linalg.norm(B), tiny) + np.linalg.norm(
+            R - R_prev) / max(np.linalg.norm(R), tiny)
+        if change < tol:
+            break
+        if fit_tol is not None and explained - explained_prev <= fit_tol * max(abs(explained), tiny):
+            break
+    return B, R

@@ -56,6 +56,11 @@ MAX_COHERENT_ENTRIES = 2**25
 # fraction to the explained sum of squares: any V estimate independent of the even half gives a valid
 # test, its accuracy only sets the power, and without signal the factors never converge.
 COHERENT_FIT_TOL = 1e-4
+# ... and after at most this many iterations (a null fit creeps on for hundreds).
+COHERENT_MAX_ITER = 50
+# Where the moment sums are too large, the proxy's coherent statistic keeps the samples themselves,
+# while they number at most this many entries (n T (d + d_v)).
+MAX_COHERENT_SAMPLE_ENTRIES = 2**26
 # Residual degrees of freedom needed before the residual noise estimate is used.
 MIN_NOISE_DOF = 50
 # Per-sample residual degrees of freedom needed before samples are reweighted by
@@ -352,7 +357,9 @@ class TokenInversion(Inversion):
     from the residual of the unconstrained linear regression of ``vec Y`` on
     ``vec X`` when ``n > T d`` (it is exact under the linear proxy), else
     from the bulk. ``fit_operator`` fits ``A = U B`` and ``V`` by alternating
-    least squares on the moment sums.
+    least squares on the moment sums. A coherent split-half statistic
+    (:func:`proxy_coherent_spectrum`) comes with it, from the moment sums
+    or, beyond their budget, from the samples kept for it.
 
     Examples
     --------
@@ -387,6 +394,9 @@ class TokenInversion(Inversion):
             "FZ_odd": np.zeros((T, d, T, d_v)) if split else None,
             "n_odd": 0,
             "yy_odd": 0.0,
+            # beyond the moment sums' budget, the samples of each half (lists of (X, Y); merge concatenates)
+            "samples_odd": [] if not moments else None,
+            "samples_even": [] if not moments else None,
         }
 
     def update(self, stats, X, Y):
@@ -397,6 +407,14 @@ class TokenInversion(Inversion):
         stats["yy"] += float(np.sum(Y**2))
         stats["n_odd"] += int(odd.sum())
         stats["yy_odd"] += float(np.sum(Y[odd] ** 2))
+        if stats.get("samples_odd") is not None:
+            T, d, d_v = stats["dims"]
+            if stats["n"] * T * (d + d_v) > MAX_COHERENT_SAMPLE_ENTRIES:
+                stats["samples_odd"] = stats["samples_even"] = None   # over budget: no coherent statistic
+            else:
+                for key, mask in (("samples_odd", odd), ("samples_even", ~odd)):
+                    if mask.any():
+                        stats[key].append((np.array(X[mask], dtype=float), np.array(Y[mask], dtype=float)))
         if stats["HZ"] is None:
             return
         if stats.get("HZ_odd") is None:
@@ -429,7 +447,7 @@ class TokenInversion(Inversion):
             if dof >= MIN_NOISE_DOF:
                 noise = max(stats["yy"] - fitted, 0.0) / dof
         coherent, coh_noise, coh_dof = None, None, None
-        if stats.get("HZ_odd") is not None:
+        if stats.get("HZ_odd") is not None or stats.get("samples_odd") is not None:
             coherent = proxy_coherent_spectrum(stats)
             if coherent is not None and noise is None:
                 # n <= T d: no regression residual; the even half's restricted residual serves the
@@ -472,6 +490,16 @@ def proxy_coherent_spectrum(stats):
     estimate of ``sigma2`` with ``n_even T d_v - T^2`` degrees of freedom,
     used when the unconstrained regression has none (``n <= T d``).
 
+    Where the moment sums exceed ``MAX_MOMENT_ENTRIES`` the inversion keeps
+    the samples of each half instead (while they number at most
+    ``MAX_COHERENT_SAMPLE_ENTRIES`` entries): the same fit, each
+    iteration a pass over the odd samples
+    (:func:`rstar._bilinear.fit_bilinear_samples`), and ``Ω``, ``R`` from one
+    pass over the even ones. The bilinear fit stops after
+    ``COHERENT_MAX_ITER`` iterations or once one adds less than
+    ``COHERENT_FIT_TOL`` of the explained sum of squares: U only sets the
+    power.
+
     Parameters
     ----------
     stats : dict
@@ -504,17 +532,33 @@ def proxy_coherent_spectrum(stats):
     # the odd half must identify the bilinear model (T^2 + d d_v parameters) and the even half A given U
     if n_odd * T * d_v < 2 * (T * T + d * d_v) or n_odd * T < 2 * d or n_even * d_v < 2 * T:
         return None
-    _, U = _bilinear.fit_bilinear(stats["HZ_odd"], stats["FZ_odd"], np.eye(T), fit_tol=COHERENT_FIT_TOL)
+    samples = stats.get("HZ_odd") is None
+    if samples:
+        if not stats.get("samples_odd") or not stats.get("samples_even"):
+            return None
+        X_odd, Y_odd = (np.concatenate(part) for part in zip(*stats["samples_odd"]))
+        _, U = _bilinear.fit_bilinear_samples(X_odd, Y_odd, max_iter=COHERENT_MAX_ITER, fit_tol=COHERENT_FIT_TOL)
+        del X_odd, Y_odd
+    else:
+        _, U = _bilinear.fit_bilinear(stats["HZ_odd"], stats["FZ_odd"], np.eye(T), max_iter=COHERENT_MAX_ITER,
+                                      fit_tol=COHERENT_FIT_TOL)
     scale = np.linalg.norm(U)
     if not (np.isfinite(scale) and scale > 0):
         return None
     U = U / scale
-    UU = U @ U.T
-    # the even half's contractions as whole minus odd (no even-half copy of the sums)
-    omega = (np.einsum("ab,satb->st", UU, stats["HZ"], optimize=True)
-             - np.einsum("ab,satb->st", UU, stats["HZ_odd"], optimize=True))
-    R = (np.einsum("satv,av->ts", stats["FZ"], U, optimize=True)
-         - np.einsum("satv,av->ts", stats["FZ_odd"], U, optimize=True))
+    if samples:
+        omega, R = np.zeros((T, T)), np.zeros((T, T))
+        for X_e, Y_e in stats["samples_even"]:
+            XU = np.matmul(X_e, U)
+            omega += _bilinear._token_gram(XU, XU)
+            R += _bilinear._token_gram(Y_e, XU)
+    else:
+        UU = U @ U.T
+        # the even half's contractions as whole minus odd (no even-half copy of the sums)
+        omega = (np.einsum("ab,satb->st", UU, stats["HZ"], optimize=True)
+                 - np.einsum("ab,satb->st", UU, stats["HZ_odd"], optimize=True))
+        R = (np.einsum("satv,av->ts", stats["FZ"], U, optimize=True)
+             - np.einsum("satv,av->ts", stats["FZ_odd"], U, optimize=True))
     vals, vecs = np.linalg.eigh(sym(omega))
     if not vals.min() > 1e-12 * vals.max():
         return None

@@ -465,6 +465,58 @@ def test_proxy_coherent_statistic_beyond_t_d_2048(seed):
     assert est.rank_ == 28 and est.rank_interval_ == (28, 28)
 
 
+def test_proxy_coherent_statistic_from_the_samples_beyond_the_moment_budget(monkeypatch):
+    # where the (T d)^2 moment sums exceed their budget the inversion keeps the samples of each half and fits
+    # the same statistic from them: equal to the sums' version, streamed or merged, and absent over budget
+    from rstar import inversions
+
+    X, Y = make_linear_proxy(600, seq_len=16, n_features=8, value_dim=6, rank=3, singular_values=[0.3, 0.2, 0.15],
+                             noise=0.5, random_state=0)
+    inv = inversions.TokenInversion()
+
+    def whitened(batches):
+        stats = inv.new_stats(16, 8, 6)
+        for part in batches:
+            inv.update(stats, X[part], Y[part])
+        return stats, inv.whiten(stats)
+
+    by_sums, ws_sums = whitened([slice(0, 600)])
+    assert by_sums["HZ_odd"] is not None and by_sums["samples_odd"] is None
+    monkeypatch.setattr(inversions, "MAX_MOMENT_ENTRIES", 100)
+    by_samples, ws = whitened([slice(0, 600)])
+    assert by_samples["HZ"] is None and len(by_samples["samples_odd"]) == 1
+    np.testing.assert_allclose(ws.coherent_eigenvalues, ws_sums.coherent_eigenvalues, rtol=1e-8)
+    # no sums, no regression residual: the coherent test brings its own sigma2 (the even half's restricted residual)
+    assert ws.noise_variance is None and ws.coherent_noise_variance == pytest.approx(0.25, rel=0.05)
+    assert int(np.sum(ws.coherent_eigenvalues / 0.25 > 4 * 1.5)) == 3          # white 16 x 16 edge 4, three spikes
+    # streamed in odd-sized batches (the halves follow the global index) and merged shards: the same
+    _, ws_stream = whitened([slice(i, i + 77) for i in range(0, 600, 77)])
+    np.testing.assert_allclose(ws_stream.coherent_eigenvalues, ws.coherent_eigenvalues, rtol=1e-8)
+    shards = []
+    for part in (slice(0, 300), slice(300, 600)):
+        stats = inv.new_stats(16, 8, 6)
+        inv.update(stats, X[part], Y[part])
+        shards.append(stats)
+    merged = inversions.merge_stats(*shards)
+    assert len(merged["samples_odd"]) == 2 and inv.whiten(merged).coherent_eigenvalues is not None
+    # over the samples' budget: none kept, no coherent statistic
+    monkeypatch.setattr(inversions, "MAX_COHERENT_SAMPLE_ENTRIES", 600 * 16 * 14 - 1)
+    over, ws_over = whitened([slice(0, 300), slice(300, 600)])
+    assert over["samples_odd"] is None and ws_over.coherent_eigenvalues is None
+
+
+def test_bilinear_fit_from_samples_equals_the_fit_from_moment_sums():
+    from rstar import _bilinear
+
+    X, Y = make_linear_proxy(300, seq_len=12, n_features=6, value_dim=5, rank=3, noise=0.1, random_state=0)
+    HZ, FZ = _bilinear.moment_sums(X, Y, np.ones(len(X)))
+    for kw in ({}, {"fit_tol": 1e-4}, {"max_iter": 3}):
+        L1, R1 = _bilinear.fit_bilinear(HZ, FZ, np.eye(12), **kw)
+        L2, R2 = _bilinear.fit_bilinear_samples(X, Y, **kw)
+        np.testing.assert_allclose(L2, L1, atol=1e-10)
+        np.testing.assert_allclose(R2, R1, atol=1e-10)
+
+
 def test_bilinear_fit_tolerance_stops_a_stalled_fit():
     # without signal the factors of the odd half's bilinear fit drift for hundreds of iterations while the
     # explained sum of squares barely moves: fit_tol stops it early at nearly the same fit; with signal it
