@@ -106,23 +106,29 @@ def fit_bilinear(HZ, FZ, U, R_known=None, max_iter=500, tol=1e-9, fit_tol=None):
         return U @ ops.b_step(U, R_known), R_known
     # initial guess: L = U U^T restricted to the first r rows/cols of Z's range
     B = U.T[:, :b] if a == b else np.eye(r, b)
-    R, explained = ops.r_step(U, B)
+    B, R = _alternate(lambda R: ops.b_step(U, R), lambda B: ops.r_step(U, B), B, max_iter, tol, fit_tol)
+    return U @ B, R
+
+
+def _alternate(b_step, r_step, B, max_iter, tol, fit_tol):
+    """The alternating least squares loop shared by the two fits: ``r_step(B) -> (R, explained)``."""
+    R, explained = r_step(B)
     tiny = np.finfo(float).tiny
     for _ in range(max_iter):
         B_prev, R_prev, explained_prev = B, R, explained
-        B = ops.b_step(U, R)
+        B = b_step(R)
         norm = np.linalg.norm(B)
         if norm == 0:
             break
         B = B / norm  # fix the scale ambiguity (B, R) ~ (sB, R/s)
-        R, explained = ops.r_step(U, B)
+        R, explained = r_step(B)
         change = np.linalg.norm(B - B_prev) / max(np.linalg.norm(B), tiny) + np.linalg.norm(
             R - R_prev) / max(np.linalg.norm(R), tiny)
         if change < tol:
             break
         if fit_tol is not None and explained - explained_prev <= fit_tol * max(abs(explained), tiny):
             break
-    return U @ B, R
+    return B, R
 
 
 def _token_gram(A, B):
@@ -165,21 +171,4 @@ def fit_bilinear_samples(Z, Tgt, max_iter=500, tol=1e-9, fit_tol=None):
         ZR = (Zf @ R).reshape(n, a, e)
         return solve_psd(sym(_token_gram(ZR, ZR)), _token_gram(Tgt, ZR).T).T
 
-    B = np.eye(a)
-    R, explained = r_step(B)
-    tiny = np.finfo(float).tiny
-    for _ in range(max_iter):
-        B_prev, R_prev, explained_prev = B, R, explained
-        B = b_step(R)
-        norm = np.linalg.norm(B)
-        if norm == 0:
-            break
-        B = B / norm
-        R, explained = r_step(B)
-        change = np.linalg.norm(B - B_prev) / max(np.linalg.norm(B), tiny) + np.linalg.norm(
-            R - R_prev) / max(np.linalg.norm(R), tiny)
-        if change < tol:
-            break
-        if fit_tol is not None and explained - explained_prev <= fit_tol * max(abs(explained), tiny):
-            break
-    return B, R
+    return _alternate(b_step, r_step, np.eye(a), max_iter, tol, fit_tol)
