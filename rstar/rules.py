@@ -474,13 +474,15 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         they were computed with: test ``k`` then reports the smallest of its
         p-values, so the count also stops no earlier than the last
         eigenvalue above the residual-level bulk (possibly the full rank).
-    coherent : tuple (q, eigenvalues, n_columns) or None, default=None
+    coherent : tuple (q, eigenvalues, n_columns[, noise_variance]) or None, default=None
         Adjusted p-values ``q`` of the same hypotheses from another statistic
         whose signal has rank at most r\* (the coherent query–key spectrum,
         see :func:`coherent_p_values`), with that statistic's eigenvalues and
-        columns: test ``k`` also reports ``q[k]`` when smaller. When it makes
+        columns, and optionally the noise level its test used (else this
+        test's): test ``k`` also reports ``q[k]`` when smaller. When it makes
         the count, the cut reported is the largest eigenvalue left uncounted
-        and the spike strengths are the coherent statistic's.
+        and the spike strengths are the coherent statistic's, in units of
+        its noise level.
 
     Returns
     -------
@@ -601,7 +603,8 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     if by_coherent and np.isfinite(sigma2) and sigma2 > 0:
         # spikes below this spectrum's edge: their strengths are those of the coherent statistic
         coh_lam, coh_m = np.asarray(coherent[1], dtype=np.float64), float(coherent[2])
-        theta = debias_spike(coh_lam[:rank] / sigma2, coh_lam.size / coh_m)
+        coh_sigma2 = float(coherent[3]) if len(coherent) > 3 and coherent[3] and coherent[3] > 0 else sigma2
+        theta = debias_spike(coh_lam[:rank] / coh_sigma2, coh_lam.size / coh_m)
     elif np.isfinite(sigma2) and sigma2 > 0:
         theta = debias_spike(lam[:rank] / sigma2, p / m_k)
     else:
@@ -670,7 +673,8 @@ class MarchenkoPasturRule(RankRule):
         if (ws.coherent_eigenvalues is not None and coh_noise is not None and coh_noise > 0
                 and not ws.structured_bulk):
             coherent = (coherent_p_values(ws.coherent_eigenvalues, ws.coherent_columns, coh_noise, coh_dof,
-                                          self.alpha, max_rank), ws.coherent_eigenvalues, ws.coherent_columns)
+                                          self.alpha, max_rank), ws.coherent_eigenvalues, ws.coherent_columns,
+                        coh_noise)
 
         def test(structured, floor=None):
             return sequential_spike_test(ws.eigenvalues, ws.n_columns, self.alpha, noise_variance, max_rank,

@@ -570,3 +570,9 @@ def test_proxy_coherent_statistic_without_a_regression_residual(seed):
     assert ws.coherent_noise_variance * est._y_scale**2 == pytest.approx(0.25, rel=0.05)
     alone = sequential_spike_test(ws.eigenvalues, ws.n_columns, 0.01)
     assert alone.rank == 1 and est.rank_ == 2
+    # the coherent test made the count: the spike strengths are its eigenvalues in units of its own sigma2
+    from rstar.marchenko_pastur import debias_spike
+
+    expected = debias_spike(ws.coherent_eigenvalues[:2] / ws.coherent_noise_variance,
+                            ws.coherent_eigenvalues.size / ws.coherent_columns)
+    np.testing.assert_allclose(est.spike_strengths_, expected, rtol=1e-10)
