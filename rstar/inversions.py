@@ -414,7 +414,7 @@ class TokenInversion(Inversion):
             else:
                 for key, mask in (("samples_odd", odd), ("samples_even", ~odd)):
                     if mask.any():
-                        stats[key].append((np.array(X[mask], dtype=float), np.array(Y[mask], dtype=float)))
+                        stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
         if stats["HZ"] is None:
             return
         if stats.get("HZ_odd") is None:
