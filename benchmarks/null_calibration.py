@@ -46,8 +46,8 @@ REGIMES = {
     "linear QK, T < d (T=6, d=8, n=150)":
         ("linear_qk", lambda s: make_attention_task(150, kind="linear_qk", seq_len=6, n_features=8, rank=0,
                                                     random_state=s)),
-    "linear QK, T = d (T=16, d=16, n=300)":
-        ("linear_qk", lambda s: make_attention_task(300, kind="linear_qk", seq_len=16, n_features=16, rank=0,
+    "linear QK, T = d (T=8, d=8, n=150)":
+        ("linear_qk", lambda s: make_attention_task(150, kind="linear_qk", seq_len=8, n_features=8, rank=0,
                                                     random_state=s)),
     "linear QK, V known, T < d (T=6, d=8, n=150)":
         ("linear_qk", lambda s: _known_v(make_attention_task(150, kind="linear_qk", seq_len=6, n_features=8, rank=0,

@@ -362,13 +362,21 @@ def _residual_noise(task):
 
     Linear proxy: the regression of vec Y on vec X needs n > T d (and the (T d)^2 moment sums);
     linear QK with V known: the residual of the pooled least-squares fit of K (n T d_v > d^2);
-    linear QK with V unknown: the part of Y_i outside col(X_i) needs T > d; softmax: the bulk is fitted instead.
+    linear QK with V unknown: the part of Y_i outside col(X_i) needs T > d; with T <= d, the cross-fitted least
+    squares' residual, within its cost budget; softmax: the bulk is fitted instead.
     """
     T, d, d_v, n = task["T"], task["d"], task["d_v"], task["n"]
     if task["kind"] == "linear_proxy":
         return bool((T * d) ** 2 <= 2**25 and T * d_v * (n - T * d) >= 50)
     if task["family"] == "linear_qk_known_v" and d**4 <= 2**25:
         return bool(n * T * d_v - d * d >= 50)  # least-squares inversion: residual of the pooled fit
+    if task["kind"] == "linear_qk" and T <= d and d**4 <= 2**25:
+        # rstar.inversions.QueryKeyCrossFitInversion.cross_fit_possible
+        from rstar.inversions import MAX_COHERENT_SAMPLE_ENTRIES, MAX_CROSS_FIT_COST
+
+        half, t = n // 2, min(T, d)
+        return bool(n * d**4 + d**6 <= MAX_CROSS_FIT_COST and n * T * (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES
+                    and half >= max(2, -(-d * d // (t * min(t, d_v))) + 1) and half * T * d_v - d * d >= 50)
     if task["kind"] == "linear_qk":
         return bool(n * max(T - d, 0) * d_v >= 50)
     return False

@@ -172,3 +172,87 @@ def fit_bilinear_samples(Z, Tgt, max_iter=500, tol=1e-9, fit_tol=None):
         return solve_psd(sym(_token_gram(ZR, ZR)), _token_gram(Tgt, ZR).T).T
 
     return _alternate(b_step, r_step, np.eye(a), max_iter, tol, fit_tol)
+
+
+def query_key_normal_matrix(G, B):
+    """``H = sum_i G_i (x) B_i B_i^T`` (``d^2 x d^2``, row-major ``vec K``): the normal matrix of
+    ``Y_i ~ X_i K B_i`` in K, with ``G_i = X_i^T X_i`` (n, d, d) and ``B_i`` (n, d, e)."""
+    n, d, _ = G.shape
+    BB = np.matmul(B, np.swapaxes(B, 1, 2)).reshape(n, d * d)
+    R = G.reshape(n, d * d).T @ BB   # R[(a,a'),(b,b')] = sum_i G_i[a,a'] (B_i B_i^T)[b,b']
+    return R.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)
+
+
+def fit_query_key_samples(X, Y, K0, max_iter=200, fit_tol=1e-7):
+    """Least-squares fit of linear QK attention ``Y_i ~ X_i K (X_i^T X_i) V`` with K and V unknown.
+
+    Alternating least squares on the samples: given K, V solves a ``d x d``
+    system; given V, ``vec K`` solves the ``d^2 x d^2`` system with normal
+    matrix :func:`query_key_normal_matrix` (``B_i = G_i V``). The objective is
+    not convex (the factors can swap roles, e.g. K and its transpose when
+    ``T < d``), so the result depends on ``K0``; see
+    :func:`fit_query_key_restarts`.
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, T, d)
+    Y : ndarray of shape (n, T, d_v)
+    K0 : ndarray of shape (d, d)
+        Starting kernel (its scale is irrelevant).
+    max_iter : int, default=200
+    fit_tol : float, default=1e-7
+        Stop when an iteration raises the explained sum of squares by less
+        than this fraction of it.
+
+    Returns
+    -------
+    K : ndarray of shape (d, d)
+        Unit Frobenius norm (the scale sits in V).
+    V : ndarray of shape (d, d_v)
+    rss : float
+        Residual sum of squares of the fit.
+    """
+    n, T, d = X.shape
+    G = np.matmul(np.swapaxes(X, 1, 2), X)
+    F = np.matmul(np.swapaxes(X, 1, 2), Y)
+    yy = float(np.sum(Y**2))
+
+    def v_step(K):
+        P = np.matmul(X, K @ G).reshape(n * T, d)   # rows of X_i K G_i
+        rhs = P.T @ Y.reshape(n * T, -1)
+        V = solve_psd(sym(P.T @ P), rhs)
+        return V, float(np.sum(V * rhs))
+
+    K = np.asarray(K0, dtype=float)
+    K = K / max(np.linalg.norm(K), np.finfo(float).tiny)
+    V, explained = v_step(K)
+    for _ in range(max_iter):
+        B = np.matmul(G, V)
+        rhs = np.einsum("nav,nbv->ab", F, B, optimize=True).ravel()
+        k = solve_psd(sym(query_key_normal_matrix(G, B)), rhs)
+        norm = np.linalg.norm(k)
+        if norm == 0:
+            break
+        K = k.reshape(d, d) / norm
+        previous = explained
+        V, explained = v_step(K)
+        if explained - previous <= fit_tol * max(abs(explained), np.finfo(float).tiny):
+            break
+    return K, V, max(yy - explained, 0.0)
+
+
+def fit_query_key_restarts(X, Y, starts, probe_iter=20, max_iter=200, fit_tol=1e-7):
+    """:func:`fit_query_key_samples` from several starting kernels: each runs ``probe_iter``
+    iterations, and the one with the smallest residual is run on to convergence.
+
+    Returns
+    -------
+    K, V, rss
+        As :func:`fit_query_key_samples`.
+    """
+    best = None
+    for K0 in starts:
+        fit = fit_query_key_samples(X, Y, K0, max_iter=probe_iter, fit_tol=fit_tol)
+        if best is None or fit[2] < best[2]:
+            best = fit
+    return fit_query_key_samples(X, Y, best[0], max_iter=max_iter, fit_tol=fit_tol)

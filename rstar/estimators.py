@@ -23,6 +23,7 @@ from ._validation import (
 from .inversions import (
     ILL_CONDITIONED_ASPECT,
     MAX_MOMENT_ENTRIES,
+    QueryKeyCrossFitInversion,
     QueryKeyInversion,
     QueryKeyLeastSquaresInversion,
     SoftmaxExactInversion,
@@ -59,7 +60,10 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
         :class:`~rstar.inversions.QueryKeyLeastSquaresInversion`;
         ``"auto"`` uses it when V is known and its ``d^2 x d^2`` normal
         matrix fits the memory budget (``d^4 <= MAX_MOMENT_ENTRIES``, i.e.
-        ``d <= 76``), else ``M_i = X_i^+ Y_i`` (``"first_order"``).
+        ``d <= 76``); with V unknown and ``T <= d`` (same budget) it uses
+        the cross-fitted least squares
+        :class:`~rstar.inversions.QueryKeyCrossFitInversion`; else
+        ``M_i = X_i^+ Y_i`` (``"first_order"``).
     residual_noise : bool or None
         Query–key inversions: take the noise variance from the residual
         outside ``col(X_i)``. Default: True for linear_qk; False for softmax,
@@ -90,6 +94,9 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
         if method == "exact" or (method == "auto" and d is not None and d**4 <= MAX_MOMENT_ENTRIES
                                  and (residual_noise is None or residual_noise)):
             return QueryKeyLeastSquaresInversion(value_map)
+        if (method == "auto" and value_map is None and shape is not None and shape[0] <= shape[1]
+                and shape[1] ** 4 <= MAX_MOMENT_ENTRIES and (residual_noise is None or residual_noise)):
+            return QueryKeyCrossFitInversion()
         return QueryKeyInversion(centred=False, residual_noise=True if residual_noise is None else residual_noise,
                                  value_map=value_map)
     if operator == "softmax":

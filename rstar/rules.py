@@ -396,6 +396,18 @@ def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None):
     return np.asarray(p_values), np.asarray(cuts)
 
 
+def _intersect_p_values(q1, q2, alpha):
+    """Element-wise larger of two sequential p-value lists (a missing entry is 1: that test stopped)."""
+    k = max(len(q1), len(q2))
+    a, b = np.ones(k), np.ones(k)
+    a[:len(q1)], b[:len(q2)] = q1, q2
+    q = np.maximum(a, b)
+    # keep the entries up to the first one not significant at the lenient level, as each list does
+    lenient = interval_levels(alpha)[1]
+    stop = np.flatnonzero(q >= lenient)
+    return q[:stop[0] + 1] if stop.size else q
+
+
 def _simulated_null_result(ws, noise_variance, alpha, max_rank):
     """The rule's result on a statistic that carries exact noise draws (``ws.null_draws``)."""
     sigma2 = float(ws.noise_variance)
@@ -405,6 +417,11 @@ def _simulated_null_result(ws, noise_variance, alpha, max_rank):
         draws = draws * np.sqrt(noise_variance / sigma2)
         sigma2 = float(noise_variance)
     q, cuts = simulated_null_p_values(ws.statistic_matrix, draws, alpha, max_rank)
+    if ws.cross_fit is not None:
+        # cross-fitted statistic: a spike counts only where the swapped halves count it too
+        # (intersection-union: the larger of the two p-values, each a level-alpha test)
+        q = _intersect_p_values(q, _simulated_null_result(ws.cross_fit, noise_variance, alpha, max_rank).p_values,
+                                alpha)
     rank = _count_below(q, alpha)
     lo, hi = interval_levels(alpha)
     lam = ws.eigenvalues

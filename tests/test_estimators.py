@@ -243,7 +243,8 @@ def test_softmax_first_order_without_v(softmax_task):
 
 
 def test_ill_conditioned_inversion_warns():
-    X, Y = make_attention_task(300, kind="linear_qk", seq_len=16, n_features=16, rank=2, random_state=0)
+    # T = d + 1: the first-order inversion (T <= d takes the cross-fitted least squares, with no X_i^+)
+    X, Y = make_attention_task(300, kind="linear_qk", seq_len=17, n_features=16, rank=2, random_state=0)
     with pytest.warns(IllConditionedInversionWarning, match="fallback|Fallback"):
         est = MPRankEstimator(operator="linear_qk").fit(X, Y)
     assert est.rank_ >= 0  # an answer is still given, with the warning
@@ -268,8 +269,17 @@ def test_time_budget_is_not_asserted_here():
     """Speed lives in benchmarks/; see benchmarks/fit_time.py."""
 
 
-def test_linear_qk_with_fewer_tokens_than_features():
-    """T < d: X_i^+ X_i is a random projector; the spikes still stand above a flat bulk."""
+@pytest.fixture
+def first_order_qk(monkeypatch):
+    """Linear QK with V unknown and T <= d as beyond the cross-fit's budget: the first-order inversion."""
+    from rstar import inversions
+
+    monkeypatch.setattr(inversions, "MAX_CROSS_FIT_COST", 0)
+
+
+def test_linear_qk_with_fewer_tokens_than_features(first_order_qk):
+    """T < d, first-order inversion (used beyond the cross-fit's budget): X_i^+ X_i is a random
+    projector; the spikes still stand above a flat bulk."""
     X, Y, t = make_attention_task(2000, kind="linear_qk", seq_len=8, n_features=16, rank=3, random_state=0,
                                   return_teacher=True)
     est = RStarEstimator(operator="linear_qk").fit(X, Y)
@@ -293,7 +303,7 @@ def test_value_dim_below_rank():
 
 
 @pytest.mark.parametrize("T,d,r", [(12, 16, 12), (8, 16, 10), (24, 32, 20)])
-def test_linear_qk_with_fewer_tokens_than_features_and_most_directions_signal(T, d, r):
+def test_linear_qk_with_fewer_tokens_than_features_and_most_directions_signal(T, d, r, first_order_qk):
     # T < d: X_i^+ X_i is a projector and the signal leaks a structured bulk; with more
     # than half of the spectrum in spikes, the bulk's quartiles are spikes, and only the
     # cap on its width (at least one column per sample) keeps the fit from swallowing them.
@@ -304,7 +314,7 @@ def test_linear_qk_with_fewer_tokens_than_features_and_most_directions_signal(T,
     assert est.rank_ == r
 
 
-def test_linear_qk_with_fewer_tokens_than_features_and_weak_signal_uses_white_bulk():
+def test_linear_qk_with_fewer_tokens_than_features_and_weak_signal_uses_white_bulk(first_order_qk):
     # Weak spikes (1.16x the noise level): the leak through X_i^+ X_i is far below the noise's own
     # fluctuations, so the white-noise model holds; fitting a structured bulk instead read [0, 1, 1, 0].
     for seed in range(4):

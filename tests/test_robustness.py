@@ -175,9 +175,12 @@ D = 12
 # (see test_t_close_to_d_softmax_first_order_below_edge_recovers).
 # linear QK with a known V is not here either: its least-squares inversion pools every sample into one
 # system for K and is not ill-conditioned at T = d (see test_t_close_to_d_linear_qk_known_v_least_squares).
+# linear QK with an unknown V and T <= d is not here: the cross-fitted least squares has no X_i^+ either
+# (see test_t_close_to_d_linear_qk_unknown_v_cross_fit).
 NEAR_EDGE = [pytest.param(kind, known_v, T, id=f"{kind}-{'V_known' if known_v else 'V_unknown'}-T{T}")
              for kind, known_v in [("linear_qk", False), ("softmax", False), ("softmax", True)]
-             for T in (D - 1, D, D + 1) if not (kind == "softmax" and T == D - 1)]
+             for T in (D - 1, D, D + 1) if not (kind == "softmax" and T == D - 1)
+             and not (kind == "linear_qk" and T <= D)]
 
 
 @pytest.mark.parametrize("kind,known_v,T", NEAR_EDGE)
@@ -204,6 +207,20 @@ def test_t_close_to_d_linear_qk_known_v_least_squares(T):
             warnings.simplefilter("error", IllConditionedInversionWarning)
             est = _estimator("linear_qk", t, True).fit(X, Y)
         assert type(est._inv).__name__ == "QueryKeyLeastSquaresInversion"
+        assert est.rank_ == t.rank, (seed, est.rank_)
+        assert _captured(est.components_[:t.rank], _range(t.kernel, t.rank)) > t.rank - 0.01
+
+
+@pytest.mark.parametrize("T", [D - 1, D])
+def test_t_close_to_d_linear_qk_unknown_v_cross_fit(T):
+    """With V unknown and T <= d, V is fitted on one half of the samples and K by least squares on the other
+    (and the reverse): no X_i^+, so no warning, and r* exactly."""
+    for seed in range(3):
+        X, Y, t = _attention("linear_qk", seed, seq_len=T, n_features=D)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", IllConditionedInversionWarning)
+            est = _estimator("linear_qk", t, False).fit(X, Y)
+        assert type(est._inv).__name__ == "QueryKeyCrossFitInversion"
         assert est.rank_ == t.rank, (seed, est.rank_)
         assert _captured(est.components_[:t.rank], _range(t.kernel, t.rank)) > t.rank - 0.01
 

@@ -1,0 +1,177 @@
+"""Cross-fitted least-squares query-key inversion (V unknown, T <= d) and the fit behind it."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from rstar import RStarEstimator, _bilinear
+from rstar import inversions as inv
+from rstar.datasets import make_attention_task
+from rstar.estimators import make_inversion
+from rstar.exceptions import UnidentifiableRankWarning
+from rstar.inversions import (
+    QueryKeyCrossFitInversion,
+    QueryKeyInversion,
+    QueryKeyLeastSquaresInversion,
+    merge_stats,
+)
+from rstar.rules import MarchenkoPasturRule, _intersect_p_values
+
+
+def _task(n, T, d, r, noise=0.1, d_v=None, seed=0, **kw):
+    return make_attention_task(n, kind="linear_qk", seq_len=T, n_features=d, value_dim=d_v, rank=r, noise=noise,
+                               random_state=seed, return_teacher=True, **kw)
+
+
+def test_make_inversion_picks_cross_fit_for_unknown_v_and_few_tokens():
+    assert type(make_inversion("linear_qk", None, shape=(6, 8, 4))) is QueryKeyCrossFitInversion
+    assert type(make_inversion("linear_qk", None, shape=(8, 8, 4))) is QueryKeyCrossFitInversion
+    assert type(make_inversion("linear_qk", None, shape=(9, 8, 4))) is QueryKeyInversion
+    assert type(make_inversion("linear_qk", None, shape=(6, 8, 4), method="first_order")) is QueryKeyInversion
+    assert type(make_inversion("linear_qk", None, shape=(6, 80, 4))) is QueryKeyInversion   # d^4 over budget
+    assert type(make_inversion("linear_qk", np.ones((8, 4)), shape=(6, 8, 4))) is QueryKeyLeastSquaresInversion
+
+
+def test_query_key_normal_matrix_is_the_sum_of_kronecker_products():
+    rng = np.random.default_rng(0)
+    G = rng.standard_normal((5, 4, 4))
+    G = G @ np.swapaxes(G, 1, 2)
+    B = rng.standard_normal((5, 4, 3))
+    H = sum(np.kron(G[i], B[i] @ B[i].T) for i in range(5))
+    np.testing.assert_allclose(_bilinear.query_key_normal_matrix(G, B), H, rtol=1e-12, atol=1e-12)
+
+
+def test_fit_query_key_samples_recovers_noise_free_kernel_and_value_map():
+    X, Y, t = _task(300, 6, 8, 3, noise=0.0, d_v=5)
+    K, V, rss = _bilinear.fit_query_key_restarts(X, Y, [np.eye(8)] + [np.random.default_rng(s).standard_normal((8, 8))
+                                                                    for s in range(4)])
+    assert rss < 1e-7 * np.sum(Y**2)
+    # the fit is exact up to the scale (K, V) ~ (aK, V/a)
+    target = t.kernel
+    a = np.sum(K * target) / np.sum(K * K)
+    np.testing.assert_allclose(a * K, target, atol=1e-3 * np.abs(target).max())
+    fitted = np.einsum("nta,ab,nsb,nsc,cv->ntv", X, K, X, X, V)
+    np.testing.assert_allclose(fitted, Y, atol=1e-3 * np.abs(Y).max())
+
+
+def test_fit_query_key_samples_never_increases_the_residual():
+    X, Y, _ = _task(200, 6, 8, 3, noise=0.3, d_v=6, token_distribution="student_t")
+    start = np.random.default_rng(1).standard_normal((8, 8))
+    rss = [_bilinear.fit_query_key_samples(X, Y, start, max_iter=k, fit_tol=0.0)[2] for k in (0, 1, 5, 20)]
+    assert all(b <= a * (1 + 1e-10) for a, b in zip(rss, rss[1:]))
+
+
+@pytest.mark.parametrize("T,d,d_v,r,n", [(8, 16, 16, 12, 600), (6, 12, 24, 7, 700), (8, 8, 8, 8, 800)])
+def test_cross_fit_recovers_rank_where_first_order_falls_short(T, d, d_v, r, n):
+    # T < d: M_i = X_i^+ Y_i sees only projections of K; T = d: no residual noise level, and a
+    # bulk that is all signal. Fitting V on one half and K on the other recovers r*.
+    X, Y, _ = _task(n, T, d, r, noise=1.0, d_v=d_v, singular_values=np.geomspace(1.0, 0.3, r))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = RStarEstimator("linear_qk")
+        first._inversion_options = lambda: {"method": "first_order"}
+        first.fit(X, Y)
+        est = RStarEstimator("linear_qk").fit(X, Y)
+    assert type(est._inv) is QueryKeyCrossFitInversion
+    assert first.rank_ < r
+    assert est.rank_ == r
+    assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
+    assert est.rank_interval_[0] <= r <= est.rank_interval_[1]
+
+
+def test_cross_fit_statistic_carries_both_directions():
+    X, Y, _ = _task(600, 6, 12, 3, noise=0.05)
+    stats = QueryKeyCrossFitInversion().new_stats(6, 12, 12)
+    ci = QueryKeyCrossFitInversion()
+    ci.update(stats, X, Y)
+    ws = ci.whiten(stats)
+    assert ws.cross_fit is not None and ws.cross_fit.cross_fit is None
+    assert ws.null_draws is not None and ws.cross_fit.null_draws is not None
+    # each direction alone is the least-squares inversion with the other half's fitted V
+    V_odd, _ = QueryKeyCrossFitInversion.fit_half(X[1::2], Y[1::2])
+    ls = QueryKeyLeastSquaresInversion(V_odd)
+    ls_stats = ls.new_stats(6, 12, 12)
+    ls.update(ls_stats, X[0::2], Y[0::2])
+    np.testing.assert_allclose(ws.eigenvalues, ls.whiten(ls_stats).eigenvalues, rtol=1e-8)
+
+
+def test_intersection_union_takes_the_larger_p_value():
+    q = _intersect_p_values(np.array([0.001, 0.002, 0.3]), np.array([0.001, 0.02, 0.005, 0.4]), 0.01)
+    np.testing.assert_allclose(q, [0.001, 0.02, 0.3])
+    # a list that stopped counts as 1 beyond its end
+    np.testing.assert_allclose(_intersect_p_values(np.array([0.001, 0.5]), np.array([0.001, 0.001, 0.001]), 0.01),
+                               [0.001, 0.5])
+    X, Y, _ = _task(600, 6, 12, 3, noise=0.05)
+    ci = QueryKeyCrossFitInversion()
+    stats = ci.new_stats(6, 12, 12)
+    ci.update(stats, X, Y)
+    ws = ci.whiten(stats)
+    both = MarchenkoPasturRule()(ws)
+    one = MarchenkoPasturRule()(ws.cross_fit)
+    ws.cross_fit = None
+    first = MarchenkoPasturRule()(ws)
+    assert both.rank == min(one.rank, first.rank) == 3
+
+
+def test_cross_fit_streams_and_merges_like_fit():
+    X, Y, _ = _task(500, 6, 12, 4, noise=0.2, d_v=8)
+    full = RStarEstimator("linear_qk").fit(X, Y)
+    streamed = RStarEstimator("linear_qk")
+    for start in range(0, 500, 77):
+        streamed.partial_fit(X[start:start + 77], Y[start:start + 77])
+    assert streamed.rank_ == full.rank_ == 4
+    np.testing.assert_allclose(streamed.spectrum_, full.spectrum_, rtol=1e-6)
+    # shards merged (each shard splits its own samples by parity): a valid split, same rank
+    ci = QueryKeyCrossFitInversion()
+    shards = []
+    for part in (slice(0, 250), slice(250, 500)):
+        s = ci.new_stats(6, 12, 8)
+        ci.update(s, X[part], Y[part])
+        shards.append(s)
+    merged = merge_stats(*shards)
+    assert sum(len(x[0]) for x in merged["cf_odd"]) + sum(len(x[0]) for x in merged["cf_even"]) == 500
+    assert MarchenkoPasturRule()(ci.whiten(merged)).rank == 4
+
+
+def test_cross_fit_falls_back_to_first_order_beyond_budget(monkeypatch):
+    X, Y, _ = _task(400, 6, 12, 3, noise=0.05)
+    monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 10)
+    est = RStarEstimator("linear_qk").fit(X, Y)
+    assert type(est._inv) is QueryKeyCrossFitInversion
+    assert not est._inv.cross_fit_possible(est._stats)
+    ws = est._inv.whiten(est._stats)
+    assert ws.null_draws is None and ws.cross_fit is None
+    monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 2**30)
+    monkeypatch.setattr(inv, "MAX_COHERENT_SAMPLE_ENTRIES", 1000)
+    est = RStarEstimator("linear_qk").fit(X, Y)
+    assert est._stats["cf_odd"] is None and not est._inv.cross_fit_possible(est._stats)
+    # too few samples per half for the least squares: first order too
+    X, Y, _ = _task(12, 6, 12, 1, noise=0.05)
+    est = RStarEstimator("linear_qk")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est.fit(X, Y)
+    assert not est._inv.cross_fit_possible(est._stats)
+
+
+def test_misfit_of_the_fitted_value_map_is_reported(monkeypatch):
+    X, Y, _ = _task(600, 6, 12, 3, noise=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RStarEstimator("linear_qk").fit(X, Y)
+    monkeypatch.setattr(inv, "CROSS_FIT_MISFIT", 0.5)
+    with pytest.warns(UnidentifiableRankWarning, match="poor local optimum"):
+        RStarEstimator("linear_qk").fit(X, Y)
+
+
+def test_cross_fit_null_keeps_its_level():
+    # r* = 0: each direction's V is fitted on samples independent of the ones it is tested on,
+    # so each test is exact; the intersection of the two is conservative
+    false_alarms = 0
+    for seed in range(30):
+        X, Y = make_attention_task(120, kind="linear_qk", seq_len=6, n_features=8, rank=0, random_state=seed)
+        est = RStarEstimator("linear_qk").fit(X, Y)
+        assert type(est._inv) is QueryKeyCrossFitInversion
+        false_alarms += est.rank_ > 0
+    assert false_alarms <= 1
