@@ -384,7 +384,9 @@ _FITTED_DOC = """
         at or above ``alpha`` stopped the count. Tests go on up to the
         first one not significant at the lenient level ``min(10 alpha, 0.5)``.
         Under pure noise ``p_values_[0]`` is close to uniform on (0, 1)
-        (conservative with a fitted bulk or T < d; see docs/estimators.md).
+        (conservative with a fitted bulk; for linear QK with V unknown and
+        T <= d it is the larger of two such p-values, one per half of the
+        samples; see docs/estimators.md).
     rank_interval_ : tuple of two ints
         ``(lower, upper)``: the counts of the same sequential test at the
         strict level ``alpha / 10`` and the lenient level ``min(10 alpha, 0.5)``
@@ -584,7 +586,10 @@ class RStarEstimator(MPRankEstimator):
       above the MP edge with a Tracy–Widom margin.
     - ``"linear_qk"``: query–key inversion with sigma_min^2 sample weights
       and whitening, noise variance from the residual outside col(X_i), MP
-      edge with Tracy–Widom margin.
+      edge with Tracy–Widom margin; with a known V, least squares of K on Y
+      itself; with V unknown and ``T <= d``, the same least squares on each
+      half of the samples with V fitted on the other half
+      (:class:`rstar.inversions.QueryKeyCrossFitInversion`).
     - ``"softmax"`` (default): first-order centred inversion (also exact for
       linear-QK data), or the exact inversion when V is known and
       ``T <= 0.9 min(d, d_v)``; MP edge with Tracy–Widom margin.

@@ -663,8 +663,11 @@ class MarchenkoPasturRule(RankRule):
     is first read with the white-noise model; the bulk is fitted as
     structured only if the leak implied by the spikes found is visible
     (:func:`leak_is_visible`). A statistic that carries exact draws of its
-    noise (``ws.null_draws``: linear QK with a known V) is tested against
-    them instead (:func:`simulated_null_p_values`). A residual estimate enters the tests with its degrees of freedom
+    noise (``ws.null_draws``: linear QK with a known V, or cross-fitted with
+    V unknown and ``T <= d``) is tested against them instead
+    (:func:`simulated_null_p_values`); a cross-fitted pair
+    (``ws.cross_fit``) counts a spike only where both count it (the larger
+    of the two p-values). A residual estimate enters the tests with its degrees of freedom
     (``ws.noise_dof``); a user's value is taken as exact.
     """
 

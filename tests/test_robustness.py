@@ -174,9 +174,9 @@ D = 12
 # inversion even when V is known, and it sees T-1 = d-2 centred tokens, which is not ill-conditioned
 # (see test_t_close_to_d_softmax_first_order_below_edge_recovers).
 # linear QK with a known V is not here either: its least-squares inversion pools every sample into one
-# system for K and is not ill-conditioned at T = d (see test_t_close_to_d_linear_qk_known_v_least_squares).
+# system for K and is not ill-conditioned at T = d (see test_t_close_to_d_linear_qk_least_squares).
 # linear QK with an unknown V and T <= d is not here: the cross-fitted least squares has no X_i^+ either
-# (see test_t_close_to_d_linear_qk_unknown_v_cross_fit).
+# (see test_t_close_to_d_linear_qk_least_squares).
 NEAR_EDGE = [pytest.param(kind, known_v, T, id=f"{kind}-{'V_known' if known_v else 'V_unknown'}-T{T}")
              for kind, known_v in [("linear_qk", False), ("softmax", False), ("softmax", True)]
              for T in (D - 1, D, D + 1) if not (kind == "softmax" and T == D - 1)
@@ -197,30 +197,20 @@ def test_t_close_to_d_warns_ill_conditioned(kind, known_v, T):
         assert _captured(est.components_[:t.rank], _range(t.kernel, t.rank)) > t.rank - 0.15
 
 
-@pytest.mark.parametrize("T", [D - 1, D, D + 1])
-def test_t_close_to_d_linear_qk_known_v_least_squares(T):
-    """With V known, K is the least-squares solution of Y_i = X_i K G_i V pooled over samples: no X_i^+,
-    so T = d is an ordinary, well-posed regression. No warning, and r* exactly."""
+@pytest.mark.parametrize("known_v,T,inversion", [
+    (True, D - 1, "QueryKeyLeastSquaresInversion"), (True, D, "QueryKeyLeastSquaresInversion"),
+    (True, D + 1, "QueryKeyLeastSquaresInversion"),
+    (False, D - 1, "QueryKeyCrossFitInversion"), (False, D, "QueryKeyCrossFitInversion")])
+def test_t_close_to_d_linear_qk_least_squares(known_v, T, inversion):
+    """No X_i^+, so T = d is an ordinary, well-posed regression: no warning, and r* exactly. With V known, K is
+    the least-squares solution of Y_i = X_i K G_i V pooled over samples; with V unknown and T <= d, V is fitted
+    on one half of the samples and K by that least squares on the other (and the reverse)."""
     for seed in range(3):
         X, Y, t = _attention("linear_qk", seed, seq_len=T, n_features=D)
         with warnings.catch_warnings():
             warnings.simplefilter("error", IllConditionedInversionWarning)
-            est = _estimator("linear_qk", t, True).fit(X, Y)
-        assert type(est._inv).__name__ == "QueryKeyLeastSquaresInversion"
-        assert est.rank_ == t.rank, (seed, est.rank_)
-        assert _captured(est.components_[:t.rank], _range(t.kernel, t.rank)) > t.rank - 0.01
-
-
-@pytest.mark.parametrize("T", [D - 1, D])
-def test_t_close_to_d_linear_qk_unknown_v_cross_fit(T):
-    """With V unknown and T <= d, V is fitted on one half of the samples and K by least squares on the other
-    (and the reverse): no X_i^+, so no warning, and r* exactly."""
-    for seed in range(3):
-        X, Y, t = _attention("linear_qk", seed, seq_len=T, n_features=D)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", IllConditionedInversionWarning)
-            est = _estimator("linear_qk", t, False).fit(X, Y)
-        assert type(est._inv).__name__ == "QueryKeyCrossFitInversion"
+            est = _estimator("linear_qk", t, known_v).fit(X, Y)
+        assert type(est._inv).__name__ == inversion
         assert est.rank_ == t.rank, (seed, est.rank_)
         assert _captured(est.components_[:t.rank], _range(t.kernel, t.rank)) > t.rank - 0.01
 
