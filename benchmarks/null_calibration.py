@@ -10,7 +10,7 @@ P(p < 0.1) = 0.1, P(p < 0.5) = 0.5). The regimes are those of
 
 Usage::
 
-    python benchmarks/null_calibration.py              # 1000 tasks per regime, about 3 min
+    python benchmarks/null_calibration.py              # 1000 tasks per regime, about 8 min on 2 cores
     python benchmarks/null_calibration.py --tasks 200
 """
 
