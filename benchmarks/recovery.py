@@ -57,7 +57,12 @@ estimate and does not change ``rank_``; by default it is skipped here by
 replacing the inversions' ``fit_operator`` with a stub (and not accumulating
 the query-key moment sums, used only there). ``--exact-fit`` runs the
 unmodified ``fit``. The token inversion keeps its moment sums (its residual
-noise estimate uses them).
+noise estimate uses them). The rstar estimators differ only in their rank rule,
+so those after ``RStarEstimator`` take its accumulated sums and its whitened
+statistic (computed once per task) and run only their own rule
+(``_fit_on_shared_statistic``; column ``shared``, whose ``seconds`` then count
+the rule alone); ``--no-share`` fits each in full. The rows are the same
+(tested, and identical on the whole quick grid: 2790 rows).
 """
 
 import argparse
@@ -382,8 +387,89 @@ def _residual_noise(task):
     return False
 
 
-def run_task(task, fast=True):
-    """Fit every estimator and baseline on one generated task; one row per estimator."""
+def _same_inversion(a, b):
+    """Whether two inversion objects are configured alike (same class and parameters; a memoised ``whiten``
+    does not count)."""
+    va = {k: v for k, v in vars(a).items() if k != "whiten"}
+    vb = {k: v for k, v in vars(b).items() if k != "whiten"}
+    if type(a) is not type(b) or va.keys() != vb.keys():
+        return False
+    for key, value in va.items():
+        other = vb[key]
+        if isinstance(value, np.ndarray) or isinstance(other, np.ndarray):
+            if not (isinstance(value, np.ndarray) and isinstance(other, np.ndarray) and np.array_equal(value, other)):
+                return False
+        elif value != other:
+            return False
+    return True
+
+
+def _fit_on_shared_statistic(est, ref):
+    """``est.fit(X, Y)`` when ``ref`` was fitted on the same X, Y with the same inversion, without recomputing it.
+
+    The rstar estimators differ only in their rank rule (RStar, MP, Energy, Numerical, SoftmaxInv on the same
+    operator and value_map): the accumulated sums and the whitened statistic are the same, so ``est`` takes
+    ``ref``'s fitted state and runs only its own rule (``_finalize``). ``ref._inv.whiten`` is memoised for the
+    task (the expensive part: coherent fits, the cross-fit). Returns False (nothing done) when ``est`` would
+    build a different inversion. ``--no-share`` runs every fit in full instead; the two give identical rows
+    (tested on the quick grid).
+    """
+    from rstar.estimators import make_inversion
+
+    T, d, d_v = ref._dims
+    V = None if est.value_map is None else np.asarray(est.value_map) * (ref._x_scale / ref._y_scale)
+    try:
+        est._validate_params_()
+        candidate = make_inversion(est._get_operator(), V, shape=(T, d, d_v), **est._inversion_options())
+    except Exception:
+        return False
+    if not _same_inversion(candidate, ref._inv):
+        return False
+    for attr in ("n_features_in_", "_dims", "_y_ndim", "_x_scale", "_y_scale", "_inv", "_stats"):
+        setattr(est, attr, getattr(ref, attr))
+    est._finalize()
+    return True
+
+
+def _memoise_whiten(inversion):
+    """Make ``inversion.whiten(stats)`` compute once per stats dict (instance attribute; the rules do not mutate
+    the whitened statistic)."""
+    cache = {}
+    whiten = inversion.whiten
+
+    def memo(stats):
+        key = id(stats)
+        if key not in cache:
+            cache[key] = (stats, whiten(stats))
+        return cache[key][1]
+
+    inversion.whiten = memo
+
+
+def _fit_memoised(est, X, Y):
+    """``est.fit(X, Y)`` with its inversion's ``whiten`` memoised, for the estimators that share it."""
+    import rstar.estimators as estimators
+
+    original = estimators.make_inversion
+
+    def make(*args, **kwargs):
+        inversion = original(*args, **kwargs)
+        _memoise_whiten(inversion)
+        return inversion
+
+    estimators.make_inversion = make
+    try:
+        est.fit(X, Y)
+    finally:
+        estimators.make_inversion = original
+
+
+def run_task(task, fast=True, share=True):
+    """Fit every estimator and baseline on one generated task; one row per estimator.
+
+    With ``share``, the rstar estimators after the first reuse its inversion (``_fit_on_shared_statistic``);
+    their ``seconds`` then count only their own rule (column ``shared``).
+    """
     from threadpoolctl import threadpool_limits
 
     from rstar.baselines import BASELINES
@@ -403,11 +489,16 @@ def run_task(task, fast=True):
         ref = None
         for name, est in _estimators(task, V):
             caught = []
+            shared = False
             t0 = time.perf_counter()
             try:
                 with warnings.catch_warnings(record=True) as w:
                     warnings.simplefilter("always")
-                    est.fit(X, Y)
+                    shared = share and ref is not None and _fit_on_shared_statistic(est, ref)
+                    if share and not shared and name == "RStar":
+                        _fit_memoised(est, X, Y)
+                    elif not shared:
+                        est.fit(X, Y)
                 caught = sorted({type(x.message).__name__ for x in w
                                  if type(x.message).__name__.endswith("Warning")
                                  and x.category.__module__.startswith("rstar")})
@@ -419,7 +510,7 @@ def run_task(task, fast=True):
             if name == "RStar" and not error:
                 ref = est
                 diag = dict(noise_ratio=est.noise_variance_ / task["sigma"] ** 2, n_columns=est.n_columns_)
-            rows.append(dict(base, estimator=name, r_hat=r_hat, seconds=round(seconds, 4),
+            rows.append(dict(base, estimator=name, r_hat=r_hat, seconds=round(seconds, 4), shared=shared,
                              warnings="|".join(caught), error=error, **diag))
         for key, short in BASELINE_NAMES.items():
             t0 = time.perf_counter()
@@ -431,13 +522,14 @@ def run_task(task, fast=True):
                 except Exception as exc:
                     r_hat, error = -1, f"{type(exc).__name__}: {exc}"[:200]
             rows.append(dict(base, estimator=short, r_hat=r_hat, seconds=round(time.perf_counter() - t0, 4),
-                             warnings="", error=error, noise_ratio=float("nan"), n_columns=float("nan")))
+                             shared=False, warnings="", error=error, noise_ratio=float("nan"),
+                             n_columns=float("nan")))
         if task["kind"] != "softmax":
             p = task["T"] if task["kind"] == "linear_proxy" else task["d"]
             thetas = info.get("thetas", np.zeros(0))
             m = info.get("n_columns", float(task["n"] * task["d_v"]))
             rows.append(dict(base, estimator="Oracle", r_hat=oracle_rank(thetas, p, m, task["seed"] + 1), seconds=0.0,
-                             warnings="", error="", noise_ratio=float("nan"), n_columns=m))
+                             shared=False, warnings="", error="", noise_ratio=float("nan"), n_columns=m))
     for row in rows:
         row["abs_err"] = abs(row["r_hat"] - row["r_star"]) if row["r_hat"] >= 0 else float("nan")
         row["exact"] = int(row["r_hat"] == row["r_star"])
@@ -899,7 +991,7 @@ def _write_csv(path, rows):
 
 
 _INT_FIELDS = ("T", "d", "d_v", "n", "r_star", "seed", "r_hat", "exact")
-_BOOL_FIELDS = ("detection", "exact_inversion", "residual_noise")
+_BOOL_FIELDS = ("detection", "exact_inversion", "residual_noise", "shared")
 _STR_FIELDS = ("family", "kind", "tokens", "task_id", "estimator", "warnings", "error")
 
 
@@ -960,6 +1052,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="output folder (default benchmarks/out/recovery-{quick,full})")
     parser.add_argument("--exact-fit", action="store_true",
                         help="run the estimators' fit unmodified (also builds the predict operator; slower)")
+    parser.add_argument("--no-share", action="store_true",
+                        help="fit every rstar estimator in full (by default those after RStarEstimator reuse its "
+                             "inversion and whitened statistic and run only their own rule; same rows)")
     parser.add_argument("--no-figures", action="store_true")
     parser.add_argument("--replot", metavar="DIR", default=None,
                         help="only rebuild summary.md and the figures from the CSVs in DIR")
@@ -985,9 +1080,9 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     rows = []
-    jobs = (delayed(run_task)(t, not args.exact_fit) for t in tasks)
+    jobs = (delayed(run_task)(t, not args.exact_fit, not args.no_share) for t in tasks)
     if args.n_jobs == 1:
-        results = (run_task(t, not args.exact_fit) for t in tasks)
+        results = (run_task(t, not args.exact_fit, not args.no_share) for t in tasks)
     else:
         results = Parallel(n_jobs=args.n_jobs, return_as="generator_unordered")(jobs)
     # rows are also streamed to rows.jsonl, so an interrupted run can still be summarised (--replot)

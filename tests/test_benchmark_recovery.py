@@ -1,0 +1,49 @@
+"""benchmarks/recovery.py: sharing one inversion across the rstar estimators gives the same rows."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+recovery = pytest.importorskip("recovery")
+
+
+def _small_tasks():
+    tasks = recovery.make_grid("quick", 0)
+    picked = {}
+    for t in tasks:
+        if t["n"] * t["T"] * t["d"] ** 2 <= 5e5:
+            picked.setdefault((t["family"], t["T"] <= t["d"]), t)
+    return list(picked.values())
+
+
+def test_shared_inversion_gives_the_same_rows():
+    tasks = _small_tasks()
+    # every family, with T <= d and T > d (e.g. the cross-fitted query-key inversion and the first-order one)
+    assert len(tasks) == 2 * len(recovery.FAMILIES)
+    n_shared = 0
+    for task in tasks:
+        full = recovery.run_task(task, True, False)
+        shared = recovery.run_task(task, True, True)
+        assert [r["estimator"] for r in full] == [r["estimator"] for r in shared]
+        for a, b in zip(full, shared):
+            assert (a["r_hat"], a["warnings"], a["error"]) == (b["r_hat"], b["warnings"], b["error"]), (task, a, b)
+        assert not any(r["shared"] for r in full)
+        n_shared += sum(r["shared"] for r in shared)
+    # every rstar estimator after RStarEstimator takes its statistic
+    assert n_shared >= 3 * len(tasks)
+
+
+def test_a_different_inversion_is_not_shared():
+    from rstar import RStarEstimator
+    from rstar.datasets import make_attention_task
+
+    X, Y = make_attention_task(120, kind="linear_qk", seq_len=10, n_features=6, rank=1, random_state=0)
+    ref = RStarEstimator("linear_qk").fit(X, Y)
+    other = RStarEstimator("softmax")
+    assert not recovery._fit_on_shared_statistic(other, ref)
+    assert not hasattr(other, "rank_")
+    same = RStarEstimator("linear_qk")
+    assert recovery._fit_on_shared_statistic(same, ref)
+    assert same.rank_ == ref.rank_
