@@ -376,12 +376,9 @@ def _residual_noise(task):
     if task["family"] == "linear_qk_known_v" and d**4 <= 2**25:
         return bool(n * T * d_v - d * d >= 50)  # least-squares inversion: residual of the pooled fit
     if task["kind"] == "linear_qk" and T <= d and d**4 <= 2**25:
-        # rstar.inversions.QueryKeyCrossFitInversion.cross_fit_possible
-        from rstar.inversions import MAX_COHERENT_SAMPLE_ENTRIES, MAX_CROSS_FIT_COST
+        from rstar.inversions import QueryKeyCrossFitInversion
 
-        half, t = n // 2, min(T, d)
-        return bool(n * d**4 + d**6 <= MAX_CROSS_FIT_COST and n * T * (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES
-                    and half >= max(2, -(-d * d // (t * min(t, d_v))) + 1) and half * T * d_v - d * d >= 50)
+        return bool(QueryKeyCrossFitInversion.sizes_allow_cross_fit(n, T, d, d_v))
     if task["kind"] == "linear_qk":
         return bool(n * max(T - d, 0) * d_v >= 50)
     return False

@@ -17,7 +17,7 @@ so that the fit streams with ``partial_fit``. The linear proxy is
 
 import numpy as np
 
-from ._linalg import solve_psd, sym
+from ._linalg import kronecker_rearranged, solve_psd, sym
 
 
 def moment_sums(Z, Tgt, w):
@@ -179,8 +179,8 @@ def query_key_normal_matrix(G, B):
     ``Y_i ~ X_i K B_i`` in K, with ``G_i = X_i^T X_i`` (n, d, d) and ``B_i`` (n, d, e)."""
     n, d, _ = G.shape
     BB = np.matmul(B, np.swapaxes(B, 1, 2)).reshape(n, d * d)
-    R = G.reshape(n, d * d).T @ BB   # R[(a,a'),(b,b')] = sum_i G_i[a,a'] (B_i B_i^T)[b,b']
-    return R.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)
+    # its rearrangement R[(a,a'),(b,b')] = sum_i G_i[a,a'] (B_i B_i^T)[b,b'] is one matrix product
+    return kronecker_rearranged(G.reshape(n, d * d).T @ BB, d)
 
 
 def fit_query_key_samples(X, Y, K0, max_iter=200, fit_tol=1e-7):
@@ -212,10 +212,19 @@ def fit_query_key_samples(X, Y, K0, max_iter=200, fit_tol=1e-7):
     rss : float
         Residual sum of squares of the fit.
     """
+    return _query_key_als(X, Y, _query_key_grams(X, Y), K0, max_iter, fit_tol)
+
+
+def _query_key_grams(X, Y):
+    """``(G_i = X_i^T X_i, F_i = X_i^T Y_i, sum ||Y_i||^2)``: what every iteration of the fit reads."""
+    Xt = np.swapaxes(X, 1, 2)
+    return np.matmul(Xt, X), np.matmul(Xt, Y), float(np.sum(Y**2))
+
+
+def _query_key_als(X, Y, grams, K0, max_iter, fit_tol):
+    """The loop of :func:`fit_query_key_samples`, given :func:`_query_key_grams`."""
     n, T, d = X.shape
-    G = np.matmul(np.swapaxes(X, 1, 2), X)
-    F = np.matmul(np.swapaxes(X, 1, 2), Y)
-    yy = float(np.sum(Y**2))
+    G, F, yy = grams
 
     def v_step(K):
         P = np.matmul(X, K @ G).reshape(n * T, d)   # rows of X_i K G_i
@@ -250,9 +259,10 @@ def fit_query_key_restarts(X, Y, starts, probe_iter=20, max_iter=200, fit_tol=1e
     K, V, rss
         As :func:`fit_query_key_samples`.
     """
+    grams = _query_key_grams(X, Y)
     best = None
     for K0 in starts:
-        fit = fit_query_key_samples(X, Y, K0, max_iter=probe_iter, fit_tol=fit_tol)
+        fit = _query_key_als(X, Y, grams, K0, probe_iter, fit_tol)
         if best is None or fit[2] < best[2]:
             best = fit
-    return fit_query_key_samples(X, Y, best[0], max_iter=max_iter, fit_tol=fit_tol)
+    return _query_key_als(X, Y, grams, best[0], max_iter, fit_tol)

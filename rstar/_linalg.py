@@ -70,3 +70,9 @@ def orthonormal_rows(V):
     signs = np.sign(np.diag(R))
     signs[signs == 0] = 1.0
     return (Q * signs).T
+
+
+def kronecker_rearranged(M, d):
+    """Van Loan–Pitsianis rearrangement ``R[(i,k),(j,l)] = M[(i,j),(k,l)]`` of a ``d^2 x d^2`` matrix (its own
+    inverse): a Kronecker product ``A (x) B`` becomes the rank-one ``vec(A) vec(B)^T``."""
+    return M.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)

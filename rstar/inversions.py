@@ -33,7 +33,7 @@ import numpy as np
 from scipy import linalg, special
 
 from . import _bilinear
-from ._linalg import batched_pseudo_inverse, orthonormal_rows, psd_power, solve_psd, sym
+from ._linalg import batched_pseudo_inverse, kronecker_rearranged, orthonormal_rows, psd_power, solve_psd, sym
 from .exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from .marchenko_pastur import MEDIAN_EFFICIENCY, mp_median
 
@@ -216,6 +216,27 @@ class WhitenedStatistic:
     def components(self, k):
         """Orthonormal basis (rows) of the top-``k`` subspace in original coordinates."""
         return orthonormal_rows(self.unwhiten @ self.eigenvectors[:, :k])
+
+
+def _keep_half_samples(stats, X, Y, odd):
+    """Append a batch's samples to ``stats["samples_odd"]`` / ``stats["samples_even"]`` (lists, so
+    :func:`merge_stats` concatenates), or drop both for good once ``n T (d + d_v)`` exceeds
+    ``MAX_COHERENT_SAMPLE_ENTRIES``. ``stats["n"]`` must already count the batch."""
+    if stats.get("samples_odd") is None:
+        return
+    T, d, d_v = stats["dims"]
+    if stats["n"] * T * (d + d_v) > MAX_COHERENT_SAMPLE_ENTRIES:
+        stats["samples_odd"] = stats["samples_even"] = None
+        return
+    for key, mask in (("samples_odd", odd), ("samples_even", ~odd)):
+        if mask.any():
+            stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
+
+
+def _kept_half(stats, key):
+    """``(X, Y)`` of the samples kept under ``key`` by :func:`_keep_half_samples`, concatenated."""
+    X, Y = zip(*stats[key])
+    return np.concatenate(X), np.concatenate(Y)
 
 
 def merge_stats(a, b):
@@ -428,14 +449,7 @@ class TokenInversion(Inversion):
         stats["yy"] += float(np.sum(Y**2))
         stats["n_odd"] += int(odd.sum())
         stats["yy_odd"] += float(np.sum(Y[odd] ** 2))
-        if stats.get("samples_odd") is not None:
-            T, d, d_v = stats["dims"]
-            if stats["n"] * T * (d + d_v) > MAX_COHERENT_SAMPLE_ENTRIES:
-                stats["samples_odd"] = stats["samples_even"] = None   # over budget: no coherent statistic
-            else:
-                for key, mask in (("samples_odd", odd), ("samples_even", ~odd)):
-                    if mask.any():
-                        stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
+        _keep_half_samples(stats, X, Y, odd)   # over budget: no coherent statistic
         if stats["HZ"] is None:
             return
         if stats.get("HZ_odd") is None:
@@ -557,7 +571,7 @@ def proxy_coherent_spectrum(stats):
     if samples:
         if not stats.get("samples_odd") or not stats.get("samples_even"):
             return None
-        X_odd, Y_odd = (np.concatenate(part) for part in zip(*stats["samples_odd"]))
+        X_odd, Y_odd = _kept_half(stats, "samples_odd")
         _, U = _bilinear.fit_bilinear_samples(X_odd, Y_odd, max_iter=COHERENT_MAX_ITER, fit_tol=COHERENT_FIT_TOL)
         del X_odd, Y_odd
     else:
@@ -874,7 +888,8 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
     def __init__(self, value_map):
         super().__init__(centred=False, residual_noise=True, value_map=value_map)
 
-    def least_squares_samples(self, T, d, d_v):
+    @staticmethod
+    def least_squares_samples(T, d, d_v):
         """Fewest samples for which the pooled normal matrix can have full rank ``d^2``."""
         t = min(T, d)
         return max(2, -(-d * d // (t * min(t, d_v))) + 1)
@@ -889,6 +904,10 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
 
     def update(self, stats, X, Y, chunk=256):
         super().update(stats, X, Y)
+        self._update_least_squares(stats, X, Y, chunk)
+
+    def _update_least_squares(self, stats, X, Y, chunk=256):
+        """The least-squares sums alone (``update`` without the first-order ones behind the fallback)."""
         n, _, d = X.shape
         V = self.value_map
         upper = np.triu_indices(d)
@@ -917,7 +936,7 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
     @classmethod
     def normal_matrix(cls, stats):
         """The pooled normal matrix ``H`` (``d^2 x d^2``, row-major ``vec K``) from the sums (exactly symmetric)."""
-        return _rearranged(cls._rearranged_normal_matrix(stats), stats["dims"][1])
+        return kronecker_rearranged(cls._rearranged_normal_matrix(stats), stats["dims"][1])
 
     def whiten(self, stats):
         T, d, d_v = stats["dims"]
@@ -932,7 +951,7 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
                                 "inversion M_i = X_i^+ Y_i, biased towards the projections X_i^+ X_i when T < d."))
             return ws
         R = self._rearranged_normal_matrix(stats)
-        H = _rearranged(R, d)
+        H = kronecker_rearranged(R, d)
         scale = float(np.trace(H)) / H.shape[0]
         warnings = []
         try:
@@ -947,7 +966,7 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
                              "directions of K are not seen by any sample). Fallback in use: a ridge of 1e-8 "
                              "times its mean diagonal, which sets unseen directions of K to zero."))
             H = H + 1e-8 * max(scale, np.finfo(float).tiny) * np.eye(H.shape[0])
-            R = _rearranged(H, d)
+            R = kronecker_rearranged(H, d)
             L = linalg.cholesky(H, lower=True, check_finite=False)
         k = linalg.cho_solve((L, True), stats["rhs_ls"], check_finite=False)
         sigma2 = max(stats["yy"] - float(stats["rhs_ls"] @ k), 0.0) / dof
@@ -1024,32 +1043,28 @@ class QueryKeyCrossFitInversion(QueryKeyInversion):
 
     def new_stats(self, T, d, d_v):
         stats = super().new_stats(T, d, d_v)
-        stats["cf_odd"] = []
-        stats["cf_even"] = []
+        stats["samples_odd"] = []
+        stats["samples_even"] = []
         return stats
 
     def update(self, stats, X, Y):
-        n_before = stats["n"]
+        odd = (stats["n"] + np.arange(X.shape[0])) % 2 == 1
         super().update(stats, X, Y)
-        if stats.get("cf_odd") is None:
-            return
-        T, d, d_v = stats["dims"]
-        if stats["n"] * T * (d + d_v) > MAX_COHERENT_SAMPLE_ENTRIES:
-            stats["cf_odd"] = stats["cf_even"] = None   # over the samples' budget: first-order only
-            return
-        odd = (n_before + np.arange(X.shape[0])) % 2 == 1
-        for key, mask in (("cf_odd", odd), ("cf_even", ~odd)):
-            if mask.any():
-                stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
+        _keep_half_samples(stats, X, Y, odd)   # over budget: first order only
+
+    @staticmethod
+    def sizes_allow_cross_fit(n, T, d, d_v):
+        """Whether n samples of this shape can be cross-fitted: kept within ``MAX_COHERENT_SAMPLE_ENTRIES``,
+        fitted within ``MAX_CROSS_FIT_COST`` (``n d^4 + d^6``), and each half large enough for the
+        least squares (full-rank normal matrix and ``MIN_NOISE_DOF`` residual degrees of freedom)."""
+        half = n // 2
+        return (n * T * (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES and n * d**4 + d**6 <= MAX_CROSS_FIT_COST
+                and half >= QueryKeyLeastSquaresInversion.least_squares_samples(T, d, d_v)
+                and half * T * d_v - d * d >= MIN_NOISE_DOF)
 
     def cross_fit_possible(self, stats):
-        """Whether the samples are kept and each half is large enough and cheap enough to fit."""
-        T, d, d_v = stats["dims"]
-        if stats.get("cf_odd") is None or stats["n"] * d**4 + d**6 > MAX_CROSS_FIT_COST:
-            return False
-        ls = QueryKeyLeastSquaresInversion(np.zeros((d, d_v)))
-        half = stats["n"] // 2
-        return half >= ls.least_squares_samples(T, d, d_v) and half * T * d_v - d * d >= MIN_NOISE_DOF
+        """Whether the samples were kept and :meth:`sizes_allow_cross_fit`."""
+        return stats.get("samples_odd") is not None and self.sizes_allow_cross_fit(stats["n"], *stats["dims"])
 
     @staticmethod
     def fit_half(X, Y, random_starts=CROSS_FIT_RANDOM_STARTS, seed=CROSS_FIT_SEED):
@@ -1079,14 +1094,15 @@ class QueryKeyCrossFitInversion(QueryKeyInversion):
         T, d, d_v = X.shape[1], X.shape[2], Y.shape[2]
         ls = QueryKeyLeastSquaresInversion(V)
         ls_stats = ls.new_stats(T, d, d_v)
-        ls.update(ls_stats, X, Y)
+        # only the least-squares sums: cross_fit_possible ruled out its first-order fallback
+        ls._update_least_squares(ls_stats, X, Y)
+        ls_stats["n"] = X.shape[0]
         return ls.whiten(ls_stats)
 
     def whiten(self, stats):
         if not self.cross_fit_possible(stats):
             return super().whiten(stats)
-        halves = [tuple(np.concatenate([part[j] for part in stats[key]]) for j in (0, 1))
-                  for key in ("cf_odd", "cf_even")]
+        halves = [_kept_half(stats, key) for key in ("samples_odd", "samples_even")]
         fits = [self.fit_half(*h) for h in halves]
         out = []
         for a, b in ((0, 1), (1, 0)):
@@ -1299,12 +1315,7 @@ def nearest_kronecker_product(H, d, n_iter=100):
     -------
     A, B : ndarray of shape (d, d)
     """
-    return _kronecker_factors(_rearranged(H, d), d, n_iter)
-
-
-def _rearranged(M, d):
-    """Van Loan–Pitsianis rearrangement ``R[(i,k),(j,l)] = M[(i,j),(k,l)]`` (its own inverse)."""
-    return M.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d)
+    return _kronecker_factors(kronecker_rearranged(H, d), d, n_iter)
 
 
 def _kronecker_factors(R, d, n_iter=100):

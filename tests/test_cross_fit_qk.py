@@ -130,7 +130,7 @@ def test_cross_fit_streams_and_merges_like_fit():
         ci.update(s, X[part], Y[part])
         shards.append(s)
     merged = merge_stats(*shards)
-    assert sum(len(x[0]) for x in merged["cf_odd"]) + sum(len(x[0]) for x in merged["cf_even"]) == 500
+    assert sum(len(x[0]) for x in merged["samples_odd"]) + sum(len(x[0]) for x in merged["samples_even"]) == 500
     assert MarchenkoPasturRule()(ci.whiten(merged)).rank == 4
 
 
@@ -145,7 +145,7 @@ def test_cross_fit_falls_back_to_first_order_beyond_budget(monkeypatch):
     monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 2**30)
     monkeypatch.setattr(inv, "MAX_COHERENT_SAMPLE_ENTRIES", 1000)
     est = RStarEstimator("linear_qk").fit(X, Y)
-    assert est._stats["cf_odd"] is None and not est._inv.cross_fit_possible(est._stats)
+    assert est._stats["samples_odd"] is None and not est._inv.cross_fit_possible(est._stats)
     # too few samples per half for the least squares: first order too
     X, Y, _ = _task(12, 6, 12, 1, noise=0.05)
     est = RStarEstimator("linear_qk")
