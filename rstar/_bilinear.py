@@ -16,8 +16,12 @@ so that the fit streams with ``partial_fit``. The linear proxy is
 """
 
 import numpy as np
+from scipy import optimize
 
 from ._linalg import kronecker_rearranged, solve_psd, sym
+
+#: :func:`fit_query_key_profiled` stops once an iteration lowers the loss by less than this fraction.
+PROFILE_FTOL = 1e-10
 
 
 def moment_sums(Z, Tgt, w):
@@ -266,3 +270,89 @@ def fit_query_key_restarts(X, Y, starts, probe_iter=20, max_iter=200, fit_tol=1e
         if best is None or fit[2] < best[2]:
             best = fit
     return _query_key_als(X, Y, grams, best[0], max_iter, fit_tol)
+
+
+class QueryKeyProfileLoss:
+    """The residual of ``Y_i ~ X_i K G_i V`` with V profiled out: a function of K alone.
+
+    Variable projection (Golub & Pereyra 1973): for each K the best V is a
+    ``d x d`` least-squares solve, so the residual sum of squares
+    ``f(K) = min_V sum_i ||Y_i - X_i K G_i V||^2`` is a function of K, with
+    gradient ``-2 sum_i X_i^T R_i V^T G_i`` at the optimal V (the residuals
+    ``R_i`` are orthogonal to every change of V). Each evaluation costs
+    ``O(n T d (d + d_v))`` and never forms the ``d^2 x d^2`` normal matrix
+    of the kernel, so it scales to large d; quasi-Newton steps on it do not
+    stall on the flat valleys where alternating least squares creeps
+    (Ruhe & Wedin 1980).
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, T, d)
+    Y : ndarray of shape (n, T, d_v)
+    """
+
+    def __init__(self, X, Y):
+        n, T, d = X.shape
+        self.d = d
+        self._X = X.reshape(n * T, d)
+        self._Y = Y.reshape(n * T, -1)
+        self._G = np.matmul(np.swapaxes(X, 1, 2), X)
+
+    def _fit_value_map(self, k):
+        n, d = self._G.shape[0], self.d
+        P = np.matmul((self._X @ k.reshape(d, d)).reshape(n, -1, d), self._G).reshape(-1, d)   # rows X_i K G_i
+        V = solve_psd(P.T @ P, P.T @ self._Y)
+        return P, V, self._Y - P @ V
+
+    def value_map(self, K):
+        """The least-squares V for kernel K and the residual sum of squares: ``(V, rss)``."""
+        _, V, R = self._fit_value_map(np.ravel(K))
+        return V, float(np.sum(R**2))
+
+    def __call__(self, k):
+        """``(f, grad f)`` at the row-major ``vec K`` k (for :func:`scipy.optimize.minimize`)."""
+        n, d = self._G.shape[0], self.d
+        _, V, R = self._fit_value_map(k)
+        W = np.matmul((R @ V.T).reshape(n, -1, d), self._G).reshape(-1, d)   # rows R_i V^T G_i
+        return float(np.sum(R**2)), -2.0 * (self._X.T @ W).ravel()
+
+
+def _minimise_profile(loss, K0, max_iter):
+    k0 = np.ravel(K0) / max(np.linalg.norm(K0), np.finfo(float).tiny)
+    res = optimize.minimize(loss, k0, jac=True, method="L-BFGS-B",
+                            options={"maxiter": max_iter, "gtol": 0.0, "ftol": PROFILE_FTOL, "maxcor": 20})
+    return res.x / max(np.linalg.norm(res.x), np.finfo(float).tiny), float(res.fun)
+
+
+def fit_query_key_profiled(X, Y, starts, probe_iter=30, max_iter=500):
+    """Least-squares fit of ``Y_i ~ X_i K (X_i^T X_i) V`` by quasi-Newton steps on the profile loss.
+
+    L-BFGS (scipy) on :class:`QueryKeyProfileLoss` from each starting
+    kernel for ``probe_iter`` iterations; the start with the smallest loss
+    then runs on until an iteration lowers the loss by less than
+    ``PROFILE_FTOL`` of it, or ``max_iter`` iterations (a single start
+    runs on at once). The same fit as
+    :func:`fit_query_key_restarts` at ``O(n T d (d + d_v))`` per iteration
+    instead of ``O(n d^4 + d^6)``.
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, T, d)
+    Y : ndarray of shape (n, T, d_v)
+    starts : sequence of ndarray of shape (d, d)
+    probe_iter : int, default=30
+    max_iter : int, default=500
+
+    Returns
+    -------
+    K : ndarray of shape (d, d)
+        Unit Frobenius norm.
+    V : ndarray of shape (d, d_v)
+    rss : float
+    """
+    loss = QueryKeyProfileLoss(X, Y)
+    # one start: no probe, it runs on at once
+    probes = [_minimise_profile(loss, K0, probe_iter) for K0 in starts] if len(starts) > 1 else [(starts[0], 0.0)]
+    k, _ = _minimise_profile(loss, min(probes, key=lambda probe: probe[1])[0], max_iter)
+    V, rss = loss.value_map(k)
+    return k.reshape(loss.d, loss.d), V, rss

@@ -81,6 +81,9 @@ ILL_CONDITIONED_ASPECT = 0.9
 #: Cross-fitted query-key inversion (V unknown, T <= d): largest ``n d^4 + d^6``, about the
 #: floating-point work of one alternating least-squares iteration over both halves.
 MAX_CROSS_FIT_COST = 2**30
+#: Beyond it, the fit minimises the profile loss (V eliminated) by L-BFGS while ``n T d (d + d_v)``,
+#: about the work of one evaluation over both halves, is at most this.
+MAX_PROFILED_FIT_COST = 2**29
 #: Starting kernels of its fit: the first-order fit, its transpose and this many random ones.
 CROSS_FIT_RANDOM_STARTS = 8
 #: Seed of those random starting kernels.
@@ -997,11 +1000,12 @@ class QueryKeyCrossFitInversion(QueryKeyInversion):
     residual to take the noise level from. The least squares on
     ``Y_i = X_i K G_i V + E_i`` itself (:class:`QueryKeyLeastSquaresInversion`)
     has neither problem but needs V. Here V is *fitted on one half* of the
-    samples (odd global index): ``(K, V)`` by alternating least squares on
-    ``Y_i`` (:func:`rstar._bilinear.fit_query_key_restarts`, from the
+    samples (odd global index): ``(K, V)`` by least squares on ``Y_i``
+    (:meth:`fit_half`: first on scale-normalised samples, from the
     first-order fit, its transpose and ``CROSS_FIT_RANDOM_STARTS`` random
-    kernels; the objective is not convex). The least-squares inversion with
-    that V then runs on the *other half*. Because the fitted V does not
+    kernels, since the objective is not convex; then on the samples as
+    they are). The least-squares inversion with that V then runs on the
+    *other half*. Because the fitted V does not
     depend on the second half's noise, that half's estimate of K has exactly
     the Gaussian noise ``N(0, sigma2 H^{-1})`` of the known-V case when
     ``r* = 0``, so its simulated-null test keeps its level. The same is done
@@ -1012,16 +1016,19 @@ class QueryKeyCrossFitInversion(QueryKeyInversion):
     range(K) on the other half; it shrinks with the error of V. It is the
     reason for the second direction: on the held-out recovery grid one
     direction alone over-counted 6 of 41 tasks with T < d, both together 5
-    (see docs/estimators.md). An ``UnidentifiableRankWarning`` says when a
+    (before the scale-normalised start, which removed those over-counts; see
+    docs/estimators.md). An ``UnidentifiableRankWarning`` says when a
     half's fitted V leaves the other half more than ``CROSS_FIT_MISFIT``
     times that half's own residual power.
 
     The samples of each half are kept (lists of arrays, so ``partial_fit``
     and :func:`merge_stats` concatenate) while they number at most
-    ``MAX_COHERENT_SAMPLE_ENTRIES`` entries and the fit's cost
-    ``n d^4 + d^6`` is at most ``MAX_CROSS_FIT_COST``; beyond that, or with
-    too few samples per half for the least squares, this is the first-order
-    :class:`QueryKeyInversion`.
+    ``MAX_COHERENT_SAMPLE_ENTRIES`` entries. The fit is by alternating least
+    squares while ``n d^4 + d^6 <= MAX_CROSS_FIT_COST`` (about ``d <= 24``),
+    else by L-BFGS on the profile loss while
+    ``n T d (d + d_v) <= MAX_PROFILED_FIT_COST`` (:meth:`fit_method`).
+    Beyond both, or with too few samples per half for the least squares,
+    this is the first-order :class:`QueryKeyInversion`.
 
     Examples
     --------
@@ -1055,20 +1062,54 @@ class QueryKeyCrossFitInversion(QueryKeyInversion):
     @staticmethod
     def sizes_allow_cross_fit(n, T, d, d_v):
         """Whether n samples of this shape can be cross-fitted: kept within ``MAX_COHERENT_SAMPLE_ENTRIES``,
-        fitted within ``MAX_CROSS_FIT_COST`` (``n d^4 + d^6``), and each half large enough for the
+        fitted within one of the budgets of :meth:`fit_method`, and each half large enough for the
         least squares (full-rank normal matrix and ``MIN_NOISE_DOF`` residual degrees of freedom)."""
         half = n // 2
-        return (n * T * (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES and n * d**4 + d**6 <= MAX_CROSS_FIT_COST
+        return (n * T * (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES
+                and QueryKeyCrossFitInversion.fit_method(n, T, d, d_v) is not None
                 and half >= QueryKeyLeastSquaresInversion.least_squares_samples(T, d, d_v)
                 and half * T * d_v - d * d >= MIN_NOISE_DOF)
+
+    @staticmethod
+    def fit_method(n, T, d, d_v):
+        """How each half's ``(K, V)`` is fitted for n samples in all: ``"als"`` (alternating least
+        squares, :func:`rstar._bilinear.fit_query_key_restarts`) while ``n d^4 + d^6 <=
+        MAX_CROSS_FIT_COST``; else ``"profiled"`` (L-BFGS on the profile loss,
+        :func:`rstar._bilinear.fit_query_key_profiled`) while ``n T d (d + d_v) <=
+        MAX_PROFILED_FIT_COST``; else None (no cross-fit)."""
+        if n * d**4 + d**6 <= MAX_CROSS_FIT_COST:
+            return "als"
+        return "profiled" if n * T * d * (d + d_v) <= MAX_PROFILED_FIT_COST else None
 
     def cross_fit_possible(self, stats):
         """Whether the samples were kept and :meth:`sizes_allow_cross_fit`."""
         return stats.get("samples_odd") is not None and self.sizes_allow_cross_fit(stats["n"], *stats["dims"])
 
     @staticmethod
-    def fit_half(X, Y, random_starts=CROSS_FIT_RANDOM_STARTS, seed=CROSS_FIT_SEED):
+    def fit_half(X, Y, random_starts=CROSS_FIT_RANDOM_STARTS, seed=CROSS_FIT_SEED, method="als"):
         """Fit ``Y_i ~ X_i K G_i V`` on one half (see the class notes).
+
+        The signal is homogeneous of degree 3 in ``X_i``, so with
+        heavy-tailed tokens a few samples of large norm dominate the least
+        squares, and its landscape has poor local optima. The fit therefore
+        runs first on *scale-normalised* samples (``X_i / s_i``,
+        ``Y_i / s_i^3``, ``s_i`` the root mean square of ``X_i``: the same
+        model, every sample's signal of order one), from the first-order
+        fit, its transpose and ``random_starts`` random kernels; the
+        least squares on the samples as they are then starts from that
+        kernel.
+
+        Parameters
+        ----------
+        X : ndarray of shape (n, T, d)
+        Y : ndarray of shape (n, T, d_v)
+        random_starts : int, default=CROSS_FIT_RANDOM_STARTS
+        seed : int, default=CROSS_FIT_SEED
+        method : {"als", "profiled"}, default="als"
+            The optimiser: alternating least squares
+            (:func:`rstar._bilinear.fit_query_key_restarts`) or L-BFGS on
+            the profile loss (:func:`rstar._bilinear.fit_query_key_profiled`),
+            which never forms a ``d^2 x d^2`` matrix.
 
         Returns
         -------
@@ -1077,16 +1118,26 @@ class QueryKeyCrossFitInversion(QueryKeyInversion):
             The fit's residual power per degree of freedom
             (``n T d_v - d^2 - d d_v + 1`` of them).
         """
+        if method not in ("als", "profiled"):
+            raise ValueError(f"method must be 'als' or 'profiled', got {method!r}.")
         n, T, d = X.shape
         d_v = Y.shape[2]
+        scale = np.sqrt(np.mean(X**2, axis=(1, 2)))
+        scale = np.where(scale > 0, scale, 1.0)[:, None, None]
+        Xn, Yn = X / scale, Y / scale**3
         # first-order start: M_i = X_i^+ Y_i ~ K G_i V, weighted as QueryKeyInversion weights it
-        U, inv_s, Wt, smallest, _ = batched_pseudo_inverse(X)
-        M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Y, optimize=True)
-        HZ, FZ = _bilinear.moment_sums(np.matmul(np.swapaxes(X, 1, 2), X), M, smallest)
+        U, inv_s, Wt, smallest, _ = batched_pseudo_inverse(Xn)
+        M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Yn, optimize=True)
+        HZ, FZ = _bilinear.moment_sums(np.matmul(np.swapaxes(Xn, 1, 2), Xn), M, smallest)
         K1, _ = _bilinear.fit_bilinear(HZ, FZ, np.eye(d), max_iter=200, fit_tol=1e-6)
         rng = np.random.default_rng(seed)
         starts = [K1, K1.T] + [rng.standard_normal((d, d)) for _ in range(random_starts)]
-        _, V, rss = _bilinear.fit_query_key_restarts(X, Y, starts)
+        if method == "als":
+            K_scaled, _, _ = _bilinear.fit_query_key_restarts(Xn, Yn, starts)
+            _, V, rss = _bilinear.fit_query_key_samples(X, Y, K_scaled)
+        else:
+            K_scaled, _, _ = _bilinear.fit_query_key_profiled(Xn, Yn, starts)
+            _, V, rss = _bilinear.fit_query_key_profiled(X, Y, [K_scaled])
         return V, rss / max(n * T * d_v - d * d - d * d_v + 1, 1)
 
     @staticmethod
@@ -1103,18 +1154,21 @@ class QueryKeyCrossFitInversion(QueryKeyInversion):
         if not self.cross_fit_possible(stats):
             return super().whiten(stats)
         halves = [_kept_half(stats, key) for key in ("samples_odd", "samples_even")]
-        fits = [self.fit_half(*h) for h in halves]
+        method = self.fit_method(stats["n"], *stats["dims"])
+        fits = [self.fit_half(*h, method=method) for h in halves]
         out = []
         for a, b in ((0, 1), (1, 0)):
             ws = self._tested_on(fits[a][0], *halves[b])
-            # a fit stuck in a poor local optimum leaves signal in the other half's residual: its
-            # noise level then exceeds that half's own fit by far more than sampling error
+            # a fit stuck in a poor local optimum, or a V whose error heavy-tailed tokens amplify,
+            # leaves signal in the other half's residual: its noise level then exceeds that half's
+            # own fit by far more than sampling error
             misfit = ws.noise_variance / max(fits[b][1], np.finfo(float).tiny)
             if misfit > CROSS_FIT_MISFIT:
                 ws.warnings.append((UnidentifiableRankWarning,
                                     f"the value map fitted on one half of the samples leaves {misfit:.2f} times the "
                                     "other half's own residual power unexplained (the least-squares fit of K and V "
-                                    "is not convex and may have stopped in a poor local optimum): part of the "
+                                    "is not convex and may have stopped in a poor local optimum, or heavy-tailed "
+                                    "tokens amplify the error of the fitted V): part of the "
                                     "signal is then tested as noise outside range(K), so rank_ may be an "
                                     "over-count."))
             out.append(ws)
