@@ -351,8 +351,10 @@ def fit_query_key_profiled(X, Y, starts, probe_iter=30, max_iter=500):
     rss : float
     """
     loss = QueryKeyProfileLoss(X, Y)
-    # one start: no probe, it runs on at once
-    probes = [_minimise_profile(loss, K0, probe_iter) for K0 in starts] if len(starts) > 1 else [(starts[0], 0.0)]
-    k, _ = _minimise_profile(loss, min(probes, key=lambda probe: probe[1])[0], max_iter)
+    if len(starts) == 1:
+        k = starts[0]
+    else:
+        k = min((_minimise_profile(loss, K0, probe_iter) for K0 in starts), key=lambda probe: probe[1])[0]
+    k, _ = _minimise_profile(loss, k, max_iter)
     V, rss = loss.value_map(k)
     return k.reshape(loss.d, loss.d), V, rss
