@@ -57,9 +57,12 @@ estimate and does not change ``rank_``; by default it is skipped here by
 replacing the inversions' ``fit_operator`` with a stub (and not accumulating
 the query-key moment sums, used only there). ``--exact-fit`` runs the
 unmodified ``fit``. The token inversion keeps its moment sums (its residual
-noise estimate uses them). The rstar estimators differ only in their rank rule,
-so those after ``RStarEstimator`` take its accumulated sums and its whitened
-statistic (computed once per task) and run only their own rule
+noise estimate uses them). The rstar estimators on the same inversion differ
+only in their rank rule, so each takes the accumulated sums and the whitened
+statistic (computed once per task) of the first one fitted on that inversion
+(``RStarEstimator``; on softmax, whose RStar inversion is the least squares,
+the paper's inversion is fitted once more, by ``MPRankEstimator``) and runs
+only its own rule
 (``_fit_on_shared_statistic``; column ``shared``, whose ``seconds`` then count
 the rule alone); ``--no-share`` fits each in full. The rows are the same
 (tested, and identical on the whole quick grid: 2790 rows).
@@ -214,7 +217,8 @@ def install_fast_patches():
     def _no_operator(self, stats, basis):
         return None
 
-    for cls in (inversions.TokenInversion, inversions.QueryKeyInversion, inversions.SoftmaxExactInversion):
+    for cls in (inversions.TokenInversion, inversions.QueryKeyInversion, inversions.SoftmaxExactInversion,
+                inversions.SoftmaxLeastSquaresInversion):
         cls.fit_operator = _no_operator
     original = inversions.QueryKeyInversion.new_stats
 
@@ -368,9 +372,14 @@ def _residual_noise(task):
     Linear proxy: the regression of vec Y on vec X needs n > T d (and the (T d)^2 moment sums);
     linear QK with V known: the residual of the pooled least-squares fit of K (n T d_v > d^2);
     linear QK with V unknown: the part of Y_i outside col(X_i) needs T > d; with T <= d, the cross-fitted least
-    squares' residual, within its cost budget; softmax: the bulk is fitted instead.
+    squares' residual, within its cost budget; softmax: the residual of RStar's least-squares fit of the model,
+    within its budgets (else the first-order inversion fits the bulk instead).
     """
     T, d, d_v, n = task["T"], task["d"], task["d_v"], task["n"]
+    if task["kind"] == "softmax":
+        from rstar.inversions import SoftmaxLeastSquaresInversion
+
+        return bool(SoftmaxLeastSquaresInversion.sizes_allow_fit(n, T, d, d_v, task["family"] == "softmax_known_v"))
     if task["kind"] == "linear_proxy":
         return bool((T * d) ** 2 <= 2**25 and T * d_v * (n - T * d) >= 50)
     if task["family"] == "linear_qk_known_v" and d**4 <= 2**25:
@@ -404,8 +413,9 @@ def _same_inversion(a, b):
 def _fit_on_shared_statistic(est, ref):
     """``est.fit(X, Y)`` when ``ref`` was fitted on the same X, Y with the same inversion, without recomputing it.
 
-    The rstar estimators differ only in their rank rule (RStar, MP, Energy, Numerical, SoftmaxInv on the same
-    operator and value_map): the accumulated sums and the whitened statistic are the same, so ``est`` takes
+    The rstar estimators on the same inversion differ only in their rank rule (RStar, MP, Energy, Numerical,
+    SoftmaxInv on the same operator and value_map, except RStar's least squares on softmax): the accumulated
+    sums and the whitened statistic are the same, so ``est`` takes
     ``ref``'s fitted state and runs only its own rule (``_finalize``). ``ref._inv.whiten`` is memoised for the
     task (the expensive part: coherent fits, the cross-fit). Returns False (nothing done) when ``est`` would
     build a different inversion. ``--no-share`` runs every fit in full instead; the two give identical rows
@@ -464,8 +474,8 @@ def _fit_memoised(est, X, Y):
 def run_task(task, fast=True, share=True):
     """Fit every estimator and baseline on one generated task; one row per estimator.
 
-    With ``share``, the rstar estimators after the first reuse its inversion (``_fit_on_shared_statistic``);
-    their ``seconds`` then count only their own rule (column ``shared``).
+    With ``share``, each rstar estimator reuses the inversion of the first one fitted on the same inversion
+    (``_fit_on_shared_statistic``); its ``seconds`` then count only its own rule (column ``shared``).
     """
     from threadpoolctl import threadpool_limits
 
@@ -483,7 +493,7 @@ def run_task(task, fast=True, share=True):
         base.update(gamma=info.get("gamma", float("nan")), clean_gap=info.get("clean_gap", float("nan")),
                     gen_seconds=round(t_gen, 4),
                     exact_inversion=bool(info.get("exact_inversion", False)), residual_noise=_residual_noise(task))
-        ref = None
+        ref, fitted = None, []
         for name, est in _estimators(task, V):
             caught = []
             shared = False
@@ -491,8 +501,10 @@ def run_task(task, fast=True, share=True):
             try:
                 with warnings.catch_warnings(record=True) as w:
                     warnings.simplefilter("always")
-                    shared = share and ref is not None and _fit_on_shared_statistic(est, ref)
-                    if share and not shared and name == "RStar":
+                    # the first estimator fitted on each inversion lends it to the later ones
+                    # (softmax: RStar's least squares, then the paper's inversion for the others)
+                    shared = share and any(_fit_on_shared_statistic(est, other) for other in fitted)
+                    if share and not shared:
                         _fit_memoised(est, X, Y)
                     elif not shared:
                         est.fit(X, Y)
@@ -503,6 +515,8 @@ def run_task(task, fast=True, share=True):
             except Exception as exc:  # recorded, counted as a miss
                 r_hat, error = -1, f"{type(exc).__name__}: {exc}"[:200]
             seconds = time.perf_counter() - t0
+            if share and not shared and not error:
+                fitted.append(est)
             diag = dict(noise_ratio=float("nan"), n_columns=float("nan"))
             if name == "RStar" and not error:
                 ref = est
@@ -748,6 +762,9 @@ def goals_table(rows, points):
          and (r["kind"] == "linear_proxy" or r["T"] >= 1.25 * r["d"])])
     add("softmax_unknown_v, logit scale ≤ 4, T ≥ d", "≥ 95%",
         [r for r in rows if r["family"] == "softmax_unknown_v" and r["logit_scale"] <= 4 and r["T"] >= r["d"]])
+    add("softmax_unknown_v, logit scale ≤ 4, T ≥ d, within RStar's least-squares budget", "(≥ 95%)",
+        [r for r in rows if r["family"] == "softmax_unknown_v" and r["logit_scale"] <= 4 and r["T"] >= r["d"]
+         and r["residual_noise"]])
     add("softmax_unknown_v, logit scale ≤ 4, T ≥ d, noise-free gap at r* ≥ 2", "(≥ 95%)",
         [r for r in rows if r["family"] == "softmax_unknown_v" and r["logit_scale"] <= 4 and r["T"] >= r["d"]
          and (r["r_star"] == 0 or r.get("clean_gap", 0.0) >= 2)])
@@ -794,8 +811,11 @@ def summarise(rows, det_rows):
                                  else "σ² from the bulk", ["residual σ² (exact under the model)", "σ² from the bulk"],
                                  "RStar's noise source"), ""]
         if FAMILIES[family][0] == "softmax":
-            parts += [table_wide(fam, lambda r: "exact (T ≤ 0.9 min(d, d_v))" if r["exact_inversion"] else "first-order",
-                                 ["exact (T ≤ 0.9 min(d, d_v))", "first-order"], "inversion used"), "",
+            parts += [table_wide(fam, lambda r: "least squares" if r["residual_noise"] else "first order (over budget)",
+                                 ["least squares", "first order (over budget)"], "RStar's inversion"), "",
+                      table_wide(fam, lambda r: "exact (T ≤ 0.9 min(d, d_v))" if r["exact_inversion"] else "first-order",
+                                 ["exact (T ≤ 0.9 min(d, d_v))", "first-order"],
+                                 "paper's inversion (MP, Energy, Numerical, SoftmaxInv)"), "",
                       table_wide(fam, logit_bin, LOGIT_BINS, "logit scale"), "",
                       table_wide([r for r in fam if r["T"] >= r["d"]], logit_bin, LOGIT_BINS,
                                  "logit scale, T ≥ d"), "",

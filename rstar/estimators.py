@@ -27,6 +27,7 @@ from .inversions import (
     QueryKeyInversion,
     QueryKeyLeastSquaresInversion,
     SoftmaxExactInversion,
+    SoftmaxLeastSquaresInversion,
     TokenInversion,
 )
 from .metrics import token_r2_score
@@ -52,10 +53,13 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
         Known V, in the units the inversion will see.
     shape : tuple (T, d, d_v) or None
         Needed to decide ``method="auto"``.
-    method : {"auto", "first_order", "exact"}, default="auto"
+    method : {"auto", "first_order", "exact", "least_squares"}, default="auto"
         Softmax: ``"exact"`` needs V and ``d >= T``, ``d_v >= T``;
         ``"auto"`` uses it when ``X_i V`` is well conditioned
-        (``T <= 0.9 min(d, d_v)``), else the first-order inversion.
+        (``T <= 0.9 min(d, d_v)``), else the first-order inversion (the
+        paper's estimators); ``"least_squares"`` fits the model itself
+        (:class:`~rstar.inversions.SoftmaxLeastSquaresInversion`, V known or
+        not; first order beyond its budgets), :class:`RStarEstimator`'s choice.
         Linear QK: ``"exact"`` (needs V) is the least-squares inversion
         :class:`~rstar.inversions.QueryKeyLeastSquaresInversion`;
         ``"auto"`` uses it when V is known and its ``d^2 x d^2`` normal
@@ -82,8 +86,10 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
     >>> type(make_inversion("linear_qk")).__name__
     'QueryKeyInversion'
     """
-    if method not in ("auto", "first_order", "exact"):
-        raise ValueError(f"method must be 'auto', 'first_order' or 'exact', got {method!r}.")
+    if method not in ("auto", "first_order", "exact", "least_squares"):
+        raise ValueError(f"method must be 'auto', 'first_order', 'exact' or 'least_squares', got {method!r}.")
+    if method == "least_squares" and operator != "softmax":
+        raise ValueError(f"method='least_squares' is the softmax inversion; got operator={operator!r}.")
     if operator == "linear_proxy":
         return TokenInversion(value_map=value_map)
     if operator == "linear_qk":
@@ -112,6 +118,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
                 f"rank T); got value_map={'None' if value_map is None else 'given'} and (T, d, d_v)={shape}.")
         if method == "exact" or (method == "auto" and exact_ok and well_conditioned):
             return SoftmaxExactInversion(value_map, clip=clip)
+        if method == "least_squares":
+            return SoftmaxLeastSquaresInversion(value_map)
         return QueryKeyInversion(centred=True, residual_noise=False if residual_noise is None else residual_noise,
                                  value_map=value_map)
     raise ValueError(f"unknown operator {operator!r}")
@@ -542,7 +550,10 @@ class SoftmaxInversionEstimator(MPRankEstimator):
     noise_variance : float or None, default=None
         Known noise variance of Y (first-order inversion only).
     alpha : float in (0, 1), default=0.01
-    method : {"auto", "first_order", "exact"}, default="auto"
+    method : {"auto", "first_order", "exact", "least_squares"}, default="auto"
+        ``"auto"`` is the paper's choice above; ``"least_squares"`` is
+        :class:`RStarEstimator`'s inversion (least squares on the model
+        itself, :class:`rstar.inversions.SoftmaxLeastSquaresInversion`).
     clip : float, default=1e-3
         Exact inversion: recovered attention weights are clipped at ``clip / T``.
 """ + _FITTED_DOC + """
@@ -570,8 +581,9 @@ class SoftmaxInversionEstimator(MPRankEstimator):
 
     def _validate_rule_params(self):
         super()._validate_rule_params()
-        if self.method not in ("auto", "first_order", "exact"):
-            raise ValueError(f"method must be 'auto', 'first_order' or 'exact', got {self.method!r}.")
+        if self.method not in ("auto", "first_order", "exact", "least_squares"):
+            raise ValueError(f"method must be 'auto', 'first_order', 'exact' or 'least_squares', "
+                             f"got {self.method!r}.")
         check_positive(self.clip, "clip", allow_none=False, upper=1.0)
 
     def _inversion_options(self):
@@ -590,9 +602,12 @@ class RStarEstimator(MPRankEstimator):
       itself; with V unknown and ``T <= d``, the same least squares on each
       half of the samples with V fitted on the other half
       (:class:`rstar.inversions.QueryKeyCrossFitInversion`).
-    - ``"softmax"`` (default): first-order centred inversion (also exact for
-      linear-QK data), or the exact inversion when V is known and
-      ``T <= 0.9 min(d, d_v)``; MP edge with Tracy–Widom margin.
+    - ``"softmax"`` (default): least squares of K (full rank) on the model
+      ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V`` itself, V known or
+      profiled out, tested sequentially against draws of the fitted K's
+      first-order noise (:class:`rstar.inversions.SoftmaxLeastSquaresInversion`);
+      beyond its cost budgets, or without a value signal, the first-order
+      centred inversion with an MP edge and Tracy–Widom margin.
 
     ``p_values_`` and ``rank_interval_`` say how sure the count is (see
     ``docs/estimators.md``: calibrated on null tasks).
@@ -614,3 +629,7 @@ class RStarEstimator(MPRankEstimator):
                  alpha=0.01):
         super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank,
                          noise_variance=noise_variance, alpha=alpha)
+
+    def _inversion_options(self):
+        # softmax: least squares on the model itself (first order beyond its budget)
+        return {"method": "least_squares"} if self._get_operator() == "softmax" else {}

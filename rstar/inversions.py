@@ -25,14 +25,18 @@ Available inversions:
   that V on the other half, and the same with the halves swapped.
 - :class:`SoftmaxExactInversion` (B2 with a known V and ``d, d_v >= T``):
   weighted least squares on ``log S_i`` where ``S_i = Y_i (X_i V)^+``.
+- :class:`SoftmaxLeastSquaresInversion` (B2, V known or not): least squares of
+  ``K`` (full rank) on ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V + E_i``
+  itself, whitened by its information (a Wald statistic).
 """
 
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import linalg, special
+from scipy.stats import f as f_dist
 
-from . import _bilinear
+from . import _bilinear, _softmax_ls
 from ._linalg import batched_pseudo_inverse, kronecker_rearranged, orthonormal_rows, psd_power, solve_psd, sym
 from .exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from .marchenko_pastur import MEDIAN_EFFICIENCY, mp_median
@@ -45,6 +49,7 @@ __all__ = [
     "QueryKeyLeastSquaresInversion",
     "QueryKeyCrossFitInversion",
     "SoftmaxExactInversion",
+    "SoftmaxLeastSquaresInversion",
     "coherent_spectrum",
     "proxy_coherent_spectrum",
     "merge_stats",
@@ -91,6 +96,14 @@ CROSS_FIT_SEED = 20261
 #: Warn when a half's fitted V leaves the other half a residual power this many times that
 #: half's own fit.
 CROSS_FIT_MISFIT = 1.1
+#: Least-squares softmax inversion: largest ``n T^2 (d + d_v)``, about the work of one evaluation
+#: of its loss (:class:`SoftmaxLeastSquaresInversion`); beyond it the inversion is first order.
+MAX_SOFTMAX_FIT_COST = 2**29
+#: ... and with V unknown only where the F test of ``V = 0`` under uniform attention rejects at this level.
+VALUE_SIGNAL_ALPHA = 1e-3
+#: ... and while its information of K (``d^2 x d^2``, for the simulated null) costs at most this:
+#: ``n T (d^4 + d^3 d_v) + d^6``.
+MAX_SOFTMAX_INFORMATION_COST = 2**38
 
 
 @dataclass
@@ -1351,6 +1364,174 @@ class SoftmaxExactInversion(Inversion):
 
     def fit_operator(self, stats, basis):
         return _SoftmaxOperator(_kernel_in_basis(stats["H"], stats["rhs"], basis.T), self.value_map)
+
+
+class SoftmaxLeastSquaresInversion(QueryKeyInversion):
+    """Least-squares (Gaussian maximum-likelihood) inversion of softmax attention, V known or not.
+
+    ``K`` is fitted at full rank by least squares on the model itself,
+    ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V + E_i``, with V known or
+    profiled out (:func:`rstar._softmax_ls.fit_softmax_least_squares`, L-BFGS
+    from ``K = 0``). Unlike the first-order inversion it leaves no
+    higher-order terms in a structured bulk, and unlike the exact (log-domain)
+    inversion it needs neither ``T <= d`` nor a known V. To first order the
+    fitted K has noise ``N(0, sigma2 F^{-1})``, with F the Gauss–Newton
+    information of K with V profiled out
+    (:func:`rstar._softmax_ls.softmax_kernel_information_matrix`) and
+    ``sigma2 = RSS / (n T d_v - d^2 - d d_v)`` (``d d_v`` only when V is
+    fitted). The statistic is ``K~ K~^T / d`` with ``K~ = A^{1/2} K B^{1/2}``,
+    ``A (x) B`` the nearest Kronecker product to F, and it carries
+    ``NULL_DRAWS`` draws of the whitened noise, so the rule runs the same
+    simulated sequential test as for linear QK with a known V
+    (:func:`rstar.rules.simulated_null_p_values`): F need not be a Kronecker
+    product (with heavy-tailed tokens it is far from one).
+
+    The samples are kept (lists, so ``partial_fit`` and :func:`merge_stats`
+    concatenate) while ``n T (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES``, and
+    the fit runs while ``n T^2 (d + d_v) <= MAX_SOFTMAX_FIT_COST``,
+    ``n T (d^4 + d^3 d_v) + d^6 <= MAX_SOFTMAX_INFORMATION_COST`` and the
+    residual has at least ``MIN_NOISE_DOF`` degrees of freedom
+    (:meth:`sizes_allow_fit`); otherwise this is the first-order inversion
+    (:class:`QueryKeyInversion` with ``centred=True``). So it is too where,
+    with V unknown, the data show no value signal (the F test of ``V = 0``
+    under uniform attention does not reject at ``VALUE_SIGNAL_ALPHA``,
+    :meth:`value_signal_p_value`): K is then not identified, and its least
+    squares runs off to hard attention that fits the noise.
+
+    Parameters
+    ----------
+    value_map : ndarray of shape (d, d_v) or None
+
+    Examples
+    --------
+    >>> from rstar.datasets import make_attention_task
+    >>> from rstar.inversions import SoftmaxLeastSquaresInversion
+    >>> X, Y = make_attention_task(400, seq_len=12, n_features=6, rank=2, noise=0.05, random_state=0)
+    >>> inv = SoftmaxLeastSquaresInversion()
+    >>> stats = inv.new_stats(12, 6, 6)
+    >>> inv.update(stats, X, Y)
+    >>> ws = inv.whiten(stats)
+    >>> ws.null_draws.shape
+    (1000, 6, 6)
+    >>> from rstar.rules import MarchenkoPasturRule
+    >>> MarchenkoPasturRule()(ws).rank
+    2
+    """
+
+    def __init__(self, value_map=None):
+        super().__init__(centred=True, residual_noise=False, value_map=value_map)
+
+    def new_stats(self, T, d, d_v):
+        stats = super().new_stats(T, d, d_v)
+        stats["samples_odd"] = []
+        stats["samples_even"] = []
+        return stats
+
+    def update(self, stats, X, Y):
+        odd = (stats["n"] + np.arange(X.shape[0])) % 2 == 1
+        super().update(stats, X, Y)
+        _keep_half_samples(stats, X, Y, odd)   # over budget: first order only
+
+    def residual_dof(self, n, T, d, d_v):
+        """Degrees of freedom of the least-squares residual: ``n T d_v - d^2`` (``- d d_v`` with V fitted)."""
+        return n * T * d_v - d * d - (d * d_v if self.value_map is None else 0)
+
+    @staticmethod
+    def sizes_allow_fit(n, T, d, d_v, value_map_known=False):
+        """Whether n samples of this shape are kept (``n T (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES``), fitted
+        within ``MAX_SOFTMAX_FIT_COST`` (``n T^2 (d + d_v)``, about one evaluation of the loss), their
+        information formed within ``MAX_SOFTMAX_INFORMATION_COST`` (``n T (d^4 + d^3 d_v) + d^6``), and the
+        residual has ``MIN_NOISE_DOF`` degrees of freedom."""
+        dof = n * T * d_v - d * d - (0 if value_map_known else d * d_v)
+        return (n * T * (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES and n * T * T * (d + d_v) <= MAX_SOFTMAX_FIT_COST
+                and n * T * (d**4 + d**3 * d_v) + d**6 <= MAX_SOFTMAX_INFORMATION_COST and dof >= MIN_NOISE_DOF)
+
+    def fit_possible(self, stats):
+        """Whether the samples were kept and :meth:`sizes_allow_fit`."""
+        return stats.get("samples_odd") is not None and self.sizes_allow_fit(
+            stats["n"], *stats["dims"], value_map_known=self.value_map is not None)
+
+    @staticmethod
+    def _samples(stats):
+        parts = [_kept_half(stats, key) for key in ("samples_odd", "samples_even") if stats[key]]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def value_signal_p_value(self, stats, Y):
+        """p-value of the F test of ``V = 0`` under uniform attention (``Y_i ~ 1 xbar_i^T V``).
+
+        Without a value signal the kernel is not identified: the least
+        squares then drives K to hard attention that fits the noise.
+        """
+        T, d, d_v = stats["dims"]
+        gram, cross = T * stats["xbar_xbar"], T * stats["xbar_ybar"]
+        explained = float(np.sum(cross * solve_psd(gram, cross)))
+        dof = stats["n"] * T * d_v - d * d_v
+        resid = max(float(np.sum(Y**2)) - explained, np.finfo(float).tiny)
+        return float(f_dist.sf((explained / (d * d_v)) / (resid / dof), d * d_v, dof))
+
+    def whiten(self, stats):
+        if not self.fit_possible(stats):
+            return super().whiten(stats)
+        T, d, d_v = stats["dims"]
+        X, Y = self._samples(stats)
+        if self.value_map is None and self.value_signal_p_value(stats, Y) > VALUE_SIGNAL_ALPHA:
+            # no value signal: the first-order inversion's null is calibrated without one
+            return super().whiten(stats)
+        K, V, sigma2, converged = self._fit(X, Y)
+        dof = self.residual_dof(X.shape[0], T, d, d_v)
+        warnings = []
+        if not converged:
+            warnings.append((UnidentifiableRankWarning,
+                             f"the least-squares fit of the softmax kernel stopped after "
+                             f"{_softmax_ls.SOFTMAX_MAX_ITER} L-BFGS iterations before converging (a flat or "
+                             "badly conditioned loss, e.g. heavy-tailed tokens): the spectrum holds part of the "
+                             "optimiser's error, so rank_ may be off."))
+        F = _softmax_ls.softmax_kernel_information_matrix(X, K, V, value_map_fitted=self.value_map is None)
+        F = F + 1e-10 * max(float(np.trace(F)) / F.shape[0], np.finfo(float).tiny) * np.eye(F.shape[0])
+        try:
+            L = linalg.cholesky(F, lower=True, check_finite=False)
+        except linalg.LinAlgError:
+            ws = super().whiten(stats)
+            ws.warnings.append((IllConditionedInversionWarning,
+                                "the information of the least-squares softmax kernel is singular (directions of K "
+                                "that no sample's attention sees). Fallback in use: the first-order inversion."))
+            return ws
+        A, B = nearest_kronecker_product(F, d)
+        A_half, B_half = psd_power(A, 0.5), psd_power(B, 0.5)
+        Kt = A_half @ K @ B_half
+        lam, vecs = _eigh_desc(Kt @ Kt.T / d)
+        # draws of the whitened estimate's noise to first order: vec N ~ N(0, sigma2 F^{-1}) = sigma L^{-T} z
+        rng = np.random.default_rng(NULL_SEED)
+        Z = linalg.solve_triangular(L, rng.standard_normal((d * d, NULL_DRAWS)), lower=True, trans="T",
+                                    check_finite=False) * np.sqrt(sigma2)
+        draws = np.einsum("ab,bcj,cd->jad", A_half, Z.reshape(d, d, NULL_DRAWS), B_half, optimize=True)
+        return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), float(sigma2), float(dof), warnings,
+                                 statistic_matrix=Kt, null_draws=draws)
+
+    def _fit(self, X, Y, K0=None, basis=None):
+        """Least-squares ``(K, V, sigma2, converged)`` on samples scaled to unit RMS (so the optimiser's path does
+        not depend on the units, e.g. the first ``partial_fit`` batch's scaling), returned in the units given."""
+        T, d, d_v = X.shape[1], X.shape[2], Y.shape[2]
+        sx = max(float(np.sqrt(np.mean(X**2))), np.finfo(float).tiny)
+        sy = max(float(np.sqrt(np.mean(Y**2))), np.finfo(float).tiny)
+        V0 = None if self.value_map is None else self.value_map * (sx / sy)
+        K, V, rss, converged = _softmax_ls.fit_softmax_least_squares(
+            X / sx, Y / sy, V0, None if K0 is None else K0 * sx**2, basis)
+        sigma2 = rss * sy**2 / self.residual_dof(X.shape[0], T, d, d_v)
+        return K / sx**2, V * (sy / sx), sigma2, converged
+
+    def fit_operator(self, stats, basis):
+        if not self.fit_possible(stats):
+            return super().fit_operator(stats, basis)
+        X, Y = self._samples(stats)
+        d = stats["dims"][1]
+        if basis.shape[0] == 0:
+            K = np.zeros((d, d))
+            V, _ = _softmax_ls.SoftmaxLeastSquaresLoss(X, Y, self.value_map).value_map(K)
+            return _SoftmaxOperator(K, V)
+        K_full = self._fit(X, Y)[0]
+        K, V, _, _ = self._fit(X, Y, K0=K_full, basis=basis)
+        return _SoftmaxOperator(K, V)
 
 
 def nearest_kronecker_product(H, d, n_iter=100):

@@ -337,7 +337,7 @@ def test_exact_softmax_noise_from_split_halves_counts_most_directions():
     # the split-half noise draw (K_odd - K_even) / 2 sets the level independently of the spikes.
     X, Y, t = make_attention_task(1000, kind="softmax", seq_len=8, n_features=16, rank=10, logit_scale=3.0,
                                   random_state=0, return_teacher=True)
-    est = RStarEstimator(value_map=t.value_map).fit(X, Y)
+    est = SoftmaxInversionEstimator(value_map=t.value_map).fit(X, Y)
     assert type(est._inv).__name__ == "SoftmaxExactInversion"
     assert est.rank_ == 10
     null = est._inv.whiten(est._stats).null_spectrum
@@ -347,16 +347,17 @@ def test_exact_softmax_noise_from_split_halves_counts_most_directions():
 def test_exact_softmax_split_halves_follow_the_global_sample_index():
     X, Y, t = make_attention_task(301, kind="softmax", seq_len=8, n_features=12, rank=3, random_state=2,
                                   return_teacher=True)
-    full = RStarEstimator(value_map=t.value_map).fit(X, Y)
+    full = SoftmaxInversionEstimator(value_map=t.value_map).fit(X, Y)
     # odd batch sizes: parity must follow the global index
-    stream = _streamed(RStarEstimator(value_map=t.value_map), X, Y, 37)
+    stream = _streamed(SoftmaxInversionEstimator(value_map=t.value_map), X, Y, 37)
     assert stream._stats["n_odd"] == full._stats["n_odd"] == 150
     np.testing.assert_allclose(stream.noise_variance_, full.noise_variance_, rtol=1e-9)
     assert stream.rank_ == full.rank_ == 3
 
 
+@pytest.mark.parametrize("estimator", [SoftmaxInversionEstimator, RStarEstimator], ids=["first_order", "RStar"])
 @pytest.mark.parametrize("rank", [15, 16])
-def test_softmax_first_order_counts_to_full_rank_from_the_residual(rank):
+def test_softmax_first_order_counts_to_full_rank_from_the_residual(rank, estimator):
     # every (or all but one) of d = 16 directions is signal: the fitted bulk is a spike's level,
     # so the spectrum alone stopped at 15 for r* = 16 (and warned that the noise level was
     # unreliable); the residual outside col(P X_i) (noise plus higher-order terms) sets a floor
@@ -365,7 +366,10 @@ def test_softmax_first_order_counts_to_full_rank_from_the_residual(rank):
                                noise=0.05, random_state=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est = RStarEstimator().fit(X, Y)
+        est = estimator().fit(X, Y)
+    # first order, and (RStar) the least squares on the model, whose simulated null needs no bulk
+    assert type(est._inv).__name__ == ("QueryKeyInversion" if estimator is SoftmaxInversionEstimator
+                                       else "SoftmaxLeastSquaresInversion")
     assert est.rank_ == rank and est.rank_interval_ == (rank, rank)
     assert est.spectrum_[rank - 1] > est.threshold_
     if rank < 16:

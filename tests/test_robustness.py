@@ -78,12 +78,13 @@ def _assert_recovers(make_task, operator, seeds, known_v=False, op_key="kernel")
     assert not any(warned), f"unexpected warnings {warned}"
 
 
-def _recovers_or_warns(make_task, operator, seeds, known_v=False):
+def _recovers_or_warns(make_task, operator, seeds, known_v=False, estimator=None):
     """(rank_, warned) per seed; the contract is rank_ == r* or a robustness warning."""
     out = []
     for seed in seeds:
         X, Y, t = make_task(seed)
-        est, caught = _fit(_estimator(operator, t, known_v), X, Y)
+        est = _estimator(operator, t, known_v) if estimator is None else estimator(t)
+        est, caught = _fit(est, X, Y)
         out.append((est.rank_, bool(caught)))
     return out, t.rank
 
@@ -118,8 +119,16 @@ def test_heavy_tails_softmax_first_order_recovers():
     "EnergyRankEstimator gives [2, 3, 3, 3, 3, 3]."))
 def test_heavy_tails_softmax_exact_recovers_or_warns():
     out, r = _recovers_or_warns(lambda s: _attention("softmax", s, seq_len=8, n_features=12, **HEAVY),
-                                "softmax", range(6), known_v=True)
+                                "softmax", range(6), known_v=True,
+                                estimator=lambda t: SoftmaxInversionEstimator(value_map=t.value_map, method="exact"))
     assert all(rank == r or warned for rank, warned in out), f"(rank_, warned) per seed: {out}, r* = {r}"
+
+
+def test_heavy_tails_softmax_known_v_least_squares_recovers():
+    # the same tasks: RStar's least squares with its simulated null (the information need not be a
+    # Kronecker product) gets r* on every seed
+    _assert_recovers(lambda s: _attention("softmax", s, seq_len=8, n_features=12, **HEAVY), "softmax", range(6),
+                     known_v=True)
 
 
 # --- 2. correlated features (AR(1) covariance 0.5 ** |a - b|) ----------------------------------
@@ -190,11 +199,30 @@ def test_t_close_to_d_warns_ill_conditioned(kind, known_v, T):
         X, Y, t = _attention(kind, seed, seq_len=T, n_features=D)
         # the query-key inversion's aspect-ratio warning (method="auto" does not use the exact
         # softmax inversion this close to the edge)
+        # softmax: the paper's first-order inversion (RStar's least squares is not ill-conditioned here,
+        # see test_t_close_to_d_softmax_least_squares)
+        est = (SoftmaxInversionEstimator(value_map=t.value_map if known_v else None) if kind == "softmax"
+               else _estimator(kind, t, known_v))
         with pytest.warns(IllConditionedInversionWarning, match="ill-conditioned.*close to d=12"):
-            est = _estimator(kind, t, known_v).fit(X, Y)
+            est.fit(X, Y)
         assert type(est._inv).__name__ == "QueryKeyInversion"
         assert t.rank <= est.rank_ <= t.rank + 2, (seed, est.rank_)
         assert _captured(est.components_[:t.rank], _range(t.kernel, t.rank)) > t.rank - 0.15
+
+
+@pytest.mark.parametrize("known_v", [False, True])
+@pytest.mark.parametrize("T", [D - 1, D, D + 1])
+def test_t_close_to_d_softmax_least_squares(known_v, T):
+    """RStar's softmax inversion is least squares on the model itself, pooled over samples: no X_i^+ or
+    (X_i V)^+, so T = d is an ordinary, well-posed regression: no warning, and r* exactly."""
+    for seed in range(3):
+        X, Y, t = _attention("softmax", seed, n=600, seq_len=T, n_features=D)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            est = _estimator("softmax", t, known_v).fit(X, Y)
+        assert type(est._inv).__name__ == "SoftmaxLeastSquaresInversion" and est._inv.fit_possible(est._stats)
+        assert est.rank_ == t.rank, (seed, est.rank_)
+        assert _captured(est.components_, _range(t.kernel, t.rank)) > t.rank - 0.05
 
 
 @pytest.mark.parametrize("known_v,T,inversion", [

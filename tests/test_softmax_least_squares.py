@@ -1,0 +1,254 @@
+"""Least-squares softmax inversion (rstar._softmax_ls and SoftmaxLeastSquaresInversion)."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from rstar import RStarEstimator, SoftmaxInversionEstimator
+from rstar import _softmax_ls as sls
+from rstar import inversions
+from rstar.datasets import make_attention_task, softmax_attention
+from rstar.estimators import make_inversion
+from rstar.exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
+from rstar.inversions import (
+    QueryKeyInversion,
+    SoftmaxLeastSquaresInversion,
+    merge_stats,
+    nearest_kronecker_product,
+)
+
+
+def _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05, seed=0, **kw):
+    return make_attention_task(n, seq_len=T, n_features=d, value_dim=d_v, rank=rank, noise=noise,
+                               random_state=seed, return_teacher=True, **kw)
+
+
+@pytest.mark.parametrize("known_v", [False, True])
+@pytest.mark.parametrize("with_basis", [False, True])
+def test_loss_gradient_matches_central_differences(known_v, with_basis):
+    X, Y, t = _task(n=40)
+    rng = np.random.default_rng(1)
+    basis = np.linalg.qr(rng.standard_normal((5, 3)))[0].T if with_basis else None
+    loss = sls.SoftmaxLeastSquaresLoss(X, Y, t.value_map if known_v else None, basis)
+    m = rng.standard_normal(15 if with_basis else 25) * 0.5
+    f, g = loss(m)
+    for _ in range(3):
+        u = rng.standard_normal(m.size)
+        h = 1e-5
+        numeric = (loss(m + h * u)[0] - loss(m - h * u)[0]) / (2 * h)
+        assert g @ u == pytest.approx(numeric, rel=1e-5, abs=1e-7)
+    # the value is the residual of the model at the (known or least-squares) value map
+    K = loss.kernel(m)
+    V, rss = loss.value_map(K)
+    assert f == pytest.approx(rss, rel=1e-12)
+    if known_v:
+        np.testing.assert_array_equal(V, t.value_map)
+    else:
+        Z = (sls.attention_weights(X, K) @ X).reshape(-1, 5)
+        V_ls = np.linalg.lstsq(Z, Y.reshape(-1, 4), rcond=None)[0]
+        np.testing.assert_allclose(V, V_ls, rtol=1e-8, atol=1e-10)
+
+
+def test_loss_is_the_same_with_and_without_the_weight_cache(monkeypatch):
+    X, Y, _ = _task(n=30)
+    m = np.random.default_rng(0).standard_normal(25)
+    f1, g1 = sls.SoftmaxLeastSquaresLoss(X, Y)(m)
+    monkeypatch.setattr(sls, "MAX_CACHED_WEIGHTS", 0)
+    monkeypatch.setattr(sls, "CHUNK_ENTRIES", 7 * 100)   # several chunks
+    loss = sls.SoftmaxLeastSquaresLoss(X, Y)
+    assert len(loss._parts) > 1 and not loss._cache
+    f2, g2 = loss(m)
+    assert f1 == pytest.approx(f2, rel=1e-12)
+    np.testing.assert_allclose(g1, g2, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("value_map_fitted", [False, True])
+def test_information_matrix_is_gauss_newton_with_v_profiled(value_map_fitted):
+    X, _, t = _task(n=10, T=5, d=3, d_v=2)
+    K = t.kernel + 0.2
+    V = t.value_map
+
+    def model(theta):
+        return softmax_attention(X, theta[:9].reshape(3, 3), theta[9:].reshape(3, 2)).ravel()
+
+    theta = np.concatenate([K.ravel(), V.ravel()])
+    J = np.stack([(model(theta + 1e-6 * e) - model(theta - 1e-6 * e)) / 2e-6 for e in np.eye(theta.size)], axis=1)
+    F = J.T @ J
+    expected = F[:9, :9]
+    if value_map_fitted:   # Schur complement: the information left for K once V is fitted too
+        expected = expected - F[:9, 9:] @ np.linalg.solve(F[9:, 9:], F[9:, :9])
+    got = sls.softmax_kernel_information_matrix(X, K, V, value_map_fitted)
+    np.testing.assert_allclose(got, expected, atol=1e-7 * np.abs(expected).max())
+
+
+def test_statistic_carries_null_draws():
+    X, Y, _ = _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05)
+    inv = SoftmaxLeastSquaresInversion()
+    stats = inv.new_stats(10, 5, 4)
+    inv.update(stats, X, Y)
+    ws = inv.whiten(stats)
+    assert ws.null_draws.shape == (inversions.NULL_DRAWS, 5, 5) and ws.statistic_matrix.shape == (5, 5)
+    np.testing.assert_allclose(np.linalg.svd(ws.statistic_matrix, compute_uv=False) ** 2 / 5, ws.eigenvalues)
+    # the draws' whitened noise is close to white at the residual variance (Gaussian tokens)
+    assert np.mean(ws.null_draws**2) == pytest.approx(ws.noise_variance, rel=0.3)
+
+
+@pytest.mark.parametrize("known_v", [False, True])
+def test_fit_recovers_a_noise_free_teacher(known_v):
+    X, Y, t = _task(n=200, T=12, d=6, d_v=5, rank=3, noise=0.0, logit_scale=3.0)
+    K, V, rss, converged = sls.fit_softmax_least_squares(X, Y, t.value_map if known_v else None)
+    assert converged
+    assert np.linalg.norm(K - t.kernel) < 1e-3 * np.linalg.norm(t.kernel)
+    np.testing.assert_allclose(V, t.value_map, atol=1e-4 * np.abs(t.value_map).max())
+    assert rss < 1e-8 * np.sum(Y**2)
+
+
+def test_rank_constrained_fit_stays_in_the_basis():
+    X, Y, t = _task(n=200, T=12, d=6, d_v=5, rank=2, noise=0.02)
+    U = np.linalg.svd(t.kernel)[0][:, :2]
+    K, V, rss, _ = sls.fit_softmax_least_squares(X, Y, basis=U.T)
+    np.testing.assert_allclose(U @ U.T @ K, K, atol=1e-12)
+    K_full, _, rss_full, _ = sls.fit_softmax_least_squares(X, Y)
+    # the truth lies in the basis, so the constrained fit loses only the noise fitted by the other directions
+    assert rss_full <= rss <= rss_full * 1.02
+
+
+@pytest.mark.parametrize("tokens", ["gaussian", "student_t", "correlated"])
+@pytest.mark.parametrize("T, d", [(6, 6), (7, 6), (12, 6), (5, 6)])
+def test_rstar_softmax_v_unknown_recovers_rank(tokens, T, d):
+    X, Y, _ = _task(n=500, T=T, d=d, d_v=6, rank=3, noise=0.05, logit_scale=2.0, token_distribution=tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IllConditionedInversionWarning)
+        est = RStarEstimator(operator="softmax").fit(X, Y)
+    assert isinstance(est._inv, SoftmaxLeastSquaresInversion) and est._inv.fit_possible(est._stats)
+    assert est.rank_ == 3
+    # the simulated null's smallest p-value is 1 / (NULL_DRAWS + 1)
+    assert est.p_values_[:3].max() <= 1.0 / (inversions.NULL_DRAWS + 1) and est.p_values_[3] > 0.01
+
+
+def test_known_v_beyond_the_exact_inversion_recovers_rank():
+    # T > 0.9 min(d, d_v): the exact inversion is ill-conditioned, the least squares is not
+    X, Y, t = _task(n=400, T=16, d=8, d_v=8, rank=3, noise=0.1, logit_scale=3.0)
+    est = RStarEstimator(operator="softmax", value_map=t.value_map).fit(X, Y)
+    assert isinstance(est._inv, SoftmaxLeastSquaresInversion) and est._inv.value_map is not None
+    assert est.rank_ == 3
+
+
+def test_null_false_alarms_and_p_values():
+    """r* = 0 (uniform attention): the Wald test keeps its level (40 tasks, alpha = 0.01)."""
+    ranks, p0 = [], []
+    for seed in range(40):
+        X, Y, _ = _task(n=200, T=10, d=6, d_v=6, rank=0, noise=0.1, seed=seed,
+                        token_distribution=("gaussian", "student_t", "correlated")[seed % 3])
+        est = RStarEstimator(operator="softmax").fit(X, Y)
+        ranks.append(est.rank_)
+        p0.append(est.p_values_[0])
+    assert sum(r > 0 for r in ranks) <= 2
+    # the p-values of the first test spread over (0, 1) rather than piling up near 0 or 1
+    p0 = np.asarray(p0)
+    assert 0.05 <= np.mean(p0 < 0.5) <= 0.8 and np.mean(p0 < 0.05) <= 0.2
+
+
+@pytest.mark.parametrize("budget, cost", [("MAX_SOFTMAX_FIT_COST", 16 * 16 * 12 * 300),
+                                          ("MAX_SOFTMAX_INFORMATION_COST", 300 * 16 * (6**4 + 6**4) + 6**6)])
+def test_over_budget_is_the_first_order_inversion(monkeypatch, budget, cost):
+    X, Y, _ = _task(n=300, T=16, d=6, d_v=6, rank=2, noise=0.05)
+    monkeypatch.setattr(inversions, budget, cost)
+    inv = SoftmaxLeastSquaresInversion()
+    stats = inv.new_stats(16, 6, 6)
+    inv.update(stats, X, Y)
+    assert inv.fit_possible(stats)
+    monkeypatch.setattr(inversions, budget, cost - 1)
+    inv = SoftmaxLeastSquaresInversion()
+    stats = inv.new_stats(16, 6, 6)
+    inv.update(stats, X, Y)
+    assert not inv.fit_possible(stats)
+    ref = QueryKeyInversion(centred=True, residual_noise=False)
+    ref_stats = ref.new_stats(16, 6, 6)
+    ref.update(ref_stats, X, Y)
+    np.testing.assert_allclose(inv.whiten(stats).eigenvalues, ref.whiten(ref_stats).eigenvalues)
+    est = RStarEstimator(operator="softmax").fit(X, Y)
+    assert est.rank_ == 2 and not est._inv.fit_possible(est._stats)
+
+
+def test_too_few_residual_dof_is_the_first_order_inversion():
+    inv = SoftmaxLeastSquaresInversion()
+    stats = inv.new_stats(4, 6, 1)
+    stats["n"] = 20    # 80 equations for 36 + 6 unknowns: 38 < MIN_NOISE_DOF
+    assert not inv.fit_possible(stats)
+
+
+def test_partial_fit_and_merge_equal_fit():
+    X, Y, _ = _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05)
+    full = RStarEstimator(operator="softmax").fit(X, Y)
+    part = RStarEstimator(operator="softmax")
+    for s in (slice(0, 120), slice(120, 300)):
+        part.partial_fit(X[s], Y[s])
+    assert part.rank_ == full.rank_ == 2
+    # equal up to the optimiser's stopping point (partial_fit scales by the first batch, and
+    # L-BFGS stops at a relative loss change of SOFTMAX_FTOL): far below the noise eigenvalues' spread
+    np.testing.assert_allclose(part.spectrum_, full.spectrum_, rtol=1e-3)
+    inv = SoftmaxLeastSquaresInversion()
+    shards = []
+    for s in (slice(0, 151), slice(151, 300)):
+        st = inv.new_stats(10, 5, 4)
+        inv.update(st, X[s] / full._x_scale, Y[s] / full._y_scale)
+        shards.append(st)
+    ws = inv.whiten(merge_stats(*shards))
+    np.testing.assert_allclose(ws.eigenvalues * full._y_scale**2, full.spectrum_, rtol=1e-3)
+
+
+def test_predict_uses_the_rank_constrained_fit():
+    X, Y, t = _task(n=400, T=10, d=6, d_v=4, rank=2, noise=0.05)
+    est = RStarEstimator(operator="softmax").fit(X, Y)
+    assert est.rank_ == 2
+    K = est.operator_.K
+    assert np.linalg.matrix_rank(K, tol=1e-8 * np.linalg.norm(K)) == 2
+    clean = softmax_attention(X, t.kernel, t.value_map)
+    # in-sample R^2 close to the noise ceiling
+    ceiling = 1 - np.sum((Y - clean) ** 2) / np.sum((Y - Y.mean(axis=(0, 1))) ** 2)
+    assert est.score(X, Y) > ceiling - 0.01
+    zero = RStarEstimator(operator="softmax", rank=0).fit(X, Y)
+    np.testing.assert_array_equal(zero.operator_.K, 0.0)
+
+
+def test_non_convergence_is_warned(monkeypatch):
+    X, Y, _ = _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05, logit_scale=4.0)
+    monkeypatch.setattr(sls, "SOFTMAX_MAX_ITER", 2)
+    with pytest.warns(UnidentifiableRankWarning, match="L-BFGS"):
+        RStarEstimator(operator="softmax").fit(X, Y)
+
+
+def test_method_option():
+    assert isinstance(make_inversion("softmax", shape=(8, 6, 6), method="least_squares"),
+                      SoftmaxLeastSquaresInversion)
+    assert isinstance(make_inversion("softmax", shape=(8, 6, 6), method="first_order"), QueryKeyInversion)
+    assert not isinstance(make_inversion("softmax", shape=(8, 6, 6), method="first_order"),
+                          SoftmaxLeastSquaresInversion)
+    with pytest.raises(ValueError, match="least_squares"):
+        make_inversion("linear_qk", shape=(8, 6, 6), method="least_squares")
+    X, Y, _ = _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05)
+    est = SoftmaxInversionEstimator(method="least_squares").fit(X, Y)
+    assert isinstance(est._inv, SoftmaxLeastSquaresInversion) and est.rank_ == 2
+
+
+def test_no_value_signal_is_the_first_order_inversion():
+    # pure noise: without a value signal the kernel's least squares runs off to hard attention
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((400, 16, 6))
+    Y = 0.05 * rng.standard_normal((400, 16, 6))
+    inv = SoftmaxLeastSquaresInversion()
+    stats = inv.new_stats(16, 6, 6)
+    inv.update(stats, X, Y)
+    assert inv.fit_possible(stats) and inv.value_signal_p_value(stats, Y) > 0.01
+    ref = QueryKeyInversion(centred=True, residual_noise=False)
+    ref_stats = ref.new_stats(16, 6, 6)
+    ref.update(ref_stats, X, Y)
+    np.testing.assert_allclose(inv.whiten(stats).eigenvalues, ref.whiten(ref_stats).eigenvalues)
+    assert RStarEstimator(operator="softmax").fit(X, Y).rank_ == 0
+    # with a value signal the test rejects
+    X, Y, _ = _task(n=400, T=16, d=6, d_v=6, rank=0, noise=0.3)
+    stats = inv.new_stats(16, 6, 6)
+    inv.update(stats, X, Y)
+    assert inv.value_signal_p_value(stats, Y) < 1e-6
