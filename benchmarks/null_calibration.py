@@ -6,12 +6,14 @@ the strict and the lenient ends of ``rank_interval_`` are above 0, and how the
 first sequential p-value is distributed (a calibrated p-value is uniform:
 P(p < 0.1) = 0.1, P(p < 0.5) = 0.5). The regimes are those of
 ``tests/test_uncertainty.py::NULL_TASKS``, plus linear QK with a known V
-(the least-squares inversion, tested in ``tests/test_least_squares_qk.py``).
+(the least-squares inversion, tested in ``tests/test_least_squares_qk.py``)
+and softmax least squares at T = d, with Student-t tokens and with a known V.
 
 Usage::
 
-    python benchmarks/null_calibration.py              # 1000 tasks per regime, about 8 min on 2 cores
+    python benchmarks/null_calibration.py              # 1000 tasks per regime
     python benchmarks/null_calibration.py --tasks 200
+    python benchmarks/null_calibration.py --only softmax
 """
 
 import argparse
@@ -55,20 +57,32 @@ REGIMES = {
     "linear QK, V known, T = d (T=16, d=16, n=300)":
         ("linear_qk", lambda s: _known_v(make_attention_task(300, kind="linear_qk", seq_len=16, n_features=16,
                                                              rank=0, random_state=s, return_teacher=True))),
-    "softmax first order (T=24, d=8, n=150)":
+    "softmax least squares (T=24, d=8, n=150)":
         ("softmax", lambda s: make_attention_task(150, kind="softmax", seq_len=24, n_features=8, rank=0,
                                                   random_state=s)),
+    "softmax least squares, T = d (T=8, d=8, n=150)":
+        ("softmax", lambda s: make_attention_task(150, kind="softmax", seq_len=8, n_features=8, rank=0,
+                                                  random_state=s)),
+    "softmax least squares, Student-t tokens (T=16, d=8, n=150)":
+        ("softmax", lambda s: make_attention_task(150, kind="softmax", seq_len=16, n_features=8, rank=0,
+                                                  token_distribution="student_t", random_state=s)),
+    "softmax least squares, V known (T=16, d=8, d_v=4, n=150)":
+        ("softmax", lambda s: _known_v(make_attention_task(150, kind="softmax", seq_len=16, n_features=8, value_dim=4,
+                                                           rank=0, random_state=s, return_teacher=True))),
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=1000, help="null data sets per regime (default 1000)")
+    parser.add_argument("--only", default="", help="run only the regimes whose name contains this text")
     args = parser.parse_args(argv)
     print("| null regime (RStarEstimator) | tasks | rank_ > 0 (α = 1%) | p₀ < 0.1 | p₀ < 0.5 | "
           "lower > 0 (α/10) | upper > 0 (10α) | seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (operator, make) in REGIMES.items():
+        if args.only not in name:
+            continue
         t0 = time.perf_counter()
         ranks, p0, lo, hi = [], [], [], []
         for seed in range(args.tasks):

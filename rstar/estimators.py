@@ -89,7 +89,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
     if method not in ("auto", "first_order", "exact", "least_squares"):
         raise ValueError(f"method must be 'auto', 'first_order', 'exact' or 'least_squares', got {method!r}.")
     if method == "least_squares" and operator != "softmax":
-        raise ValueError(f"method='least_squares' is the softmax inversion; got operator={operator!r}.")
+        raise ValueError(f"method must be 'auto', 'first_order' or 'exact' for operator={operator!r} "
+                         "('least_squares' is the softmax inversion).")
     if operator == "linear_proxy":
         return TokenInversion(value_map=value_map)
     if operator == "linear_qk":

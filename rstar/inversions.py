@@ -101,6 +101,9 @@ CROSS_FIT_MISFIT = 1.1
 MAX_SOFTMAX_FIT_COST = 2**29
 #: ... and with V unknown only where the F test of ``V = 0`` under uniform attention rejects at this level.
 VALUE_SIGNAL_ALPHA = 1e-3
+#: ... and it falls back to first order (with a warning) where its residual variance exceeds this many times
+#: the power per degree of freedom outside col(P X_i) (the model does not hold).
+SOFTMAX_MISFIT = 1.1
 #: ... and while its information of K (``d^2 x d^2``, for the simulated null) costs at most this:
 #: ``n T (d^4 + d^3 d_v) + d^6``.
 MAX_SOFTMAX_INFORMATION_COST = 2**38
@@ -1004,7 +1007,23 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
                                  self.value_map)
 
 
-class QueryKeyCrossFitInversion(QueryKeyInversion):
+class _KeptSamples:
+    """Mixin for a :class:`QueryKeyInversion` that also keeps its samples, in halves by the parity of their
+    global index (:func:`_keep_half_samples`; beyond the budget only the first-order sums remain)."""
+
+    def new_stats(self, T, d, d_v):
+        stats = super().new_stats(T, d, d_v)
+        stats["samples_odd"] = []
+        stats["samples_even"] = []
+        return stats
+
+    def update(self, stats, X, Y):
+        odd = (stats["n"] + np.arange(X.shape[0])) % 2 == 1
+        super().update(stats, X, Y)
+        _keep_half_samples(stats, X, Y, odd)   # over budget: first order only
+
+
+class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
     """Cross-fitted least-squares inversion of linear QK with an unknown V, for ``T <= d``.
 
     With fewer tokens than features ``M_i = X_i^+ Y_i`` keeps only the
@@ -1060,17 +1079,6 @@ class QueryKeyCrossFitInversion(QueryKeyInversion):
 
     def __init__(self):
         super().__init__(centred=False, residual_noise=True, value_map=None)
-
-    def new_stats(self, T, d, d_v):
-        stats = super().new_stats(T, d, d_v)
-        stats["samples_odd"] = []
-        stats["samples_even"] = []
-        return stats
-
-    def update(self, stats, X, Y):
-        odd = (stats["n"] + np.arange(X.shape[0])) % 2 == 1
-        super().update(stats, X, Y)
-        _keep_half_samples(stats, X, Y, odd)   # over budget: first order only
 
     @staticmethod
     def sizes_allow_cross_fit(n, T, d, d_v):
@@ -1366,7 +1374,7 @@ class SoftmaxExactInversion(Inversion):
         return _SoftmaxOperator(_kernel_in_basis(stats["H"], stats["rhs"], basis.T), self.value_map)
 
 
-class SoftmaxLeastSquaresInversion(QueryKeyInversion):
+class SoftmaxLeastSquaresInversion(_KeptSamples, QueryKeyInversion):
     """Least-squares (Gaussian maximum-likelihood) inversion of softmax attention, V known or not.
 
     ``K`` is fitted at full rank by least squares on the model itself,
@@ -1396,7 +1404,11 @@ class SoftmaxLeastSquaresInversion(QueryKeyInversion):
     with V unknown, the data show no value signal (the F test of ``V = 0``
     under uniform attention does not reject at ``VALUE_SIGNAL_ALPHA``,
     :meth:`value_signal_p_value`): K is then not identified, and its least
-    squares runs off to hard attention that fits the noise.
+    squares runs off to hard attention that fits the noise. And where the
+    fit's residual variance exceeds ``SOFTMAX_MISFIT`` times the power per
+    degree of freedom outside ``col(P X_i)`` (which softmax data fill with
+    the noise plus the higher-order terms), the model does not hold (e.g.
+    linear-QK data): first order again, with an ``UnidentifiableRankWarning``.
 
     Parameters
     ----------
@@ -1420,17 +1432,6 @@ class SoftmaxLeastSquaresInversion(QueryKeyInversion):
 
     def __init__(self, value_map=None):
         super().__init__(centred=True, residual_noise=False, value_map=value_map)
-
-    def new_stats(self, T, d, d_v):
-        stats = super().new_stats(T, d, d_v)
-        stats["samples_odd"] = []
-        stats["samples_even"] = []
-        return stats
-
-    def update(self, stats, X, Y):
-        odd = (stats["n"] + np.arange(X.shape[0])) % 2 == 1
-        super().update(stats, X, Y)
-        _keep_half_samples(stats, X, Y, odd)   # over budget: first order only
 
     def residual_dof(self, n, T, d, d_v):
         """Degrees of freedom of the least-squares residual: ``n T d_v - d^2`` (``- d d_v`` with V fitted)."""
@@ -1469,16 +1470,32 @@ class SoftmaxLeastSquaresInversion(QueryKeyInversion):
         resid = max(float(np.sum(Y**2)) - explained, np.finfo(float).tiny)
         return float(f_dist.sf((explained / (d * d_v)) / (resid / dof), d * d_v, dof))
 
+    def _value_signal(self, stats, Y):
+        """A known V, or the F test of ``V = 0`` rejects at ``VALUE_SIGNAL_ALPHA``."""
+        return self.value_map is not None or self.value_signal_p_value(stats, Y) <= VALUE_SIGNAL_ALPHA
+
     def whiten(self, stats):
         if not self.fit_possible(stats):
             return super().whiten(stats)
         T, d, d_v = stats["dims"]
         X, Y = self._samples(stats)
-        if self.value_map is None and self.value_signal_p_value(stats, Y) > VALUE_SIGNAL_ALPHA:
+        if not self._value_signal(stats, Y):
             # no value signal: the first-order inversion's null is calibrated without one
             return super().whiten(stats)
         K, V, sigma2, converged = self._fit(X, Y)
         dof = self.residual_dof(X.shape[0], T, d, d_v)
+        if (converged and stats["res_dof"] >= MIN_NOISE_DOF
+                and sigma2 > SOFTMAX_MISFIT * stats["res"] / stats["res_dof"]):
+            # softmax data leave at least the noise outside col(P X_i) (plus the higher-order terms), and
+            # the model's own fit no more than the noise: a larger residual says the model does not hold
+            ws = super().whiten(stats)
+            ws.warnings.append((UnidentifiableRankWarning,
+                                f"the least-squares fit of softmax attention leaves {sigma2 * stats['res_dof'] / stats['res']:.2f} "
+                                "times the residual power found outside col(P X_i): the data do not follow "
+                                "softmax(X K X^T / sqrt(d)) X V (e.g. linear query-key attention: use "
+                                "operator='linear_qk'). Fallback in use: the first-order inversion, which holds for "
+                                "both."))
+            return ws
         warnings = []
         if not converged:
             warnings.append((UnidentifiableRankWarning,
@@ -1524,6 +1541,8 @@ class SoftmaxLeastSquaresInversion(QueryKeyInversion):
         if not self.fit_possible(stats):
             return super().fit_operator(stats, basis)
         X, Y = self._samples(stats)
+        if not self._value_signal(stats, Y):
+            return super().fit_operator(stats, basis)
         d = stats["dims"][1]
         if basis.shape[0] == 0:
             K = np.zeros((d, d))

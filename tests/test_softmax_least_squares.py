@@ -186,9 +186,8 @@ def test_partial_fit_and_merge_equal_fit():
     for s in (slice(0, 120), slice(120, 300)):
         part.partial_fit(X[s], Y[s])
     assert part.rank_ == full.rank_ == 2
-    # equal up to the optimiser's stopping point (partial_fit scales by the first batch, and
-    # L-BFGS stops at a relative loss change of SOFTMAX_FTOL): far below the noise eigenvalues' spread
-    np.testing.assert_allclose(part.spectrum_, full.spectrum_, rtol=1e-3)
+    # the fit runs on samples scaled to unit RMS, so the first batch's scaling does not move it
+    np.testing.assert_allclose(part.spectrum_, full.spectrum_, rtol=1e-6)
     inv = SoftmaxLeastSquaresInversion()
     shards = []
     for s in (slice(0, 151), slice(151, 300)):
@@ -196,7 +195,8 @@ def test_partial_fit_and_merge_equal_fit():
         inv.update(st, X[s] / full._x_scale, Y[s] / full._y_scale)
         shards.append(st)
     ws = inv.whiten(merge_stats(*shards))
-    np.testing.assert_allclose(ws.eigenvalues * full._y_scale**2, full.spectrum_, rtol=1e-3)
+    # shards split by their own parity: the samples come in another order (round-off only)
+    np.testing.assert_allclose(ws.eigenvalues * full._y_scale**2, full.spectrum_, rtol=1e-6)
 
 
 def test_predict_uses_the_rank_constrained_fit():
@@ -252,3 +252,22 @@ def test_no_value_signal_is_the_first_order_inversion():
     stats = inv.new_stats(16, 6, 6)
     inv.update(stats, X, Y)
     assert inv.value_signal_p_value(stats, Y) < 1e-6
+
+
+def test_linear_qk_data_fall_back_to_first_order_with_a_warning():
+    # the softmax model does not hold: its residual is far above the power outside col(P X_i), and the
+    # first-order inversion (which holds for linear QK too) reads r*
+    X, Y = make_attention_task(400, kind="linear_qk", seq_len=24, n_features=8, rank=3, noise=0.05, random_state=0)
+    with pytest.warns(UnidentifiableRankWarning, match="do not follow softmax"):
+        est = RStarEstimator().fit(X, Y)
+    assert est.rank_ == 3 and est._inv.fit_possible(est._stats)
+    assert est.spectrum_.shape == (8,) and est.n_columns_ > 8   # the first-order statistic, not the Wald one
+
+
+def test_softmax_data_pass_the_misfit_check():
+    inv = SoftmaxLeastSquaresInversion()
+    for tokens in ("gaussian", "student_t"):
+        X, Y, _ = _task(n=400, T=24, d=6, d_v=6, rank=3, noise=0.05, token_distribution=tokens, logit_scale=4.0)
+        stats = inv.new_stats(24, 6, 6)
+        inv.update(stats, X, Y)
+        assert inv.whiten(stats).null_draws is not None
