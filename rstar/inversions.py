@@ -990,21 +990,30 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
         k = linalg.cho_solve((L, True), stats["rhs_ls"], check_finite=False)
         sigma2 = max(stats["yy"] - float(stats["rhs_ls"] @ k), 0.0) / dof
         A, B = _kronecker_factors(R, d)   # nearest Kronecker product to H (R is its rearrangement)
-        A_half, B_half = psd_power(A, 0.5), psd_power(B, 0.5)
-        Kt = A_half @ k.reshape(d, d) @ B_half
-        lam, vecs = _eigh_desc(Kt @ Kt.T / d)
-        lam = np.clip(lam, 0.0, None)
-        # exact draws of the whitened noise: vec N ~ N(0, sigma2 H^{-1}) = sigma L^{-T} z
-        rng = np.random.default_rng(NULL_SEED)
-        Z = linalg.solve_triangular(L, rng.standard_normal((d * d, NULL_DRAWS)), lower=True, trans="T",
-                                    check_finite=False) * np.sqrt(sigma2)
-        draws = np.einsum("ab,bcj,cd->jad", A_half, Z.reshape(d, d, NULL_DRAWS), B_half, optimize=True)
-        return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), float(sigma2), float(dof), warnings,
-                                 statistic_matrix=Kt, null_draws=draws)
+        # exact draws of the whitened noise: vec N ~ N(0, sigma2 H^{-1})
+        return _kernel_statistic_with_null_draws(k.reshape(d, d), L, A, B, sigma2, dof, warnings)
 
     def fit_operator(self, stats, basis):
         return _LinearQKOperator(_kernel_in_basis(self.normal_matrix(stats), stats["rhs_ls"], basis.T),
                                  self.value_map)
+
+
+def _kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, warnings):
+    """The whitened statistic of a least-squares kernel estimate K (d x d) whose noise is
+    ``vec N ~ N(0, sigma2 (L L^T)^{-1})`` (row-major vec; L the Cholesky factor of its normal matrix or
+    information): ``K~ K~^T / d`` with ``K~ = A^{1/2} K B^{1/2}`` (``A (x) B`` that matrix's nearest Kronecker
+    product) and ``NULL_DRAWS`` draws ``A^{1/2} N B^{1/2}`` (seed ``NULL_SEED``) for the simulated test."""
+    d = K.shape[0]
+    A_half, B_half = psd_power(A, 0.5), psd_power(B, 0.5)
+    Kt = A_half @ K @ B_half
+    lam, vecs = _eigh_desc(Kt @ Kt.T / d)
+    lam = np.clip(lam, 0.0, None)
+    rng = np.random.default_rng(NULL_SEED)
+    Z = linalg.solve_triangular(L, rng.standard_normal((d * d, NULL_DRAWS)), lower=True, trans="T",
+                                check_finite=False) * np.sqrt(sigma2)   # sigma L^{-T} z
+    draws = np.einsum("ab,bcj,cd->jad", A_half, Z.reshape(d, d, NULL_DRAWS), B_half, optimize=True)
+    return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), float(sigma2), float(dof), warnings,
+                             statistic_matrix=Kt, null_draws=draws)
 
 
 class _KeptSamples:
@@ -1514,16 +1523,8 @@ class SoftmaxLeastSquaresInversion(_KeptSamples, QueryKeyInversion):
                                 "that no sample's attention sees). Fallback in use: the first-order inversion."))
             return ws
         A, B = nearest_kronecker_product(F, d)
-        A_half, B_half = psd_power(A, 0.5), psd_power(B, 0.5)
-        Kt = A_half @ K @ B_half
-        lam, vecs = _eigh_desc(Kt @ Kt.T / d)
-        # draws of the whitened estimate's noise to first order: vec N ~ N(0, sigma2 F^{-1}) = sigma L^{-T} z
-        rng = np.random.default_rng(NULL_SEED)
-        Z = linalg.solve_triangular(L, rng.standard_normal((d * d, NULL_DRAWS)), lower=True, trans="T",
-                                    check_finite=False) * np.sqrt(sigma2)
-        draws = np.einsum("ab,bcj,cd->jad", A_half, Z.reshape(d, d, NULL_DRAWS), B_half, optimize=True)
-        return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), float(sigma2), float(dof), warnings,
-                                 statistic_matrix=Kt, null_draws=draws)
+        # draws of the estimate's noise to first order: vec N ~ N(0, sigma2 F^{-1})
+        return _kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, warnings)
 
     def _fit(self, X, Y, K0=None, basis=None):
         """Least-squares ``(K, V, sigma2, converged)`` on samples scaled to unit RMS (so the optimiser's path does
