@@ -110,11 +110,12 @@ class SoftmaxLeastSquaresLoss:
         """The value map for kernel K (the known one, or the least-squares one) and the residual
         sum of squares: ``(V, rss)``."""
         K = np.asarray(K, dtype=float)
-        V, _ = self._value_map(K, keep=False)
+        V, kept = self._value_map(K, keep=self._cache)
         rss = 0.0
-        for part in self._parts:
-            R = self.Y[part] - attention_weights(self.X[part], K) @ (self.X[part] @ V)
-            rss += float(np.sum(R**2))
+        for part, S in zip(self._parts, kept):
+            if S is None:
+                S = attention_weights(self.X[part], K)
+            rss += float(np.sum((self.Y[part] - S @ (self.X[part] @ V)) ** 2))
         return V, rss
 
     def __call__(self, m):

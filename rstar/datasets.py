@@ -6,9 +6,9 @@ describing the teacher (true r*, its operator, value map and noise floor).
 """
 
 import numpy as np
-from scipy import special
 from sklearn.utils import Bunch, check_random_state
 
+from ._softmax_ls import attention_weights
 from ._validation import check_int, check_positive, check_rank_param
 
 __all__ = ["make_linear_proxy", "make_attention_task", "sample_tokens", "softmax_attention"]
@@ -203,10 +203,7 @@ def softmax_attention(X, kernel, value_map):
     >>> softmax_attention(X, np.zeros((3, 3)), np.eye(3)).shape
     (1, 2, 3)
     """
-    d = X.shape[-1]
-    logits = np.einsum("nta,ab,nsb->nts", X, kernel, X, optimize=True) / np.sqrt(d)
-    S = special.softmax(logits, axis=-1)
-    return S @ (X @ value_map)
+    return attention_weights(X, kernel) @ (X @ value_map)
 
 
 def make_attention_task(n_samples=2000, *, kind="softmax", seq_len=32, n_features=16, value_dim=None, rank=3,

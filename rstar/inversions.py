@@ -33,7 +33,7 @@ Available inversions:
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import linalg, special
+from scipy import linalg
 from scipy.stats import f as f_dist
 
 from . import _bilinear, _softmax_ls
@@ -1231,9 +1231,7 @@ class _SoftmaxOperator:
         self.K, self.V = K, V
 
     def predict(self, X):
-        d = X.shape[-1]
-        logits = np.einsum("nta,ab,nsb->nts", X, self.K, X, optimize=True) / np.sqrt(d)
-        return special.softmax(logits, axis=-1) @ (X @ self.V)
+        return _softmax_ls.attention_weights(X, self.K) @ (X @ self.V)
 
 
 class SoftmaxExactInversion(Inversion):
@@ -1442,9 +1440,10 @@ class SoftmaxLeastSquaresInversion(_KeptSamples, QueryKeyInversion):
     def __init__(self, value_map=None):
         super().__init__(centred=True, residual_noise=False, value_map=value_map)
 
-    def residual_dof(self, n, T, d, d_v):
+    @staticmethod
+    def residual_dof(n, T, d, d_v, value_map_known=False):
         """Degrees of freedom of the least-squares residual: ``n T d_v - d^2`` (``- d d_v`` with V fitted)."""
-        return n * T * d_v - d * d - (d * d_v if self.value_map is None else 0)
+        return n * T * d_v - d * d - (0 if value_map_known else d * d_v)
 
     @staticmethod
     def sizes_allow_fit(n, T, d, d_v, value_map_known=False):
@@ -1452,7 +1451,7 @@ class SoftmaxLeastSquaresInversion(_KeptSamples, QueryKeyInversion):
         within ``MAX_SOFTMAX_FIT_COST`` (``n T^2 (d + d_v)``, about one evaluation of the loss), their
         information formed within ``MAX_SOFTMAX_INFORMATION_COST`` (``n T (d^4 + d^3 d_v) + d^6``), and the
         residual has ``MIN_NOISE_DOF`` degrees of freedom."""
-        dof = n * T * d_v - d * d - (0 if value_map_known else d * d_v)
+        dof = SoftmaxLeastSquaresInversion.residual_dof(n, T, d, d_v, value_map_known)
         return (n * T * (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES and n * T * T * (d + d_v) <= MAX_SOFTMAX_FIT_COST
                 and n * T * (d**4 + d**3 * d_v) + d**6 <= MAX_SOFTMAX_INFORMATION_COST and dof >= MIN_NOISE_DOF)
 
@@ -1492,7 +1491,7 @@ class SoftmaxLeastSquaresInversion(_KeptSamples, QueryKeyInversion):
             # no value signal: the first-order inversion's null is calibrated without one
             return super().whiten(stats)
         K, V, sigma2, converged = self._fit(X, Y)
-        dof = self.residual_dof(X.shape[0], T, d, d_v)
+        dof = self.residual_dof(X.shape[0], T, d, d_v, self.value_map is not None)
         if (converged and stats["res_dof"] >= MIN_NOISE_DOF
                 and sigma2 > SOFTMAX_MISFIT * stats["res"] / stats["res_dof"]):
             # softmax data leave at least the noise outside col(P X_i) (plus the higher-order terms), and
@@ -1535,7 +1534,7 @@ class SoftmaxLeastSquaresInversion(_KeptSamples, QueryKeyInversion):
         V0 = None if self.value_map is None else self.value_map * (sx / sy)
         K, V, rss, converged = _softmax_ls.fit_softmax_least_squares(
             X / sx, Y / sy, V0, None if K0 is None else K0 * sx**2, basis)
-        sigma2 = rss * sy**2 / self.residual_dof(X.shape[0], T, d, d_v)
+        sigma2 = rss * sy**2 / self.residual_dof(X.shape[0], T, d, d_v, self.value_map is not None)
         return K / sx**2, V * (sy / sx), sigma2, converged
 
     def fit_operator(self, stats, basis):
