@@ -1029,6 +1029,19 @@ def _read_csv(path):
     return rows
 
 
+def _rows_of_other_families(run_dir, profile, seed, tasks):
+    """The rows in an earlier run's ``rows.jsonl`` of the tasks not in ``tasks`` (same profile and seed)."""
+    with open(os.path.join(run_dir, "run.json")) as fh:
+        run = json.load(fh)
+    if run["profile"] != profile or run["seed"] != seed:
+        raise SystemExit(f"--rows-from {run_dir}: that run is profile {run['profile']!r}, seed {run['seed']}, "
+                         f"not {profile!r}, seed {seed}")
+    rerun = {t["task_id"] for t in tasks}
+    with open(os.path.join(run_dir, "rows.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    return [r for r in rows if r["task_id"] not in rerun and r["family"] not in {t["family"] for t in tasks}]
+
+
 def replot(out_dir):
     """Rebuild summary.md and the figures from the CSVs of an earlier run."""
     main_rows = _read_csv(os.path.join(out_dir, "results.csv"))
@@ -1072,6 +1085,13 @@ def main(argv=None):
     parser.add_argument("--no-share", action="store_true",
                         help="fit every rstar estimator in full (by default those after RStarEstimator reuse its "
                              "inversion and whitened statistic and run only their own rule; same rows)")
+    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=None,
+                        help="run only these families' tasks (the grid is drawn in full, so each task is the "
+                             "same as in a run of every family)")
+    parser.add_argument("--rows-from", metavar="DIR", default=None,
+                        help="with --families: take the other families' rows (and the detection sweep, if its "
+                             "families are not run) from an earlier run in DIR at the same profile and seed, so "
+                             "the tables cover the whole grid after rerunning only what a change touches")
     parser.add_argument("--no-figures", action="store_true")
     parser.add_argument("--replot", metavar="DIR", default=None,
                         help="only rebuild summary.md and the figures from the CSVs in DIR")
@@ -1090,6 +1110,13 @@ def main(argv=None):
     out_dir = args.out or os.path.join(ROOT, "benchmarks", "out", f"recovery-{profile}")
     os.makedirs(out_dir, exist_ok=True)
     tasks = make_grid(profile, args.seed, args.tasks_per_family, args.detection_per_point)
+    kept_rows = []
+    if args.rows_from and not args.families:
+        parser.error("--rows-from needs --families")
+    if args.families:
+        tasks = [t for t in tasks if t["family"] in args.families]
+        if args.rows_from:
+            kept_rows = _rows_of_other_families(args.rows_from, profile, args.seed, tasks)
     # expensive tasks first so that the two workers finish together
     tasks.sort(key=lambda t: -t["n"] * t["T"] * t["d"] ** 2)
     from joblib import Parallel, delayed
@@ -1104,12 +1131,15 @@ def main(argv=None):
         results = Parallel(n_jobs=args.n_jobs, return_as="generator_unordered")(jobs)
     # rows are also streamed to rows.jsonl, so an interrupted run can still be summarised (--replot)
     with open(os.path.join(out_dir, "rows.jsonl"), "w") as stream:
+        for row in kept_rows:   # first, so that this run's rows.jsonl serves a later --rows-from too
+            stream.write(json.dumps(row) + "\n")
         for res in tqdm(results, total=len(tasks), desc="tasks", unit="task"):
             rows.extend(res)
             for row in res:
                 stream.write(json.dumps(row) + "\n")
             stream.flush()
     elapsed = time.perf_counter() - t0
+    rows.extend(kept_rows)
     rows.sort(key=lambda r: (r["task_id"], ESTIMATORS.index(r["estimator"])))
     main_rows = [r for r in rows if not r["detection"]]
     det_rows = [r for r in rows if r["detection"]]
@@ -1119,7 +1149,9 @@ def main(argv=None):
     n_err = sum(1 for r in rows if r["error"])
     cpu = sum(r["seconds"] for r in rows) + sum(r["gen_seconds"] for r in rows if r["estimator"] == "RStar")
     command = "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
-    header = (f"command: `{command}`  \n"
+    kept_note = (f"rows of the families not run ({len({r['task_id'] for r in kept_rows})} tasks) from "
+                 f"`{os.path.relpath(os.path.abspath(args.rows_from), ROOT)}`  \n") if kept_rows else ""
+    header = (f"command: `{command}`  \n" + kept_note +
               f"profile: {profile}, seed {args.seed}, {len(tasks)} tasks "
               f"({len({r['task_id'] for r in main_rows})} main grid, "
               f"{len({r['task_id'] for r in det_rows})} detection sweep), n_jobs={args.n_jobs}, "
@@ -1139,6 +1171,7 @@ def main(argv=None):
 
     with open(os.path.join(out_dir, "run.json"), "w") as fh:
         json.dump(dict(command=command, profile=profile, seed=args.seed, n_tasks=len(tasks),
+                       families=args.families or list(FAMILIES), rows_from=args.rows_from,
                        wall_seconds=round(elapsed, 1), fit_seconds=round(cpu, 1), n_jobs=args.n_jobs,
                        exact_fit=args.exact_fit, failed_fits=n_err, grid=PROFILES[profile],
                        detection_c=DETECTION_C, python=platform.python_version(), numpy=np.__version__,

@@ -48,3 +48,21 @@ def test_a_different_inversion_is_not_shared():
     same = RStarEstimator("linear_qk")
     assert recovery._fit_on_shared_statistic(same, ref)
     assert same.rank_ == ref.rank_
+
+
+def test_rerun_of_some_families_keeps_the_others_rows(tmp_path):
+    common = ["--quick", "--seed", "3", "--tasks-per-family", "1", "--detection-per-point", "0", "--n-jobs", "1",
+              "--no-figures", "--exact-fit"]   # in-process: --exact-fit keeps the speed patches out of rstar
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    assert recovery.main(common + ["--families", "linear_proxy", "linear_qk_known_v", "--out", first]) == 0
+    assert recovery.main(common + ["--families", "linear_qk_known_v", "--rows-from", first, "--out", second]) == 0
+    a = {(r["task_id"], r["estimator"]): r for r in recovery._read_csv(str(tmp_path / "first" / "results.csv"))}
+    b = {(r["task_id"], r["estimator"]): r for r in recovery._read_csv(str(tmp_path / "second" / "results.csv"))}
+    assert a.keys() == b.keys() and {r["family"] for r in b.values()} == {"linear_proxy", "linear_qk_known_v"}
+    # the rerun family is fitted again (same task, same ranks), the other is copied
+    assert all(a[k]["r_hat"] == b[k]["r_hat"] for k in a)
+    assert all(a[k]["seconds"] == b[k]["seconds"] for k in a if b[k]["family"] == "linear_proxy")
+    assert "rows of the families not run (1 tasks)" in (tmp_path / "second" / "summary.md").read_text()
+    with pytest.raises(SystemExit, match="seed 3"):
+        recovery.main(["--quick", "--seed", "4", "--tasks-per-family", "1", "--detection-per-point", "0",
+                       "--families", "linear_proxy", "--rows-from", first, "--out", str(tmp_path / "third")])
