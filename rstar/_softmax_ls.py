@@ -34,6 +34,12 @@ CHUNK_ENTRIES = 2**20
 MAX_CACHED_WEIGHTS = 2**23
 
 
+def _transposed(A):
+    """``A_i^T`` for every sample, contiguous: numpy's stacked matmul is several times slower on a
+    transposed view."""
+    return np.ascontiguousarray(np.swapaxes(A, 1, 2))
+
+
 def attention_weights(X, K):
     """Row-wise ``softmax(X_i K X_i^T / sqrt(d))`` for every sample.
 
@@ -46,8 +52,12 @@ def attention_weights(X, K):
     -------
     S : ndarray of shape (n, T, T)
     """
-    logits = np.einsum("nta,ab,nsb->nts", X, K, X, optimize=True) / np.sqrt(X.shape[2])
-    return special.softmax(logits, axis=-1)
+    S = (X @ (K / np.sqrt(X.shape[2]))) @ _transposed(X)
+    # row-wise softmax in place (one (n, T, T) array instead of scipy.special.softmax's temporaries)
+    S -= S.max(axis=-1, keepdims=True)
+    np.exp(S, out=S)
+    S /= S.sum(axis=-1, keepdims=True)
+    return S
 
 
 def _chunks(n, per_sample):
@@ -94,6 +104,7 @@ class SoftmaxLeastSquaresLoss:
         return self.basis.T @ np.reshape(m, (self.basis.shape[0], d))
 
     def _value_map(self, K, keep):
+        """V for kernel K and, per chunk, its ``(S, Z = S X)`` if ``keep`` (else None)."""
         if self.known_value_map is not None:
             return self.known_value_map, [None] * len(self._parts)
         d = self.d
@@ -101,21 +112,25 @@ class SoftmaxLeastSquaresLoss:
         for part in self._parts:
             S = attention_weights(self.X[part], K)
             Z = S @ self.X[part]
-            gram += np.einsum("nta,ntb->ab", Z, Z, optimize=True)
-            cross += np.einsum("nta,ntv->av", Z, self.Y[part], optimize=True)
-            kept.append(S if keep else None)
+            gram += Z.reshape(-1, d).T @ Z.reshape(-1, d)
+            cross += Z.reshape(-1, d).T @ self.Y[part].reshape(-1, self.Y.shape[2])
+            kept.append((S, Z) if keep else None)
         return solve_psd(gram, cross), kept
+
+    def _residual(self, part, K, V, kept):
+        """The chunk's attention weights and residual ``Y - S X V`` (through ``Z = S X`` where kept or d <= d_v)."""
+        Xb = self.X[part]
+        S, Z = kept if kept is not None else (attention_weights(Xb, K), None)
+        if Z is None and self.d <= V.shape[1]:
+            Z = S @ Xb
+        return S, self.Y[part] - (Z @ V if Z is not None else S @ (Xb @ V))
 
     def value_map(self, K):
         """The value map for kernel K (the known one, or the least-squares one) and the residual
         sum of squares: ``(V, rss)``."""
         K = np.asarray(K, dtype=float)
         V, kept = self._value_map(K, keep=self._cache)
-        rss = 0.0
-        for part, S in zip(self._parts, kept):
-            if S is None:
-                S = attention_weights(self.X[part], K)
-            rss += float(np.sum((self.Y[part] - S @ (self.X[part] @ V)) ** 2))
+        rss = sum(float(np.sum(self._residual(part, K, V, c)[1] ** 2)) for part, c in zip(self._parts, kept))
         return V, rss
 
     def __call__(self, m):
@@ -123,18 +138,22 @@ class SoftmaxLeastSquaresLoss:
         self.n_evaluations += 1
         K = self.kernel(m)
         V, kept = self._value_map(K, keep=self._cache)
-        f, grad = 0.0, np.zeros((self.d, self.d))
-        for part, S in zip(self._parts, kept):
+        d = self.d
+        f, grad = 0.0, np.zeros((d, d))
+        for part, c in zip(self._parts, kept):
             Xb = self.X[part]
-            if S is None:
-                S = attention_weights(Xb, K)
-            W = Xb @ V
-            R = self.Y[part] - S @ W
+            S, R = self._residual(part, K, V, c)
             f += float(np.sum(R**2))
-            dS = -2.0 * (R @ np.swapaxes(W, 1, 2))
-            dA = S * (dS - np.sum(dS * S, axis=-1, keepdims=True))
-            grad += np.einsum("nta,nts,nsb->ab", Xb, dA, Xb, optimize=True)
-        grad /= np.sqrt(self.d)
+            # dL/dS = -2 R (X V)^T, its T x T product through d or d_v, whichever is smaller
+            if d < V.shape[1]:
+                dS = (R @ (-2.0 * V.T)) @ _transposed(Xb)
+            else:
+                dS = R @ _transposed(-2.0 * (Xb @ V))
+            # dA = S o (dS - rowsum(S o dS)), in place
+            dS -= np.einsum("nts,nts->nt", dS, S)[..., None]
+            dS *= S
+            grad += Xb.reshape(-1, d).T @ (dS @ Xb).reshape(-1, d)
+        grad /= np.sqrt(d)
         if self.basis is not None:
             grad = self.basis @ grad
         return f, grad.ravel()
@@ -193,6 +212,18 @@ def fit_softmax_least_squares(X, Y, value_map=None, K0=None, basis=None, max_ite
     return K, V, rss, bool(res.nit < max_iter)
 
 
+def information_matrix_cost(n, T, d, d_v, value_map_fitted=True):
+    """Multiply-adds to form :func:`softmax_kernel_information_matrix` and factor it (``d^6``).
+
+    ``n T d^4 / 4`` for the Kronecker part, ``n T d^3 min(d_v, d / 2)`` for the
+    cross term with V (if fitted) and ``d^5 min(d, d_v)`` for its Schur complement.
+    """
+    cost = n * T * d**4 / 4 + d**6
+    if value_map_fitted:
+        cost += n * T * d**3 * min(d_v, d / 2) + d**5 * min(d, d_v)
+    return cost
+
+
 def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True):
     """The Gauss–Newton information of the row-major ``vec K`` (``d^2 x d^2``), V profiled out if fitted.
 
@@ -208,7 +239,7 @@ def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True):
     ``F_VV = (sum m m^T) (x) I`` and
     ``F_KV[(a, b), (c, v)] = sum_{i,t} x_it[a] C_it[b, v] m_it[c] / sqrt(d)``.
     The least-squares K then has covariance ``sigma2 F^{-1}`` to first order.
-    Cost ``O(n T (d^4 + d^3 d_v) + d^5 d_v)``.
+    Cost ``O(n T (d^4 / 4 + d^3 min(d_v, d / 2)) + d^5 min(d, d_v))``.
 
     Parameters
     ----------
@@ -221,23 +252,47 @@ def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True):
     -------
     F : ndarray of shape (d * d, d * d)
     """
-    d, d_v = X.shape[2], V.shape[1]
-    rearranged = np.zeros((d * d, d * d))    # [(a, c), (b, e)] = sum x_a x_c (C C^T)_be
-    cross = np.zeros((d * d, d * d_v))       # [(a, c), (b, v)] = sum x_a m_c C_bv
-    m_gram = np.zeros((d, d))
-    for part in _chunks(X.shape[0], X.shape[1] * d * max(d, d_v)):
+    d = X.shape[2]
+    if V.shape[1] > d:
+        # F depends on V only through V V^T (C_it = D_it V with D_it symmetric d x d), so a
+        # d x d factor of V V^T gives the same information at a cost in min(d, d_v).
+        U, sv, _ = np.linalg.svd(V, full_matrices=False)
+        V = U * sv
+    d_v = V.shape[1]
+    # x x^T and C C^T are symmetric, so the rearrangement is accumulated on their
+    # upper triangles (a quarter of the products) and expanded at the end.
+    upper = np.triu_indices(d)
+    n_upper = upper[0].size
+    # With d_v > d / 2 the cross term is cheaper on the upper triangle of D_it, times V at the end.
+    through_d = value_map_fitted and n_upper < d * d_v
+    rearranged = np.zeros((n_upper, n_upper))  # [(a<=c), (b<=e)] = sum x_a x_c (C C^T)_be
+    cross = np.zeros((d * d, n_upper if through_d else d * d_v))  # [(a, c), (b<=e)] = sum x_a m_c D_be
+    m_gram = np.zeros((d, d))                                     # or [(a, c), (b, v)] = sum x_a m_c C_bv
+    for part in _chunks(X.shape[0], X.shape[1] * d * d):
         Xb = X[part]
         S = attention_weights(Xb, K)
-        W = Xb @ V
         SX = S @ Xb
-        C = np.einsum("nts,nsa,nsv->ntav", S, Xb, W, optimize=True) - np.einsum("nta,ntv->ntav", SX, S @ W)
+        if through_d:
+            D = np.einsum("nts,nsa,nsb->ntab", S, Xb, Xb, optimize=True) - np.einsum("nta,ntb->ntab", SX, SX)
+            D = D.reshape(-1, d, d)
+            C = D @ V
+        else:
+            W = Xb @ V
+            C = np.einsum("nts,nsa,nsv->ntav", S, Xb, W, optimize=True) - np.einsum("nta,ntv->ntav", SX, S @ W)
+            C = C.reshape(-1, d, d_v)
         x = Xb.reshape(-1, d)
-        CC = np.einsum("nav,nbv->nab", C.reshape(-1, d, d_v), C.reshape(-1, d, d_v), optimize=True)
-        rearranged += np.einsum("na,nc->nac", x, x).reshape(-1, d * d).T @ CC.reshape(-1, d * d)
+        CC = np.einsum("nav,nbv->nab", C, C, optimize=True)
+        rearranged += (x[:, upper[0]] * x[:, upper[1]]).T @ CC[:, upper[0], upper[1]]
         if value_map_fitted:
             m = SX.reshape(-1, d)
-            cross += np.einsum("na,nc->nac", x, m).reshape(-1, d * d).T @ C.reshape(-1, d * d_v)
+            xm = np.einsum("na,nc->nac", x, m).reshape(-1, d * d)
+            cross += xm.T @ (D[:, upper[0], upper[1]] if through_d else C.reshape(-1, d * d_v))
             m_gram += m.T @ m
+    pair = np.empty((d, d), dtype=np.intp)
+    pair[upper] = pair[upper[::-1]] = np.arange(n_upper)
+    if through_d:
+        cross = (cross[:, pair.ravel()].reshape(d * d, d, d) @ V).reshape(d * d, d * d_v)
+    rearranged = rearranged[np.ix_(pair.ravel(), pair.ravel())]
     F = rearranged.reshape(d, d, d, d).transpose(0, 2, 1, 3).reshape(d * d, d * d) / d
     if value_map_fitted:
         # cross[(a, c), (b, v)] -> F_KV[(a, b), (c, v)], then F_KV (m_gram^{-1} (x) I) F_VK
