@@ -63,14 +63,15 @@ def test_loss_is_the_same_with_and_without_the_weight_cache(monkeypatch):
     np.testing.assert_allclose(g1, g2, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("d_v", [1, 2, 5])   # d_v > d / 2: the cross term goes through D; d_v > d: V V^T is factored
 @pytest.mark.parametrize("value_map_fitted", [False, True])
-def test_information_matrix_is_gauss_newton_with_v_profiled(value_map_fitted):
-    X, _, t = _task(n=10, T=5, d=3, d_v=2)
+def test_information_matrix_is_gauss_newton_with_v_profiled(value_map_fitted, d_v):
+    X, _, t = _task(n=10, T=5, d=3, d_v=d_v)
     K = t.kernel + 0.2
     V = t.value_map
 
     def model(theta):
-        return softmax_attention(X, theta[:9].reshape(3, 3), theta[9:].reshape(3, 2)).ravel()
+        return softmax_attention(X, theta[:9].reshape(3, 3), theta[9:].reshape(3, d_v)).ravel()
 
     theta = np.concatenate([K.ravel(), V.ravel()])
     J = np.stack([(model(theta + 1e-6 * e) - model(theta - 1e-6 * e)) / 2e-6 for e in np.eye(theta.size)], axis=1)
@@ -151,7 +152,8 @@ def test_null_false_alarms_and_p_values():
 
 
 @pytest.mark.parametrize("budget, cost", [("MAX_SOFTMAX_FIT_COST", 16 * 16 * 12 * 300),
-                                          ("MAX_SOFTMAX_INFORMATION_COST", 300 * 16 * (6**4 + 6**4) + 6**6)])
+                                          ("MAX_SOFTMAX_INFORMATION_COST",
+                                           300 * 16 * (6**4 / 4 + 6**3 * 3) + 6**5 * 6 + 6**6)])
 def test_over_budget_is_the_first_order_inversion(monkeypatch, budget, cost):
     X, Y, _ = _task(n=300, T=16, d=6, d_v=6, rank=2, noise=0.05)
     monkeypatch.setattr(inversions, budget, cost)
@@ -213,11 +215,15 @@ def test_predict_uses_the_rank_constrained_fit():
     np.testing.assert_array_equal(zero.operator_.K, 0.0)
 
 
-def test_non_convergence_is_warned(monkeypatch):
+def test_non_convergence_is_warned_and_falls_back_to_first_order(monkeypatch):
     X, Y, _ = _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05, logit_scale=4.0)
     monkeypatch.setattr(sls, "SOFTMAX_MAX_ITER", 2)
-    with pytest.warns(UnidentifiableRankWarning, match="L-BFGS"):
-        RStarEstimator(operator="softmax").fit(X, Y)
+    with pytest.warns(UnidentifiableRankWarning, match="L-BFGS.*Fallback in use: the first-order inversion"):
+        est = RStarEstimator(operator="softmax").fit(X, Y)
+    monkeypatch.setattr(inversions, "MAX_SOFTMAX_FIT_COST", 0)   # the first-order inversion
+    ref = RStarEstimator(operator="softmax").fit(X, Y)
+    assert est.rank_ == ref.rank_
+    np.testing.assert_allclose(est.spectrum_, ref.spectrum_, rtol=1e-12)
 
 
 def test_method_option():
