@@ -59,7 +59,7 @@ def test_table1_noise_variance_and_spectrum(table1_task):
 
 # RStarEstimator() (softmax) on linear-QK data: its least squares fails the model check and falls back to
 # first order; tested on a smaller task in test_softmax_least_squares.py (on this one the softmax fit
-# runs about 3.5 min before the check can decide; docs/estimators.md, Known limits)
+# ran 3.5 min, now about 2 min, before the check can decide; docs/estimators.md, Known limits)
 @pytest.mark.parametrize("operator", ["linear_qk"])
 def test_linear_qk_unknown_v_returns_4(linear_qk_task, operator):
     X, Y, teacher = linear_qk_task
