@@ -1036,10 +1036,10 @@ def _rows_of_other_families(run_dir, profile, seed, tasks):
     if run["profile"] != profile or run["seed"] != seed:
         raise SystemExit(f"--rows-from {run_dir}: that run is profile {run['profile']!r}, seed {run['seed']}, "
                          f"not {profile!r}, seed {seed}")
-    rerun = {t["task_id"] for t in tasks}
+    rerun = {t["family"] for t in tasks}   # their detection-sweep tasks are rerun too
     with open(os.path.join(run_dir, "rows.jsonl")) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
-    return [r for r in rows if r["task_id"] not in rerun and r["family"] not in {t["family"] for t in tasks}]
+    return [r for r in rows if r["family"] not in rerun]
 
 
 def replot(out_dir):

@@ -14,7 +14,7 @@ which :class:`rstar.inversions.SoftmaxLeastSquaresInversion` draws its null.
 """
 
 import numpy as np
-from scipy import optimize, special
+from scipy import optimize
 
 from ._linalg import solve_psd
 
@@ -29,7 +29,7 @@ SOFTMAX_LOSS_TOL = 0.01
 #: (r* = 4 and 50) converged within 4000 and read r* exactly (196 and 348 s).
 SOFTMAX_MAX_ITER = 4000
 
-#: Float entries of one chunk's attention weights (``chunk T^2``) or information terms (``chunk T d max(d, d_v)``).
+#: Float entries of one chunk's attention weights (``chunk T^2``) or information terms (``chunk T d^2``).
 CHUNK_ENTRIES = 2**20
 
 #: The attention weights of all samples are kept between the two passes of a loss evaluation up to this many entries.

@@ -962,13 +962,11 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
         n = stats["n"]
         dof = n * T * d_v - d * d
         if n < self.least_squares_samples(T, d, d_v) or dof < MIN_NOISE_DOF:
-            ws = super().whiten(stats)
-            ws.warnings.append((IllConditionedInversionWarning,
-                                f"{n} samples are too few for the least-squares query-key inversion with a known "
-                                f"V at T={T}, d={d}, d_v={d_v} (it needs {self.least_squares_samples(T, d, d_v)} "
-                                f"and {MIN_NOISE_DOF} residual degrees of freedom). Fallback in use: the first-order "
-                                "inversion M_i = X_i^+ Y_i, biased towards the projections X_i^+ X_i when T < d."))
-            return ws
+            return _with_warning(super().whiten(stats), IllConditionedInversionWarning,
+                f"{n} samples are too few for the least-squares query-key inversion with a known "
+                f"V at T={T}, d={d}, d_v={d_v} (it needs {self.least_squares_samples(T, d, d_v)} "
+                f"and {MIN_NOISE_DOF} residual degrees of freedom). Fallback in use: the first-order "
+                "inversion M_i = X_i^+ Y_i, biased towards the projections X_i^+ X_i when T < d.")
         R = self._rearranged_normal_matrix(stats)
         H = kronecker_rearranged(R, d)
         scale = float(np.trace(H)) / H.shape[0]
@@ -1014,6 +1012,12 @@ def _kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, warnings):
     draws = np.einsum("ab,bcj,cd->jad", A_half, Z.reshape(d, d, NULL_DRAWS), B_half, optimize=True)
     return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), float(sigma2), float(dof), warnings,
                              statistic_matrix=Kt, null_draws=draws)
+
+
+def _with_warning(ws, category, message):
+    """``ws`` (a fallback's whitened statistic) with the warning that says why it is in use."""
+    ws.warnings.append((category, message))
+    return ws
 
 
 class _KeptSamples:
@@ -1500,34 +1504,28 @@ class SoftmaxLeastSquaresInversion(_KeptSamples, QueryKeyInversion):
                 and sigma2 > SOFTMAX_MISFIT * stats["res"] / stats["res_dof"]):
             # softmax data leave at least the noise outside col(P X_i) (plus the higher-order terms), and
             # the model's own fit no more than the noise: a larger residual says the model does not hold
-            ws = super().whiten(stats)
-            ws.warnings.append((UnidentifiableRankWarning,
-                                f"the least-squares fit of softmax attention leaves {sigma2 * stats['res_dof'] / stats['res']:.2f} "
-                                "times the residual power found outside col(P X_i): the data do not follow "
-                                "softmax(X K X^T / sqrt(d)) X V (e.g. linear query-key attention: use "
-                                "operator='linear_qk'). Fallback in use: the first-order inversion, which holds for "
-                                "both."))
-            return ws
+            return _with_warning(super().whiten(stats), UnidentifiableRankWarning,
+                f"the least-squares fit of softmax attention leaves {sigma2 * stats['res_dof'] / stats['res']:.2f} "
+                "times the residual power found outside col(P X_i): the data do not follow "
+                "softmax(X K X^T / sqrt(d)) X V (e.g. linear query-key attention: use "
+                "operator='linear_qk'). Fallback in use: the first-order inversion, which holds for "
+                "both.")
         if not converged:
             # the null draws are the noise of a minimum: an unconverged K holds the optimiser's error too
             # (on a held-out Student-t task, r* = 4 read 62)
-            ws = super().whiten(stats)
-            ws.warnings.append((UnidentifiableRankWarning,
-                                f"the least-squares fit of the softmax kernel stopped after "
-                                f"{_softmax_ls.SOFTMAX_MAX_ITER} L-BFGS iterations before converging (a flat or "
-                                "badly conditioned loss, e.g. heavy-tailed tokens with few samples). Fallback in "
-                                "use: the first-order inversion."))
-            return ws
+            return _with_warning(super().whiten(stats), UnidentifiableRankWarning,
+                f"the least-squares fit of the softmax kernel stopped after "
+                f"{_softmax_ls.SOFTMAX_MAX_ITER} L-BFGS iterations before converging (a flat or "
+                "badly conditioned loss, e.g. heavy-tailed tokens with few samples). Fallback in "
+                "use: the first-order inversion.")
         F = _softmax_ls.softmax_kernel_information_matrix(X, K, V, value_map_fitted=self.value_map is None)
         F = F + 1e-10 * max(float(np.trace(F)) / F.shape[0], np.finfo(float).tiny) * np.eye(F.shape[0])
         try:
             L = linalg.cholesky(F, lower=True, check_finite=False)
         except linalg.LinAlgError:
-            ws = super().whiten(stats)
-            ws.warnings.append((IllConditionedInversionWarning,
-                                "the information of the least-squares softmax kernel is singular (directions of K "
-                                "that no sample's attention sees). Fallback in use: the first-order inversion."))
-            return ws
+            return _with_warning(super().whiten(stats), IllConditionedInversionWarning,
+                "the information of the least-squares softmax kernel is singular (directions of K "
+                "that no sample's attention sees). Fallback in use: the first-order inversion.")
         A, B = nearest_kronecker_product(F, d)
         # draws of the estimate's noise to first order: vec N ~ N(0, sigma2 F^{-1})
         return _kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, [])
