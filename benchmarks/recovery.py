@@ -517,10 +517,13 @@ def run_task(task, fast=True, share=True):
             seconds = time.perf_counter() - t0
             if share and not shared and not error:
                 fitted.append(est)
-            diag = dict(noise_ratio=float("nan"), n_columns=float("nan"))
+            diag = dict(noise_ratio=float("nan"), n_columns=float("nan"), p_values="")
             if name == "RStar" and not error:
                 ref = est
-                diag = dict(noise_ratio=est.noise_variance_ / task["sigma"] ** 2, n_columns=est.n_columns_)
+                # the sequential p-values: rank_ is the count of leading ones below alpha, so the rank at
+                # any other level can be read off them (benchmarks/alpha_calibration.py)
+                diag = dict(noise_ratio=est.noise_variance_ / task["sigma"] ** 2, n_columns=est.n_columns_,
+                            p_values=" ".join(f"{q:.6g}" for q in est.p_values_))
             rows.append(dict(base, estimator=name, r_hat=r_hat, seconds=round(seconds, 4), shared=shared,
                              warnings="|".join(caught), error=error, **diag))
         for key, short in BASELINE_NAMES.items():
@@ -534,13 +537,14 @@ def run_task(task, fast=True, share=True):
                     r_hat, error = -1, f"{type(exc).__name__}: {exc}"[:200]
             rows.append(dict(base, estimator=short, r_hat=r_hat, seconds=round(time.perf_counter() - t0, 4),
                              shared=False, warnings="", error=error, noise_ratio=float("nan"),
-                             n_columns=float("nan")))
+                             n_columns=float("nan"), p_values=""))
         if task["kind"] != "softmax":
             p = task["T"] if task["kind"] == "linear_proxy" else task["d"]
             thetas = info.get("thetas", np.zeros(0))
             m = info.get("n_columns", float(task["n"] * task["d_v"]))
             rows.append(dict(base, estimator="Oracle", r_hat=oracle_rank(thetas, p, m, task["seed"] + 1), seconds=0.0,
-                             shared=False, warnings="", error="", noise_ratio=float("nan"), n_columns=m))
+                             shared=False, warnings="", error="", noise_ratio=float("nan"), n_columns=m,
+                             p_values=""))
     for row in rows:
         row["abs_err"] = abs(row["r_hat"] - row["r_star"]) if row["r_hat"] >= 0 else float("nan")
         row["exact"] = int(row["r_hat"] == row["r_star"])
@@ -1000,16 +1004,16 @@ def check_calibration(seeds=4):
 def _write_csv(path, rows):
     if not rows:
         return
-    keys = list(rows[0].keys())
+    keys = list(dict.fromkeys(k for row in rows for k in row))   # rows from an older run may lack a column
     with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys)
+        w = csv.DictWriter(fh, fieldnames=keys, restval="")
         w.writeheader()
         w.writerows(rows)
 
 
 _INT_FIELDS = ("T", "d", "d_v", "n", "r_star", "seed", "r_hat", "exact")
 _BOOL_FIELDS = ("detection", "exact_inversion", "residual_noise", "shared")
-_STR_FIELDS = ("family", "kind", "tokens", "task_id", "estimator", "warnings", "error")
+_STR_FIELDS = ("family", "kind", "tokens", "task_id", "estimator", "warnings", "error", "p_values")
 
 
 def _read_csv(path):
