@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 recovery = pytest.importorskip("recovery")
+alpha_calibration = pytest.importorskip("alpha_calibration")
 
 
 def _small_tasks():
@@ -63,6 +64,34 @@ def test_rerun_of_some_families_keeps_the_others_rows(tmp_path):
     assert all(a[k]["r_hat"] == b[k]["r_hat"] for k in a)
     assert all(a[k]["seconds"] == b[k]["seconds"] for k in a if b[k]["family"] == "linear_proxy")
     assert "rows of the families not run (1 tasks)" in (tmp_path / "second" / "summary.md").read_text()
+    # the recorded p-values recount to r_hat at the run's level (alpha_calibration checks it and stops otherwise)
+    table = alpha_calibration.main([second, "--alphas", "0.002", "0.01", "0.05"])
+    assert [row["alpha"] for row in table] == [0.002, 0.01, 0.05]
+    rstar_rows = [r for r in b.values() if r["estimator"] == "RStar"]
+    assert table[1]["aggregate"] == pytest.approx(recovery._rate(rstar_rows))
     with pytest.raises(SystemExit, match="seed 3"):
         recovery.main(["--quick", "--seed", "4", "--tasks-per-family", "1", "--detection-per-point", "0",
                        "--families", "linear_proxy", "--rows-from", first, "--out", str(tmp_path / "third")])
+
+
+def test_rank_is_the_count_of_p_values_below_alpha():
+    """The premise of benchmarks/alpha_calibration.py: RStar's rank at any level is read off the p-values
+    recorded at the default level, on every family and on both sides of T = d."""
+    from rstar import RStarEstimator
+
+    for task in _small_tasks():
+        rows = recovery.run_task(task, False, True)
+        row = next(r for r in rows if r["estimator"] == "RStar")
+        p = alpha_calibration.parse_p_values(row["p_values"])
+        assert p and alpha_calibration.count_below(p, 0.01) == row["r_hat"]
+        X, Y, teacher, _ = recovery.generate(task)
+        V = teacher.value_map if recovery.FAMILIES[task["family"]][2] else None
+        for level in (0.002, 0.05):
+            est = RStarEstimator(operator=recovery.FAMILIES[task["family"]][1], value_map=V, alpha=level)
+            assert est.fit(X, Y).rank_ == alpha_calibration.count_below(p, level), (task, level)
+
+
+def test_count_below_is_sequential():
+    assert alpha_calibration.count_below([0.0, 0.001, 0.2, 0.0], 0.01) == 2
+    assert alpha_calibration.count_below([0.0, 0.001], 0.001) == 1
+    assert alpha_calibration.count_below([], 0.01) == 0
