@@ -424,6 +424,9 @@ def _simulated_null_result(ws, noise_variance, alpha, max_rank):
                                 alpha)
     rank = _count_below(q, alpha)
     lo, hi = interval_levels(alpha)
+    # B draws give Monte Carlo p-values of at least 1/(B+1): a strict level below 1/B could never reject,
+    # so it is floored there (1/B = alpha/10 at alpha = 1% and B = 1000)
+    lo = max(lo, 1.0 / draws.shape[0])
     lam = ws.eigenvalues
     p = lam.size
     threshold = float(cuts[min(rank, len(cuts) - 1)]) if len(cuts) else float(lam[0]) if p else 0.0
