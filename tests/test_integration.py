@@ -36,7 +36,7 @@ def test_grid_search_default_score_method(small_qk_task):
 
 def test_cross_val_score_and_rank_scorer(linear_qk_task):
     X, Y, teacher = linear_qk_task
-    # alpha=1e-3: each fold's rule has a false-alarm rate of about alpha (1% by default),
+    # alpha=1e-3: each fold's rule has a false-alarm rate of about alpha (0.3% by default),
     # and this test is about the scorer plumbing, not the rule's error rate.
     scores = cross_val_score(RStarEstimator(operator="linear_qk", alpha=1e-3), X[:900], Y[:900], cv=3,
                              scoring=make_rank_scorer(teacher.rank, kind="exact"))
