@@ -296,6 +296,11 @@ def merge_stats(a, b):
             out[key] = None
         else:
             out[key] = a[key] + b[key]
+    if out.get("samples_odd") is not None:
+        # each shard kept its samples within the budget; together they may not (as in _keep_half_samples)
+        T, d, d_v = out["dims"]
+        if out["n"] * T * (d + d_v) > MAX_COHERENT_SAMPLE_ENTRIES:
+            out["samples_odd"] = out["samples_even"] = None
     return out
 
 

@@ -520,6 +520,16 @@ def test_proxy_coherent_statistic_from_the_samples_beyond_the_moment_budget(monk
     monkeypatch.setattr(inversions, "MAX_COHERENT_SAMPLE_ENTRIES", 600 * 16 * 14 - 1)
     over, ws_over = whitened([slice(0, 300), slice(300, 600)])
     assert over["samples_odd"] is None and ws_over.coherent_eigenvalues is None
+    # shards each within the budget, merged over it: dropped as in one pass (merge_stats rechecks the budget)
+    shards = []
+    for part in (slice(0, 300), slice(300, 600)):
+        stats = inv.new_stats(16, 8, 6)
+        inv.update(stats, X[part], Y[part])
+        shards.append(stats)
+    assert all(stats["samples_odd"] is not None for stats in shards)
+    merged = inversions.merge_stats(*shards)
+    assert merged["samples_odd"] is None and merged["samples_even"] is None
+    assert inv.whiten(merged).coherent_eigenvalues is None
 
 
 def test_bilinear_fit_from_samples_equals_the_fit_from_moment_sums():
