@@ -36,17 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import recovery  # noqa: E402
 
+from rstar.rules import _count_below as count_below  # noqa: E402  (the rules' own count, so the recount is theirs)
+
 DEFAULT_ALPHAS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05)
-
-
-def count_below(p_values, level):
-    """Number of leading sequential p-values below ``level`` (rstar.rules' count)."""
-    n = 0
-    for q in p_values:
-        if q >= level:
-            break
-        n += 1
-    return n
 
 
 def parse_p_values(text):
@@ -95,23 +87,17 @@ def level_summary(main_rows, det_rows, level):
     for family in recovery.FAMILIES:
         out[family] = recovery._rate([r for r in m if r["family"] == family])
     out["aggregate"] = recovery._rate(m)
-    null = [r for r in m if r["r_star"] == 0]
-    out["FP %"] = 100.0 * sum(r["r_hat"] > 0 for r in null) / max(len(null), 1)
-    out["FP n"] = sum(r["r_hat"] > 0 for r in null)
+    out["FP %"] = recovery._fp(m)[0]
+    out["FP n"] = sum(r["r_hat"] != 0 for r in m if r["r_star"] == 0)
     for family, short in [("linear_proxy", "proxy"), ("linear_qk_known_v", "QK known"),
                           ("linear_qk_unknown_v", "QK unknown")]:
         out[f"{short} ≥1.5×"] = recovery._rate([r for r in m if r["family"] == family and r["r_star"] > 0
                                                  and r["c"] >= 1.5])
     out["softmax goal"] = recovery._rate([r for r in m if r["family"] == "softmax_unknown_v"
                                           and r["logit_scale"] <= 4 and r["T"] >= r["d"]])
+    points = recovery.detection_table(d)[1]
     for family, short in [("linear_proxy", "50% proxy"), ("linear_qk_unknown_v", "50% QK")]:
-        fam = [r for r in d if r["family"] == family]
-        curve = []
-        for c in recovery.DETECTION_C:
-            at = [r for r in fam if r["c"] == c]
-            if at:
-                curve.append((c, recovery._rate(at)))
-        out[short] = recovery._fmt_c50(recovery.fifty_point(curve)) if curve else "—"
+        out[short] = recovery._fmt_c50(points[(family, "RStar")]) if (family, "RStar") in points else "—"
     out["over"] = sum(r["r_hat"] > r["r_star"] for r in m)
     out["under"] = sum(0 <= r["r_hat"] < r["r_star"] for r in m)
     return out

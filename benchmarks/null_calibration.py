@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np  # noqa: E402
 
 from rstar import RStarEstimator  # noqa: E402
-from rstar.estimators import RSTAR_ALPHA  # noqa: E402
 from rstar.datasets import make_attention_task, make_linear_proxy  # noqa: E402
+from rstar.estimators import RSTAR_ALPHA  # noqa: E402
 
 def _known_v(task):
     X, Y, teacher = task

@@ -243,13 +243,21 @@ def _keep_half_samples(stats, X, Y, odd):
     ``MAX_COHERENT_SAMPLE_ENTRIES``. ``stats["n"]`` must already count the batch."""
     if stats.get("samples_odd") is None:
         return
-    T, d, d_v = stats["dims"]
-    if stats["n"] * T * (d + d_v) > MAX_COHERENT_SAMPLE_ENTRIES:
-        stats["samples_odd"] = stats["samples_even"] = None
+    if _drop_samples_over_budget(stats):
         return
     for key, mask in (("samples_odd", odd), ("samples_even", ~odd)):
         if mask.any():
             stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
+
+
+def _drop_samples_over_budget(stats):
+    """Drop the kept samples for good once ``n T (d + d_v)`` exceeds ``MAX_COHERENT_SAMPLE_ENTRIES``;
+    True if they were dropped."""
+    T, d, d_v = stats["dims"]
+    if stats["n"] * T * (d + d_v) > MAX_COHERENT_SAMPLE_ENTRIES:
+        stats["samples_odd"] = stats["samples_even"] = None
+        return True
+    return False
 
 
 def _kept_half(stats, key):
@@ -297,10 +305,8 @@ def merge_stats(a, b):
         else:
             out[key] = a[key] + b[key]
     if out.get("samples_odd") is not None:
-        # each shard kept its samples within the budget; together they may not (as in _keep_half_samples)
-        T, d, d_v = out["dims"]
-        if out["n"] * T * (d + d_v) > MAX_COHERENT_SAMPLE_ENTRIES:
-            out["samples_odd"] = out["samples_even"] = None
+        # each shard kept its samples within the budget; together they may not (as in one pass)
+        _drop_samples_over_budget(out)
     return out
 
 
