@@ -36,7 +36,7 @@ import numpy as np
 from scipy import linalg
 from scipy.stats import f as f_dist
 
-from . import _bilinear, _softmax_ls
+from . import _bilinear, _softmax_ls, _value_error
 from ._linalg import batched_pseudo_inverse, kronecker_rearranged, orthonormal_rows, psd_power, solve_psd, sym
 from .exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from .marchenko_pastur import MEDIAN_EFFICIENCY, mp_median
@@ -200,8 +200,18 @@ class WhitenedStatistic:
     cross_fit : WhitenedStatistic or None
         Cross-fitted query–key inversion: the same statistic with the two
         halves of the samples swapped (V fitted on the even half, K on the
-        odd one). The rule counts a spike only where both statistics do
-        (an intersection–union test). None otherwise.
+        odd one). The rule counts a spike where either statistic does at
+        half the level (a Bonferroni union; each carries its fitted V's
+        error in ``null_shift``). None otherwise.
+    null_shift : callable or None
+        Cross-fitted query–key inversion: the draws that the fitted value
+        map's error adds to the noise of ``statistic_matrix`` for a
+        whitened rank-one kernel ``u w^T``
+        (:class:`rstar._value_error.ValueMapErrorLeak`; the ``null_shift`` of
+        :func:`rstar.rules.simulated_null_p_values`). None otherwise.
+    least_squares_factors : tuple or None
+        Least-squares query–key inversion: ``(L, A^{1/2}, B^{1/2})``, the
+        Cholesky factor of the normal matrix and the whitening factors.
     warnings : list of (Warning subclass, str)
         Conditions the estimator must report.
     """
@@ -227,6 +237,8 @@ class WhitenedStatistic:
     coherent_noise_variance: float = None
     coherent_noise_dof: float = None
     cross_fit: "WhitenedStatistic" = None
+    null_shift: object = None
+    least_squares_factors: tuple = None
 
     @property
     def dim(self):
@@ -1022,7 +1034,7 @@ def _kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, warnings):
                                 check_finite=False) * np.sqrt(sigma2)   # sigma L^{-T} z
     draws = np.einsum("ab,bcj,cd->jad", A_half, Z.reshape(d, d, NULL_DRAWS), B_half, optimize=True)
     return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), float(sigma2), float(dof), warnings,
-                             statistic_matrix=Kt, null_draws=draws)
+                             statistic_matrix=Kt, null_draws=draws, least_squares_factors=(L, A_half, B_half))
 
 
 def _with_warning(ws, category, message):
@@ -1158,6 +1170,8 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
 
         Returns
         -------
+        K : ndarray of shape (d, d)
+            Unit Frobenius norm (the scale sits in V).
         V : ndarray of shape (d, d_v)
         noise_variance : float
             The fit's residual power per degree of freedom
@@ -1179,11 +1193,11 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
         starts = [K1, K1.T] + [rng.standard_normal((d, d)) for _ in range(random_starts)]
         if method == "als":
             K_scaled, _, _ = _bilinear.fit_query_key_restarts(Xn, Yn, starts)
-            _, V, rss = _bilinear.fit_query_key_samples(X, Y, K_scaled)
+            K, V, rss = _bilinear.fit_query_key_samples(X, Y, K_scaled)
         else:
             K_scaled, _, _ = _bilinear.fit_query_key_profiled(Xn, Yn, starts)
-            _, V, rss = _bilinear.fit_query_key_profiled(X, Y, [K_scaled])
-        return V, rss / max(n * T * d_v - d * d - d * d_v + 1, 1)
+            K, V, rss = _bilinear.fit_query_key_profiled(X, Y, [K_scaled])
+        return K, V, rss / max(n * T * d_v - d * d - d * d_v + 1, 1)
 
     @staticmethod
     def _tested_on(V, X, Y):
@@ -1195,6 +1209,18 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
         ls_stats["n"] = X.shape[0]
         return ls.whiten(ls_stats)
 
+    @staticmethod
+    def _value_map_error(ws, fit, X_fit, X_test):
+        """The null shift of ``ws`` (the least squares on ``X_test`` with the V of ``fit``, made on ``X_fit``):
+        draws of that V's linearised error (:func:`rstar._value_error.value_map_error_draws`) and what they
+        move the kernel by (:class:`rstar._value_error.ValueMapErrorLeak`)."""
+        K, V, sigma2 = fit
+        Vr = _value_error.reduced_value_map(V)
+        draws = _value_error.value_map_error_draws(X_fit, K, Vr, sigma2, NULL_DRAWS, NULL_SEED + 1)
+        L, A_half, B_half = ws.least_squares_factors
+        G = np.matmul(np.swapaxes(X_test, 1, 2), X_test)
+        return _value_error.ValueMapErrorLeak(G, Vr, draws, L, A_half, B_half)
+
     def whiten(self, stats):
         if not self.cross_fit_possible(stats):
             return super().whiten(stats)
@@ -1203,11 +1229,12 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
         fits = [self.fit_half(*h, method=method) for h in halves]
         out = []
         for a, b in ((0, 1), (1, 0)):
-            ws = self._tested_on(fits[a][0], *halves[b])
+            ws = self._tested_on(fits[a][1], *halves[b])
+            ws.null_shift = self._value_map_error(ws, fits[a], halves[a][0], halves[b][0])
             # a fit stuck in a poor local optimum, or a V whose error heavy-tailed tokens amplify,
             # leaves signal in the other half's residual: its noise level then exceeds that half's
             # own fit by far more than sampling error
-            misfit = ws.noise_variance / max(fits[b][1], np.finfo(float).tiny)
+            misfit = ws.noise_variance / max(fits[b][2], np.finfo(float).tiny)
             if misfit > CROSS_FIT_MISFIT:
                 ws.warnings.append((UnidentifiableRankWarning,
                                     f"the value map fitted on one half of the samples leaves {misfit:.2f} times the "

@@ -322,7 +322,7 @@ def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margi
     return np.minimum(1.0, K * np.minimum.accumulate(raw[::-1])[::-1])
 
 
-def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None):
+def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None, null_shift=None):
     """Sequential p-values of the eigenvalues of ``M M^T / p`` against simulated noise draws.
 
     For a statistic ``M = S + N`` (``p x q``) whose noise ``N`` can be drawn
@@ -348,6 +348,17 @@ def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None):
         Draws of the noise ``N``.
     alpha : float in (0, 1), default=0.01
     max_rank : int or None, default=None
+    null_shift : object or None, default=None
+        Noise that grows with the signal, linear in it: ``null_shift.start()``
+        returns an accumulator with ``add(u, w, weight)`` (add the signal
+        ``weight * u w^T``) and ``draws()`` (``B`` draws, shape
+        ``(B, p, q)``, of what the signal so far adds to the noise);
+        ``null_shift.scaled(f)``
+        is the same with draws ``f`` times as large (rules rescale the
+        noise level with it). Test ``k`` then draws
+        ``S_k + N_j + L_j(S_k)`` (the cross-fitted query–key inversion: the
+        error of the fitted value map,
+        :class:`rstar._value_error.ValueMapErrorLeak`). Test 0 is unchanged.
 
     Returns
     -------
@@ -383,12 +394,18 @@ def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None):
     stop_level = max(alpha, interval_levels(alpha)[1])
     k_max = min(p, q) if max_rank is None else min(p, q, int(max_rank))
     p_values, cuts = [], []
+    shift = null_shift.start() if null_shift is not None else None
     for k in range(k_max):
+        draws = Z
+        if shift is not None and k > 0:
+            shift.add(U[:, k - 1], Wt[k - 1], s[k - 1])
+            draws = Z + shift.draws()
+            top = np.linalg.svd(draws, compute_uv=False)[:, 0] ** 2 / p
         if lam[k] > top.max():
             null = top
         else:
             S_k = (U[:, :k] * s[:k]) @ Wt[:k]
-            null = np.linalg.svd(S_k + Z, compute_uv=False)[:, k] ** 2 / p
+            null = np.linalg.svd(S_k + draws, compute_uv=False)[:, k] ** 2 / p
         p_values.append((1.0 + np.sum(null >= lam[k])) / (B + 1.0))
         cuts.append(float(np.quantile(null, 1.0 - alpha)))
         if p_values[-1] >= stop_level:
@@ -396,12 +413,13 @@ def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None):
     return np.asarray(p_values), np.asarray(cuts)
 
 
-def _intersect_p_values(q1, q2, alpha):
-    """Element-wise larger of two sequential p-value lists (a missing entry is 1: that test stopped)."""
+def _union_p_values(q1, q2, alpha):
+    """Bonferroni union of two sequential p-value lists: element-wise ``min(1, 2 min(q1, q2))`` (a missing entry
+    is 1: that list stopped)."""
     k = max(len(q1), len(q2))
     a, b = np.ones(k), np.ones(k)
     a[:len(q1)], b[:len(q2)] = q1, q2
-    q = np.maximum(a, b)
+    q = np.minimum(1.0, 2.0 * np.minimum(a, b))
     # keep the entries up to the first one not significant at the lenient level, as each list does
     lenient = interval_levels(alpha)[1]
     stop = np.flatnonzero(q >= lenient)
@@ -416,17 +434,23 @@ def _simulated_null_result(ws, noise_variance, alpha, max_rank):
         # the user's noise level: rescale the draws (made at the residual estimate)
         draws = draws * np.sqrt(noise_variance / sigma2)
         sigma2 = float(noise_variance)
-    q, cuts = simulated_null_p_values(ws.statistic_matrix, draws, alpha, max_rank)
+    shift = ws.null_shift
+    if shift is not None and draws is not ws.null_draws:
+        # the user's noise level scales the value map's error too
+        shift = shift.scaled(float(np.sqrt(noise_variance / ws.noise_variance)))
+    q, cuts = simulated_null_p_values(ws.statistic_matrix, draws, alpha, max_rank, null_shift=shift)
+    n_tests = 1
     if ws.cross_fit is not None:
-        # cross-fitted statistic: a spike counts only where the swapped halves count it too
-        # (intersection-union: the larger of the two p-values, each a level-alpha test)
-        q = _intersect_p_values(q, _simulated_null_result(ws.cross_fit, noise_variance, alpha, max_rank).p_values,
-                                alpha)
+        # cross-fitted statistic: each direction's test carries its fitted V's error (null_shift), so each is a
+        # level-alpha test on its own; a spike counts where either counts it at alpha / 2 (Bonferroni union)
+        q = _union_p_values(q, _simulated_null_result(ws.cross_fit, noise_variance, alpha, max_rank).p_values,
+                            alpha)
+        n_tests = 2
     rank = _count_below(q, alpha)
     lo, hi = interval_levels(alpha)
-    # B draws give Monte Carlo p-values of at least 1/(B+1): a strict level below 1/B could never reject,
-    # so it is floored there (1/B = alpha/10 at alpha = 1% and B = 1000)
-    lo = max(lo, 1.0 / draws.shape[0])
+    # B draws give Monte Carlo p-values of at least 1/(B+1), times n_tests for a union: a strict level below
+    # n_tests/B could never reject, so it is floored there (1/B = alpha/10 at alpha = 1% and B = 1000)
+    lo = max(lo, n_tests / draws.shape[0])
     lam = ws.eigenvalues
     p = lam.size
     threshold = float(cuts[min(rank, len(cuts) - 1)]) if len(cuts) else float(lam[0]) if p else 0.0

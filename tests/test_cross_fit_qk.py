@@ -16,7 +16,7 @@ from rstar.inversions import (
     QueryKeyLeastSquaresInversion,
     merge_stats,
 )
-from rstar.rules import MarchenkoPasturRule, _intersect_p_values
+from rstar.rules import MarchenkoPasturRule, _union_p_values
 
 
 def _task(n, T, d, r, noise=0.1, d_v=None, seed=0, **kw):
@@ -126,19 +126,19 @@ def test_cross_fit_statistic_carries_both_directions():
     assert ws.cross_fit is not None and ws.cross_fit.cross_fit is None
     assert ws.null_draws is not None and ws.cross_fit.null_draws is not None
     # each direction alone is the least-squares inversion with the other half's fitted V
-    V_odd, _ = QueryKeyCrossFitInversion.fit_half(X[1::2], Y[1::2])
+    _, V_odd, _ = QueryKeyCrossFitInversion.fit_half(X[1::2], Y[1::2])
     ls = QueryKeyLeastSquaresInversion(V_odd)
     ls_stats = ls.new_stats(6, 12, 12)
     ls.update(ls_stats, X[0::2], Y[0::2])
     np.testing.assert_allclose(ws.eigenvalues, ls.whiten(ls_stats).eigenvalues, rtol=1e-8)
 
 
-def test_intersection_union_takes_the_larger_p_value():
-    q = _intersect_p_values(np.array([0.001, 0.002, 0.3]), np.array([0.001, 0.02, 0.005, 0.4]), 0.01)
-    np.testing.assert_allclose(q, [0.001, 0.02, 0.3])
-    # a list that stopped counts as 1 beyond its end
-    np.testing.assert_allclose(_intersect_p_values(np.array([0.001, 0.5]), np.array([0.001, 0.001, 0.001]), 0.01),
-                               [0.001, 0.5])
+def test_union_takes_twice_the_smaller_p_value():
+    q = _union_p_values(np.array([0.001, 0.002, 0.3]), np.array([0.001, 0.02, 0.005, 0.4]), 0.01)
+    np.testing.assert_allclose(q, [0.002, 0.004, 0.01, 0.8])
+    # a list that stopped counts as 1 beyond its end; the union stops where both are past the lenient level
+    np.testing.assert_allclose(_union_p_values(np.array([0.001, 0.5]), np.array([0.001, 0.001, 0.2]), 0.01),
+                               [0.002, 0.002, 0.4])
     X, Y, _ = _task(600, 6, 12, 3, noise=0.05)
     ci = QueryKeyCrossFitInversion()
     stats = ci.new_stats(6, 12, 12)
@@ -148,7 +148,8 @@ def test_intersection_union_takes_the_larger_p_value():
     one = MarchenkoPasturRule()(ws.cross_fit)
     ws.cross_fit = None
     first = MarchenkoPasturRule()(ws)
-    assert both.rank == min(one.rank, first.rank) == 3
+    assert both.rank == one.rank == first.rank == 3
+    np.testing.assert_allclose(both.p_values[:3], np.minimum(2 * np.minimum(one.p_values[:3], first.p_values[:3]), 1))
 
 
 def test_cross_fit_streams_and_merges_like_fit():
@@ -235,7 +236,7 @@ def test_misfit_of_the_fitted_value_map_is_reported(monkeypatch):
 @pytest.mark.parametrize("method", ["als", "profiled"])
 def test_cross_fit_null_keeps_its_level(method, monkeypatch):
     # r* = 0: each direction's V is fitted on samples independent of the ones it is tested on,
-    # so each test is exact whatever the optimiser; the intersection of the two is conservative
+    # so each test is exact whatever the optimiser; their Bonferroni union keeps the level
     if method == "profiled":
         monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 10)
     assert QueryKeyCrossFitInversion.fit_method(120, 6, 8, 8) == method

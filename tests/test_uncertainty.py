@@ -132,10 +132,11 @@ NULL_TASKS = {
 #: MP law then has a longer edge than the actual null); see docs/estimators.md.
 CONSERVATIVE = {"softmax_first_order"}
 
-#: Regimes whose first p-value is the larger of two (nearly) independent exact p-values: the
-#: cross-fitted query-key inversion (V unknown, T <= d) counts a spike only where both halves do,
-#: so under the null P(p0 < x) is about x^2 (intersection-union test: valid, conservative).
-INTERSECTION = {"qk_T_below_d", "qk_T_equals_d"}
+#: Regimes whose first p-value is twice the smaller of two (nearly) independent exact p-values: the
+#: cross-fitted query-key inversion (V unknown, T <= d) counts a spike where either half does at
+#: alpha / 2, so under the null P(p0 < x) is about 1 - (1 - x/2)^2 (Bonferroni union: valid, slightly
+#: conservative).
+UNION = {"qk_T_below_d", "qk_T_equals_d"}
 
 
 @pytest.mark.parametrize("name", list(NULL_TASKS))
@@ -149,11 +150,12 @@ def test_null_tasks_calibration(name):
     assert np.mean(hi > 0) <= 0.18                      # lenient level 0.1
     assert np.mean(p0 < 0.1) <= 0.18
     assert np.mean(p0 < 0.5) <= 0.65
-    if name in INTERSECTION:
-        assert np.mean(ranks > 0) <= 0.01
-        assert 0.15 <= np.mean(p0 < 0.5) <= 0.4
-        assert np.mean(p0 < 0.1) <= 0.05
-        assert stats.kstest(p0, lambda x: np.clip(x, 0, 1) ** 2).statistic < 0.15
+    if name in UNION:
+        # the law has an atom at 1 (both p-values above 1/2): compare the distribution functions below it
+        grid = np.linspace(0.01, 0.99, 99)
+        ecdf = np.mean(p0[:, None] <= grid, axis=0)
+        assert np.max(np.abs(ecdf - (1 - (1 - grid / 2) ** 2))) < 0.15
+        assert 0.02 <= np.mean(p0 < 0.1)
         return
     if name in CONSERVATIVE:
         # valid (never hot, above) and still informative: not stuck near 1
