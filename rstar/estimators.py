@@ -607,7 +607,8 @@ class RStarEstimator(MPRankEstimator):
       and whitening, noise variance from the residual outside col(X_i), MP
       edge with Tracy–Widom margin; with a known V, least squares of K on Y
       itself; with V unknown and ``T <= d``, the same least squares on each
-      half of the samples with V fitted on the other half
+      half of the samples with V fitted on the other half, its null draws
+      carrying that V's error, the two halves combined by a Bonferroni union
       (:class:`rstar.inversions.QueryKeyCrossFitInversion`).
     - ``"softmax"`` (default): least squares of K (full rank) on the model
       ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V`` itself, V known or

@@ -1076,18 +1076,20 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
     *other half*. Because the fitted V does not
     depend on the second half's noise, that half's estimate of K has exactly
     the Gaussian noise ``N(0, sigma2 H^{-1})`` of the known-V case when
-    ``r* = 0``, so its simulated-null test keeps its level. The same is done
-    with the halves swapped (``cross_fit``); the rule counts a spike only
-    where both do.
+    ``r* = 0``, so its simulated-null test keeps its level.
 
-    With signal, an error in the fitted V leaves part of the signal outside
-    range(K) on the other half; it shrinks with the error of V. It is the
-    reason for the second direction: on the held-out recovery grid one
-    direction alone over-counted 6 of 41 tasks with T < d, both together 5
-    (before the scale-normalised start, which removed those over-counts; see
-    docs/estimators.md). An ``UnidentifiableRankWarning`` says when a
-    half's fitted V leaves the other half more than ``CROSS_FIT_MISFIT``
-    times that half's own residual power.
+    With signal, an error in the fitted V leaves part of the signal in the
+    other half, which its least squares partly takes into K, in general
+    outside range(K*). ``null_shift`` carries it: draws of the fitted V's
+    error from the delta method (profiled over K) and the exact move of the
+    other half's K that each makes, for the rank-k truncation that test k
+    assumes (:mod:`rstar._value_error`). The same is done with the halves
+    swapped (``cross_fit``); the rule counts a spike where either direction
+    does at half the level (a Bonferroni union). An
+    ``UnidentifiableRankWarning`` says when a half's fitted V leaves the
+    other half more than ``CROSS_FIT_MISFIT`` times that half's own residual
+    power: a fit in a poor local optimum, whose error no linearisation
+    covers.
 
     The samples of each half are kept (lists of arrays, so ``partial_fit``
     and :func:`merge_stats` concatenate) while they number at most
