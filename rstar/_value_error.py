@@ -26,13 +26,15 @@ for any ``d_v``. Its direction ``D ~ V~`` only rescales K (``(K, V)`` and
 ``(K / c, c V)`` fit alike) and is left out of the draws.
 """
 
+import copy
+
 import numpy as np
 from scipy import linalg
 
 from ._bilinear import query_key_normal_matrix
 from ._linalg import sym
 
-#: Entries of the per-chunk work array in :meth:`ValueMapErrorLeak.__call__` (memory bound).
+#: Entries of the per-chunk work array in :meth:`ValueMapErrorLeak.right_hand_sides` (memory bound).
 _CHUNK_ENTRIES = 2**22
 
 
@@ -53,15 +55,15 @@ def _cross_information(G, K, Vr):
     return (GKG.T @ GV).reshape(d, d, d, m).transpose(0, 2, 1, 3).reshape(d * d, d * m)
 
 
-def value_map_information(X, K, Vr):
+def value_map_information(G, K, Vr):
     """Gauss–Newton information of ``Y_i ~ X_i K G_i V`` in the reduced value map D (``dV = D Q^T``), profiled
     over K: ``P = S (x) I_m - C^T H_KK^{-1} C`` with ``S = sum_i G_i K^T G_i K G_i``, ``H_KK`` the normal
     matrix in K and ``C`` the cross term.
 
     Parameters
     ----------
-    X : ndarray of shape (n, T, d)
-        The samples the value map was fitted on.
+    G : ndarray of shape (n, d, d)
+        The grams ``X_i^T X_i`` of the samples the value map was fitted on.
     K : ndarray of shape (d, d)
         The fitted kernel.
     Vr : ndarray of shape (d, m)
@@ -72,7 +74,6 @@ def value_map_information(X, K, Vr):
     P : ndarray of shape (d m, d m)
         Symmetric positive semi-definite; ``vec V~`` is (close to) a null direction.
     """
-    G = np.matmul(np.swapaxes(X, 1, 2), X)
     d, m = Vr.shape
     H_KK = sym(query_key_normal_matrix(G, np.matmul(G, Vr)))
     C = _cross_information(G, K, Vr)
@@ -83,13 +84,14 @@ def value_map_information(X, K, Vr):
     return sym(np.kron(S, np.eye(m)) - W.T @ W)
 
 
-def value_map_error_draws(X, K, Vr, sigma2, n_draws, seed):
+def value_map_error_draws(G, K, Vr, sigma2, n_draws, seed):
     """Draws of the linearised error ``D`` of a fitted value map (``dV = D Q^T``), ``N(0, sigma2 P^{-1})`` with P
     from :func:`value_map_information`, the scale direction ``D ~ V~`` removed.
 
     Parameters
     ----------
-    X : ndarray of shape (n, T, d)
+    G : ndarray of shape (n, d, d)
+        The grams ``X_i^T X_i`` of the samples the value map was fitted on.
     K : ndarray of shape (d, d)
     Vr : ndarray of shape (d, m)
     sigma2 : float
@@ -102,7 +104,7 @@ def value_map_error_draws(X, K, Vr, sigma2, n_draws, seed):
     draws : ndarray of shape (n_draws, d, m)
     """
     d, m = Vr.shape
-    P = value_map_information(X, K, Vr)
+    P = value_map_information(G, K, Vr)
     v = Vr.ravel() / max(np.linalg.norm(Vr), np.finfo(float).tiny)
     scale = max(np.trace(P) / P.shape[0], np.finfo(float).tiny)
     # the scale direction carries no information (K / c, c V fit alike): give it the mean level, then drop it;
@@ -145,6 +147,7 @@ class ValueMapErrorLeak:
         self.A_half, self.B_half = A_half, B_half
         self.A_inv_half = np.linalg.pinv(A_half, hermitian=True)
         self.B_inv_half = np.linalg.pinv(B_half, hermitian=True)
+        self._VG = np.matmul(Vr.T, G)                        # (n, m, d): V~^T G_i, the same for every kernel
 
     @property
     def n_draws(self):
@@ -156,13 +159,12 @@ class ValueMapErrorLeak:
         B, _, m = self.draws.shape
         a, b = self.A_inv_half @ u, self.B_inv_half @ w     # K = a b^T
         Ga, Gb = self.G @ a, self.G @ b                      # (n, d) each
-        VG = np.matmul(self.Vr.T, self.G)                    # (n, m, d): V~^T G_i
         Dflat = np.ascontiguousarray(self.draws.transpose(1, 0, 2)).reshape(d, B * m)
         c = np.zeros((d, B * d))
         step = max(1, _CHUNK_ENTRIES // (B * max(d, m)))
         for s in range(0, n, step):
             t = (Gb[s:s + step] @ Dflat).reshape(-1, B, m)   # b^T G_i D_j
-            r = np.matmul(t, VG[s:s + step])                 # b^T G_i D_j V~^T G_i: (chunk, B, d)
+            r = np.matmul(t, self._VG[s:s + step])                 # b^T G_i D_j V~^T G_i: (chunk, B, d)
             c += Ga[s:s + step].T @ r.reshape(-1, B * d)
         # c[a, (j, b)] = sum_i (G_i a)[a] r_ij[b]: the j-th right-hand side, row-major over (a, b)
         return c.reshape(d, B, d).transpose(0, 2, 1).reshape(d * d, B)
@@ -180,7 +182,9 @@ class ValueMapErrorLeak:
 
     def scaled(self, factor):
         """The same with the value map's error (and so every move) ``factor`` times as large."""
-        return ValueMapErrorLeak(self.G, self.Vr, factor * self.draws, self.L, self.A_half, self.B_half)
+        out = copy.copy(self)   # shares every factor; only the draws differ
+        out.draws = factor * self.draws
+        return out
 
 
 class LeakSum:

@@ -203,10 +203,9 @@ class WhitenedStatistic:
         odd one). The rule counts a spike where either statistic does at
         half the level (a Bonferroni union; each carries its fitted V's
         error in ``null_shift``). None otherwise.
-    null_shift : callable or None
-        Cross-fitted query–key inversion: the draws that the fitted value
-        map's error adds to the noise of ``statistic_matrix`` for a
-        whitened rank-one kernel ``u w^T``
+    null_shift : ValueMapErrorLeak or None
+        Cross-fitted query–key inversion: what the fitted value map's error
+        adds to the noise of ``statistic_matrix``, linear in the kernel
         (:class:`rstar._value_error.ValueMapErrorLeak`; the ``null_shift`` of
         :func:`rstar.rules.simulated_null_p_values`). None otherwise.
     least_squares_factors : tuple or None
@@ -1212,16 +1211,16 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
         return ls.whiten(ls_stats)
 
     @staticmethod
-    def _value_map_error(ws, fit, X_fit, X_test):
-        """The null shift of ``ws`` (the least squares on ``X_test`` with the V of ``fit``, made on ``X_fit``):
-        draws of that V's linearised error (:func:`rstar._value_error.value_map_error_draws`) and what they
-        move the kernel by (:class:`rstar._value_error.ValueMapErrorLeak`)."""
+    def _value_map_error(ws, fit, G_fit, G_test):
+        """The null shift of ``ws`` (the least squares on the half with grams ``G_test``, with the V of ``fit``,
+        made on the half with grams ``G_fit``): draws of that V's linearised error
+        (:func:`rstar._value_error.value_map_error_draws`) and what they move the kernel by
+        (:class:`rstar._value_error.ValueMapErrorLeak`)."""
         K, V, sigma2 = fit
         Vr = _value_error.reduced_value_map(V)
-        draws = _value_error.value_map_error_draws(X_fit, K, Vr, sigma2, NULL_DRAWS, NULL_SEED + 1)
+        draws = _value_error.value_map_error_draws(G_fit, K, Vr, sigma2, NULL_DRAWS, NULL_SEED + 1)
         L, A_half, B_half = ws.least_squares_factors
-        G = np.matmul(np.swapaxes(X_test, 1, 2), X_test)
-        return _value_error.ValueMapErrorLeak(G, Vr, draws, L, A_half, B_half)
+        return _value_error.ValueMapErrorLeak(G_test, Vr, draws, L, A_half, B_half)
 
     def whiten(self, stats):
         if not self.cross_fit_possible(stats):
@@ -1229,10 +1228,11 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
         halves = [_kept_half(stats, key) for key in ("samples_odd", "samples_even")]
         method = self.fit_method(stats["n"], *stats["dims"])
         fits = [self.fit_half(*h, method=method) for h in halves]
+        grams = [np.matmul(np.swapaxes(X, 1, 2), X) for X, _ in halves]
         out = []
         for a, b in ((0, 1), (1, 0)):
             ws = self._tested_on(fits[a][1], *halves[b])
-            ws.null_shift = self._value_map_error(ws, fits[a], halves[a][0], halves[b][0])
+            ws.null_shift = self._value_map_error(ws, fits[a], grams[a], grams[b])
             # a fit stuck in a poor local optimum, or a V whose error heavy-tailed tokens amplify,
             # leaves signal in the other half's residual: its noise level then exceeds that half's
             # own fit by far more than sampling error

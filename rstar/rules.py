@@ -429,15 +429,13 @@ def _union_p_values(q1, q2, alpha):
 def _simulated_null_result(ws, noise_variance, alpha, max_rank):
     """The rule's result on a statistic that carries exact noise draws (``ws.null_draws``)."""
     sigma2 = float(ws.noise_variance)
-    draws = ws.null_draws
+    draws, shift = ws.null_draws, ws.null_shift
     if noise_variance is not None and sigma2 > 0:
-        # the user's noise level: rescale the draws (made at the residual estimate)
-        draws = draws * np.sqrt(noise_variance / sigma2)
+        # the user's noise level: rescale the draws (made at the residual estimate), and the value map's error
+        factor = float(np.sqrt(noise_variance / sigma2))
+        draws = draws * factor
+        shift = shift.scaled(factor) if shift is not None else None
         sigma2 = float(noise_variance)
-    shift = ws.null_shift
-    if shift is not None and draws is not ws.null_draws:
-        # the user's noise level scales the value map's error too
-        shift = shift.scaled(float(np.sqrt(noise_variance / ws.noise_variance)))
     q, cuts = simulated_null_p_values(ws.statistic_matrix, draws, alpha, max_rank, null_shift=shift)
     n_tests = 1
     if ws.cross_fit is not None:

@@ -11,7 +11,7 @@ from rstar import RStarEstimator, _bilinear
 from rstar import _value_error as ve
 from rstar.datasets import make_attention_task
 from rstar.inversions import QueryKeyCrossFitInversion, QueryKeyLeastSquaresInversion
-from rstar.rules import simulated_null_p_values
+from rstar.rules import _simulated_null_result, simulated_null_p_values
 
 
 def _spd(rng, d):
@@ -90,7 +90,8 @@ def test_value_map_error_draws_match_the_fitted_maps_error():
     signal = np.einsum("nta,ab,nsb,nsc,cv->ntv", X, K, X, X, V)
     Vr = ve.reduced_value_map(V)
     Q = np.linalg.pinv(Vr) @ V
-    P = ve.value_map_information(X, K, Vr)
+    G = np.matmul(np.swapaxes(X, 1, 2), X)
+    P = ve.value_map_information(G, K, Vr)
     v = Vr.ravel() / np.linalg.norm(Vr)
     dim = d * Vr.shape[1] - 1
     maha, sizes = [], []
@@ -103,7 +104,7 @@ def test_value_map_error_draws_match_the_fitted_maps_error():
         maha.append(D @ P @ D / sigma**2)
         sizes.append(np.sum(D**2))
     assert np.mean(maha) == pytest.approx(dim, rel=0.15)
-    draws = ve.value_map_error_draws(X, K, Vr, sigma**2, 2000, 0)
+    draws = ve.value_map_error_draws(G, K, Vr, sigma**2, 2000, 0)
     assert draws.shape == (2000, d, Vr.shape[1])
     np.testing.assert_allclose(draws.reshape(2000, -1) @ v, 0.0, atol=1e-12)   # no scale direction
     assert np.mean(np.sum(draws**2, axis=(1, 2))) == pytest.approx(np.mean(sizes), rel=0.15)
@@ -163,3 +164,22 @@ def test_cross_fit_carries_the_value_maps_error_in_both_directions():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert RStarEstimator("linear_qk").fit(X, Y).rank_ == 3
+
+
+def test_a_given_noise_level_scales_the_value_maps_error_too():
+    X, Y = make_attention_task(600, kind="linear_qk", seq_len=6, n_features=12, rank=3, noise=0.05,
+                               random_state=0)
+    ws = _cross_fit(X, Y)
+    own = _simulated_null_result(ws, None, 0.01, None)
+    same = _simulated_null_result(ws, ws.noise_variance, 0.01, None)
+    np.testing.assert_allclose(same.p_values, own.p_values)
+    factors = []
+    scaled = type(ws.null_shift).scaled
+
+    def spy(self, factor):
+        factors.append(factor)
+        return scaled(self, factor)
+
+    ws.null_shift.scaled = spy.__get__(ws.null_shift)
+    _simulated_null_result(ws, 4 * ws.noise_variance, 0.01, None)
+    assert factors == [pytest.approx(2.0)]   # the same factor as the noise draws' (sqrt of the level's ratio)
