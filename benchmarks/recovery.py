@@ -384,10 +384,13 @@ def _residual_noise(task):
         return bool((T * d) ** 2 <= 2**25 and T * d_v * (n - T * d) >= 50)
     if task["family"] == "linear_qk_known_v" and d**4 <= 2**25:
         return bool(n * T * d_v - d * d >= 50)  # least-squares inversion: residual of the pooled fit
-    if task["kind"] == "linear_qk" and T <= d and d**4 <= 2**25:
+    if task["kind"] == "linear_qk" and (T <= d or d_v < d) and d**4 <= 2**25:
         from rstar.inversions import QueryKeyCrossFitInversion
 
-        return bool(QueryKeyCrossFitInversion.sizes_allow_cross_fit(n, T, d, d_v))
+        if QueryKeyCrossFitInversion.sizes_allow_cross_fit(n, T, d, d_v):
+            return True
+        if T <= d:
+            return False   # beyond the budgets at T > d: the first-order inversion's residual below
     if task["kind"] == "linear_qk":
         return bool(n * max(T - d, 0) * d_v >= 50)
     return False

@@ -69,8 +69,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
         :class:`~rstar.inversions.QueryKeyLeastSquaresInversion`;
         ``"auto"`` uses it when V is known and its ``d^2 x d^2`` normal
         matrix fits the memory budget (``d^4 <= MAX_MOMENT_ENTRIES``, i.e.
-        ``d <= 76``); with V unknown and ``T <= d`` (same budget) it uses
-        the cross-fitted least squares
+        ``d <= 76``); with V unknown and ``T <= d`` or ``d_v < d`` (same
+        budget) it uses the cross-fitted least squares
         :class:`~rstar.inversions.QueryKeyCrossFitInversion`; else
         ``M_i = X_i^+ Y_i`` (``"first_order"``).
     residual_noise : bool or None
@@ -106,8 +106,10 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
         if method == "exact" or (method == "auto" and d is not None and d**4 <= MAX_MOMENT_ENTRIES
                                  and (residual_noise is None or residual_noise)):
             return QueryKeyLeastSquaresInversion(value_map)
-        if (method == "auto" and value_map is None and shape is not None and shape[0] <= shape[1]
-                and shape[1] ** 4 <= MAX_MOMENT_ENTRIES and (residual_noise is None or residual_noise)):
+        # V unknown: least squares with V cross-fitted where the first-order inversion is biased (T <= d) or
+        # weak on r* - d_v of the directions should r* exceed d_v (d_v < d; see QueryKeyCrossFitInversion)
+        if (method == "auto" and value_map is None and shape is not None
+                and (shape[0] <= shape[1] or shape[2] < shape[1]) and shape[1] ** 4 <= MAX_MOMENT_ENTRIES and (residual_noise is None or residual_noise)):
             return QueryKeyCrossFitInversion()
         return QueryKeyInversion(centred=False, residual_noise=True if residual_noise is None else residual_noise,
                                  value_map=value_map)
@@ -399,13 +401,14 @@ _FITTED_DOC = """
         first one not significant at the lenient level ``min(10 alpha, 0.5)``.
         Under pure noise ``p_values_[0]`` is close to uniform on (0, 1)
         (conservative with a fitted bulk; for linear QK with V unknown and
-        T <= d it is the larger of two such p-values, one per half of the
-        samples; see docs/estimators.md).
+        T <= d or d_v < d it is twice the smaller of two such p-values, one
+        per half of the samples, capped at 1; see docs/estimators.md).
     rank_interval_ : tuple of two ints
         ``(lower, upper)``: the counts of the same sequential test at the
         strict level ``alpha / 10`` and the lenient level ``min(10 alpha, 0.5)``
         (where the test is against ``B`` simulated noise draws, the strict
-        level is at least ``1 / B``, the smallest it can reject at; for the energy rule, their energy ranks; for the numerical rule, the
+        level is at least ``1 / B``, the smallest it can reject at, or
+        ``2 / B`` for the cross-fitted union; for the energy rule, their energy ranks; for the numerical rule, the
         noise-aware counts). A sensitivity range, not a coverage guarantee:
         ``lower < upper`` says that some eigenvalues sit near the detection
         edge, where r* is only partly identifiable. Under pure noise,
@@ -606,10 +609,10 @@ class RStarEstimator(MPRankEstimator):
     - ``"linear_qk"``: query–key inversion with sigma_min^2 sample weights
       and whitening, noise variance from the residual outside col(X_i), MP
       edge with Tracy–Widom margin; with a known V, least squares of K on Y
-      itself; with V unknown and ``T <= d``, the same least squares on each
-      half of the samples with V fitted on the other half, its null draws
-      carrying that V's error, the two halves combined by a Bonferroni union
-      (:class:`rstar.inversions.QueryKeyCrossFitInversion`).
+      itself; with V unknown and ``T <= d`` or ``d_v < d``, the same least
+      squares on each half of the samples with V fitted on the other half,
+      its null draws carrying that V's error, the two halves combined by a
+      Bonferroni union (:class:`rstar.inversions.QueryKeyCrossFitInversion`).
     - ``"softmax"`` (default): least squares of K (full rank) on the model
       ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V`` itself, V known or
       profiled out, tested sequentially against draws of the fitted K's

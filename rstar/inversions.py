@@ -20,7 +20,8 @@ Available inversions:
   first-order softmax inversion applied to ``(P X, P Y)``.
 - :class:`QueryKeyLeastSquaresInversion` (B1 with a known V): least squares of
   ``K`` on ``Y_i = X_i K G_i V + E_i`` itself, unbiased for any ``T``.
-- :class:`QueryKeyCrossFitInversion` (B1 with an unknown V and ``T <= d``):
+- :class:`QueryKeyCrossFitInversion` (B1 with an unknown V, and ``T <= d`` or
+  ``d_v < d``):
   V fitted on one half of the samples, then the least squares of ``K`` with
   that V on the other half, and the same with the halves swapped.
 - :class:`SoftmaxExactInversion` (B2 with a known V and ``d, d_v >= T``):
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import linalg
 from scipy.stats import f as f_dist
+from sklearn.exceptions import ConvergenceWarning
 
 from . import _bilinear, _softmax_ls, _value_error
 from ._linalg import batched_pseudo_inverse, kronecker_rearranged, orthonormal_rows, psd_power, solve_psd, sym
@@ -203,6 +205,13 @@ class WhitenedStatistic:
         odd one). The rule counts a spike where either statistic does at
         half the level (a Bonferroni union; each carries its fitted V's
         error in ``null_shift``). None otherwise.
+    poor_fit : bool
+        Cross-fitted query–key inversion: the V this statistic is tested
+        with comes from a fit that is provably not the least squares of the
+        half it was fitted on (the other half's V, with its own best K,
+        leaves that half a smaller residual) and that leaves this half more
+        than ``CROSS_FIT_MISFIT`` times its own residual power. The union
+        then leaves this direction out (the other keeps its level alpha / 2).
     null_shift : ValueMapErrorLeak or None
         Cross-fitted query–key inversion: what the fitted value map's error
         adds to the noise of ``statistic_matrix``, linear in the kernel
@@ -236,6 +245,7 @@ class WhitenedStatistic:
     coherent_noise_variance: float = None
     coherent_noise_dof: float = None
     cross_fit: "WhitenedStatistic" = None
+    poor_fit: bool = False
     null_shift: object = None
     least_squares_factors: tuple = None
 
@@ -1059,14 +1069,22 @@ class _KeptSamples:
 
 
 class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
-    """Cross-fitted least-squares inversion of linear QK with an unknown V, for ``T <= d``.
+    """Cross-fitted least-squares inversion of linear QK with an unknown V, for ``T <= d`` or ``d_v < d``.
 
     With fewer tokens than features ``M_i = X_i^+ Y_i`` keeps only the
     projection ``X_i^+ X_i K`` of the kernel, whose mean mixes K with its
     transpose and a multiple of the identity, and with ``T = d`` it has no
     residual to take the noise level from. The least squares on
     ``Y_i = X_i K G_i V + E_i`` itself (:class:`QueryKeyLeastSquaresInversion`)
-    has neither problem but needs V. Here V is *fitted on one half* of the
+    has neither problem but needs V. With more tokens than features
+    ``M_i = K G_i V + X_i^+ E_i`` holds exactly, but the signal of
+    ``C = sum_i w_i M_i M_i^T`` is ``K (sum_i w_i G_i V V^T G_i) K^T``: when
+    ``d_v < r*``, ``r* - d_v`` directions of range(K) lie outside the
+    rank-``d_v`` part of ``E[G_i A G_i] = T (T + 1) A + T tr(A) I``
+    (``A = V V^T``, white Gaussian tokens) and see only its isotropic part,
+    about a factor ``T / d_v`` weaker, so the first-order test loses power
+    there; r* is unknown, so the least squares is used whenever
+    ``d_v < d``. Here V is *fitted on one half* of the
     samples (odd global index): ``(K, V)`` by least squares on ``Y_i``
     (:meth:`fit_half`: first on scale-normalised samples, from the
     first-order fit, its transpose and ``CROSS_FIT_RANDOM_STARTS`` random
@@ -1088,7 +1106,11 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
     ``UnidentifiableRankWarning`` says when a half's fitted V leaves the
     other half more than ``CROSS_FIT_MISFIT`` times that half's own residual
     power: a fit in a poor local optimum, whose error no linearisation
-    covers.
+    covers. Where, in addition, the other half's V (with its least-squares
+    K) fits the first half better than that half's own fit, the fit is
+    provably not its half's least squares: that direction is left out of
+    the union (``poor_fit``; a ``ConvergenceWarning`` says so) and the other
+    is tested alone, still at half the level.
 
     The samples of each half are kept (lists of arrays, so ``partial_fit``
     and :func:`merge_stats` concatenate) while they number at most
@@ -1096,7 +1118,9 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
     squares while ``n d^4 + d^6 <= MAX_CROSS_FIT_COST`` (about ``d <= 24``),
     else by L-BFGS on the profile loss while
     ``n T d (d + d_v) <= MAX_PROFILED_FIT_COST`` (:meth:`fit_method`).
-    Beyond both, or with too few samples per half for the least squares,
+    With ``T > d`` the first-order inversion is consistent and the
+    cross-fit only adds power, so only the first budget is spent. Beyond
+    the budgets, or with too few samples per half for the least squares,
     this is the first-order :class:`QueryKeyInversion`.
 
     Examples
@@ -1120,11 +1144,14 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
     @staticmethod
     def sizes_allow_cross_fit(n, T, d, d_v):
         """Whether n samples of this shape can be cross-fitted: kept within ``MAX_COHERENT_SAMPLE_ENTRIES``,
-        fitted within one of the budgets of :meth:`fit_method`, and each half large enough for the
-        least squares (full-rank normal matrix and ``MIN_NOISE_DOF`` residual degrees of freedom)."""
+        fitted within one of the budgets of :meth:`fit_method` (with ``T > d``, where the first-order
+        inversion is consistent and the cross-fit only adds power, within the alternating least-squares
+        one), and each half large enough for the least squares (full-rank normal matrix and
+        ``MIN_NOISE_DOF`` residual degrees of freedom)."""
         half = n // 2
+        method = QueryKeyCrossFitInversion.fit_method(n, T, d, d_v)
         return (n * T * (d + d_v) <= MAX_COHERENT_SAMPLE_ENTRIES
-                and QueryKeyCrossFitInversion.fit_method(n, T, d, d_v) is not None
+                and (method == "als" or (method is not None and T <= d))
                 and half >= QueryKeyLeastSquaresInversion.least_squares_samples(T, d, d_v)
                 and half * T * d_v - d * d >= MIN_NOISE_DOF)
 
@@ -1198,7 +1225,12 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
         else:
             K_scaled, _, _ = _bilinear.fit_query_key_profiled(Xn, Yn, starts)
             K, V, rss = _bilinear.fit_query_key_profiled(X, Y, [K_scaled])
-        return K, V, rss / max(n * T * d_v - d * d - d * d_v + 1, 1)
+        return K, V, rss / QueryKeyCrossFitInversion._fit_dof(n, T, d, d_v)
+
+    @staticmethod
+    def _fit_dof(n, T, d, d_v):
+        """Residual degrees of freedom of the fit of ``(K, V)`` on n samples (one scale is shared)."""
+        return max(n * T * d_v - d * d - d * d_v + 1, 1)
 
     @staticmethod
     def _tested_on(V, X, Y):
@@ -1229,23 +1261,38 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
         method = self.fit_method(stats["n"], *stats["dims"])
         fits = [self.fit_half(*h, method=method) for h in halves]
         grams = [np.matmul(np.swapaxes(X, 1, 2), X) for X, _ in halves]
-        out = []
+        out, misfits = [], []
         for a, b in ((0, 1), (1, 0)):
             ws = self._tested_on(fits[a][1], *halves[b])
             ws.null_shift = self._value_map_error(ws, fits[a], grams[a], grams[b])
             # a fit stuck in a poor local optimum, or a V whose error heavy-tailed tokens amplify,
             # leaves signal in the other half's residual: its noise level then exceeds that half's
             # own fit by far more than sampling error
-            misfit = ws.noise_variance / max(fits[b][2], np.finfo(float).tiny)
-            if misfit > CROSS_FIT_MISFIT:
+            misfits.append(ws.noise_variance / max(fits[b][2], np.finfo(float).tiny))
+            out.append(ws)
+        # out[b] tests V_b on half a, with the least-squares K for it: if that leaves half a a smaller
+        # residual than half a's own fit (K_a, V_a), that fit is not the least squares of its half
+        rss_own = [f[2] * self._fit_dof(len(h[0]), *stats["dims"]) for f, h in zip(fits, halves)]
+        beaten = [out[1 - a].noise_variance * out[1 - a].noise_dof < rss_own[a] for a in (0, 1)]
+        for a, ws in enumerate(out):
+            if misfits[a] <= CROSS_FIT_MISFIT:
+                continue
+            if beaten[a] and not beaten[1 - a]:
+                ws.poor_fit = True
+                ws.warnings.append((ConvergenceWarning,
+                                    f"the fit of K and V on one half of the samples stopped in a poor local optimum "
+                                    f"(the other half's V fits it better, and it leaves the other half "
+                                    f"{misfits[a]:.2f} times its own residual power): its direction of the "
+                                    "cross-fit is left out, and the other is tested alone at the same level "
+                                    "alpha / 2."))
+            else:
                 ws.warnings.append((UnidentifiableRankWarning,
-                                    f"the value map fitted on one half of the samples leaves {misfit:.2f} times the "
-                                    "other half's own residual power unexplained (the least-squares fit of K and V "
-                                    "is not convex and may have stopped in a poor local optimum, or heavy-tailed "
-                                    "tokens amplify the error of the fitted V): part of the "
+                                    f"the value map fitted on one half of the samples leaves {misfits[a]:.2f} times "
+                                    "the other half's own residual power unexplained (the least-squares fit of K "
+                                    "and V is not convex and may have stopped in a poor local optimum, or "
+                                    "heavy-tailed tokens amplify the error of the fitted V): part of the "
                                     "signal is then tested as noise outside range(K), so rank_ may be an "
                                     "over-count."))
-            out.append(ws)
         out[0].cross_fit = out[1]
         out[0].warnings.extend(w for w in out[1].warnings if w not in out[0].warnings)
         return out[0]

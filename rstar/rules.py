@@ -426,8 +426,8 @@ def _union_p_values(q1, q2, alpha):
     return q[:stop[0] + 1] if stop.size else q
 
 
-def _simulated_null_result(ws, noise_variance, alpha, max_rank):
-    """The rule's result on a statistic that carries exact noise draws (``ws.null_draws``)."""
+def _direction_p_values(ws, noise_variance, alpha, max_rank):
+    """Sequential p-values, null quantiles and noise variance of one statistic with exact noise draws."""
     sigma2 = float(ws.noise_variance)
     draws, shift = ws.null_draws, ws.null_shift
     if noise_variance is not None and sigma2 > 0:
@@ -437,18 +437,33 @@ def _simulated_null_result(ws, noise_variance, alpha, max_rank):
         shift = shift.scaled(factor) if shift is not None else None
         sigma2 = float(noise_variance)
     q, cuts = simulated_null_p_values(ws.statistic_matrix, draws, alpha, max_rank, null_shift=shift)
-    n_tests = 1
-    if ws.cross_fit is not None:
-        # cross-fitted statistic: each direction's test carries its fitted V's error (null_shift), so each is a
-        # level-alpha test on its own; a spike counts where either counts it at alpha / 2 (Bonferroni union)
-        q = _union_p_values(q, _simulated_null_result(ws.cross_fit, noise_variance, alpha, max_rank).p_values,
-                            alpha)
-        n_tests = 2
+    return q, cuts, sigma2, draws.shape[0]
+
+
+def _simulated_null_result(ws, noise_variance, alpha, max_rank):
+    """The rule's result on a statistic that carries exact noise draws (``ws.null_draws``)."""
+    if ws.cross_fit is None:
+        q, cuts, sigma2, n_draws = _direction_p_values(ws, noise_variance, alpha, max_rank)
+        return _result_from_p_values(ws, q, cuts, sigma2, alpha, 1, n_draws)
+    # cross-fitted statistic: each direction's test carries its fitted V's error (null_shift), so each is a
+    # level-alpha test on its own; a spike counts where either counts it at alpha / 2 (Bonferroni union).
+    # A direction whose V is a poor local optimum of its half's fit (poor_fit) is left out, the other still
+    # at alpha / 2, so that the rejections stay a subset of the union's.
+    directions = [w for w in (ws, ws.cross_fit) if not w.poor_fit] or [ws, ws.cross_fit]
+    tested = [_direction_p_values(w, noise_variance, alpha, max_rank) for w in directions]
+    q = _union_p_values(tested[0][0], tested[1][0] if len(tested) > 1 else np.ones(1), alpha)
+    _, cuts, sigma2, n_draws = tested[0]
+    return _result_from_p_values(directions[0], q, cuts, sigma2, alpha, 2, n_draws)
+
+
+def _result_from_p_values(ws, q, cuts, sigma2, alpha, n_tests, n_draws):
+    """The rule's result from the sequential p-values ``q`` (the union of ``n_tests`` directions) and the null
+    quantiles ``cuts`` of the statistic ``ws`` they test."""
     rank = _count_below(q, alpha)
     lo, hi = interval_levels(alpha)
     # B draws give Monte Carlo p-values of at least 1/(B+1), times n_tests for a union: a strict level below
     # n_tests/B could never reject, so it is floored there (1/B = alpha/10 at alpha = 1% and B = 1000)
-    lo = max(lo, n_tests / draws.shape[0])
+    lo = max(lo, n_tests / n_draws)
     lam = ws.eigenvalues
     p = lam.size
     threshold = float(cuts[min(rank, len(cuts) - 1)]) if len(cuts) else float(lam[0]) if p else 0.0
@@ -691,8 +706,9 @@ class MarchenkoPasturRule(RankRule):
     noise (``ws.null_draws``: linear QK with a known V, or cross-fitted with
     V unknown and ``T <= d``) is tested against them instead
     (:func:`simulated_null_p_values`); a cross-fitted pair
-    (``ws.cross_fit``) counts a spike only where both count it (the larger
-    of the two p-values). A residual estimate enters the tests with its degrees of freedom
+    (``ws.cross_fit``) counts a spike where either counts it at half the
+    level (a Bonferroni union), leaving out a direction whose fitted V is a
+    poor local optimum (``ws.poor_fit``). A residual estimate enters the tests with its degrees of freedom
     (``ws.noise_dof``); a user's value is taken as exact.
     """
 

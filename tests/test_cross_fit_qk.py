@@ -1,4 +1,4 @@
-"""Cross-fitted least-squares query-key inversion (V unknown, T <= d) and the fit behind it."""
+"""Cross-fitted least-squares query-key inversion (V unknown, T <= d or d_v < d) and the fit behind it."""
 
 import warnings
 
@@ -10,6 +10,7 @@ from rstar import inversions as inv
 from rstar.datasets import make_attention_task
 from rstar.estimators import make_inversion
 from rstar.exceptions import UnidentifiableRankWarning
+from sklearn.exceptions import ConvergenceWarning
 from rstar.inversions import (
     QueryKeyCrossFitInversion,
     QueryKeyInversion,
@@ -27,7 +28,10 @@ def _task(n, T, d, r, noise=0.1, d_v=None, seed=0, **kw):
 def test_make_inversion_picks_cross_fit_for_unknown_v_and_few_tokens():
     assert type(make_inversion("linear_qk", None, shape=(6, 8, 4))) is QueryKeyCrossFitInversion
     assert type(make_inversion("linear_qk", None, shape=(8, 8, 4))) is QueryKeyCrossFitInversion
-    assert type(make_inversion("linear_qk", None, shape=(9, 8, 4))) is QueryKeyInversion
+    # T > d: the first-order inversion is consistent; the cross-fit only where d_v < d (it may be < r*)
+    assert type(make_inversion("linear_qk", None, shape=(9, 8, 4))) is QueryKeyCrossFitInversion
+    assert type(make_inversion("linear_qk", None, shape=(9, 8, 8))) is QueryKeyInversion
+    assert type(make_inversion("linear_qk", None, shape=(9, 8, 16))) is QueryKeyInversion
     assert type(make_inversion("linear_qk", None, shape=(6, 8, 4), method="first_order")) is QueryKeyInversion
     assert type(make_inversion("linear_qk", None, shape=(6, 80, 4))) is QueryKeyInversion   # d^4 over budget
     assert type(make_inversion("linear_qk", np.ones((8, 4)), shape=(6, 8, 4))) is QueryKeyLeastSquaresInversion
@@ -115,6 +119,67 @@ def test_cross_fit_recovers_rank_where_first_order_falls_short(T, d, d_v, r, n):
     assert est.rank_ == r
     assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
     assert est.rank_interval_[0] <= r <= est.rank_interval_[1]
+
+
+@pytest.mark.parametrize("d_v,r", [(2, 5), (3, 6)])
+def test_cross_fit_recovers_rank_beyond_the_value_dimension(d_v, r):
+    # T > d with d_v < r*: M_i = K G_i V holds exactly, but r* - d_v directions of range(K) see only the
+    # isotropic part of E[G_i V V^T G_i], so the first-order count falls short
+    T, d, n = 12, 8, 600
+    X, Y, _ = _task(n, T, d, r, noise=1.0, d_v=d_v, singular_values=np.geomspace(1.0, 0.3, r))
+    first = RStarEstimator("linear_qk")
+    first._inversion_options = lambda: {"method": "first_order"}
+    first.fit(X, Y)
+    est = RStarEstimator("linear_qk").fit(X, Y)
+    assert type(est._inv) is QueryKeyCrossFitInversion and est._inv.cross_fit_possible(est._stats)
+    assert first.rank_ < r
+    assert est.rank_ == r
+    assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
+
+
+def test_cross_fit_at_more_tokens_than_features_stays_within_the_als_budget(monkeypatch):
+    # T > d: the first-order inversion is consistent, so the (costlier) profiled fit is not spent
+    X, Y, _ = _task(600, 12, 8, 5, noise=1.0, d_v=2, singular_values=np.geomspace(1.0, 0.3, 5))
+    monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 10)
+    assert QueryKeyCrossFitInversion.fit_method(600, 12, 8, 2) == "profiled"
+    assert not QueryKeyCrossFitInversion.sizes_allow_cross_fit(600, 12, 8, 2)
+    assert QueryKeyCrossFitInversion.sizes_allow_cross_fit(600, 8, 8, 2)
+    est = RStarEstimator("linear_qk").fit(X, Y)
+    ws = est._inv.whiten(est._stats)
+    assert ws.cross_fit is None and ws.null_draws is None   # first order
+    assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_fit_beaten_on_its_own_half_is_left_out_of_the_union(monkeypatch):
+    X, Y, _ = _task(600, 6, 12, 3, noise=0.05)
+    good = QueryKeyCrossFitInversion.fit_half
+    calls = []
+
+    def fit_half(Xh, Yh, **kw):
+        calls.append(1)
+        if len(calls) % 2 == 0:   # whiten fits the odd half first, then the even one
+            return good(Xh, Yh, **kw)
+        # the odd half's fit stopped at a random kernel (with its best V): a poor fit of that half
+        K0 = np.random.default_rng(0).standard_normal((12, 12))
+        K, V, rss = _bilinear._query_key_als(Xh, Yh, _bilinear._query_key_grams(Xh, Yh), K0, 0, 0.0)
+        return K, V, rss / QueryKeyCrossFitInversion._fit_dof(*Xh.shape, Yh.shape[2])
+
+    ci = QueryKeyCrossFitInversion()
+    stats = ci.new_stats(6, 12, 12)
+    ci.update(stats, X, Y)
+    monkeypatch.setattr(QueryKeyCrossFitInversion, "fit_half", staticmethod(fit_half))
+    ws = ci.whiten(stats)
+    # ws tests the odd half's V on the even half; ws.cross_fit the even half's V on the odd half
+    assert ws.poor_fit and not ws.cross_fit.poor_fit
+    assert ConvergenceWarning in [c for c, _ in ws.warnings]
+    res = MarchenkoPasturRule()(ws)
+    alone = MarchenkoPasturRule()(ws.cross_fit)
+    assert res.rank == alone.rank == 3
+    # the other direction alone, still at half the level
+    np.testing.assert_allclose(res.p_values[:3], np.minimum(2 * alone.p_values[:3], 1))
+    with pytest.warns(ConvergenceWarning, match="poor local optimum"):
+        est = RStarEstimator("linear_qk").fit(X, Y)
+    assert est.rank_ == 3
 
 
 def test_cross_fit_statistic_carries_both_directions():
@@ -233,16 +298,17 @@ def test_misfit_of_the_fitted_value_map_is_reported(monkeypatch):
         RStarEstimator("linear_qk").fit(X, Y)
 
 
-@pytest.mark.parametrize("method", ["als", "profiled"])
-def test_cross_fit_null_keeps_its_level(method, monkeypatch):
+@pytest.mark.parametrize("method,T,d_v", [("als", 6, 8), ("profiled", 6, 8), ("als", 12, 4)])
+def test_cross_fit_null_keeps_its_level(method, T, d_v, monkeypatch):
     # r* = 0: each direction's V is fitted on samples independent of the ones it is tested on,
     # so each test is exact whatever the optimiser; their Bonferroni union keeps the level
     if method == "profiled":
         monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 10)
-    assert QueryKeyCrossFitInversion.fit_method(120, 6, 8, 8) == method
+    assert QueryKeyCrossFitInversion.fit_method(120, T, 8, d_v) == method
     false_alarms = 0
     for seed in range(30):
-        X, Y = make_attention_task(120, kind="linear_qk", seq_len=6, n_features=8, rank=0, random_state=seed)
+        X, Y = make_attention_task(120, kind="linear_qk", seq_len=T, n_features=8, value_dim=d_v, rank=0,
+                                   random_state=seed)
         est = RStarEstimator("linear_qk").fit(X, Y)
         assert type(est._inv) is QueryKeyCrossFitInversion and est._inv.cross_fit_possible(est._stats)
         false_alarms += est.rank_ > 0
