@@ -56,6 +56,9 @@ REGIMES = {
     "linear QK, T = d (T=8, d=8, n=150)":
         ("linear_qk", lambda s: make_attention_task(150, kind="linear_qk", seq_len=8, n_features=8, rank=0,
                                                     random_state=s)),
+    "linear QK, T > d, d_v < d (T=12, d=8, d_v=4, n=150)":
+        ("linear_qk", lambda s: make_attention_task(150, kind="linear_qk", seq_len=12, n_features=8, value_dim=4,
+                                                    rank=0, random_state=s)),
     "linear QK, V known, T < d (T=6, d=8, n=150)":
         ("linear_qk", lambda s: _known_v(make_attention_task(150, kind="linear_qk", seq_len=6, n_features=8, rank=0,
                                                              random_state=s, return_teacher=True))),

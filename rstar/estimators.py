@@ -109,7 +109,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", resid
         # V unknown: least squares with V cross-fitted where the first-order inversion is biased (T <= d) or
         # weak on r* - d_v of the directions should r* exceed d_v (d_v < d; see QueryKeyCrossFitInversion)
         if (method == "auto" and value_map is None and shape is not None
-                and (shape[0] <= shape[1] or shape[2] < shape[1]) and shape[1] ** 4 <= MAX_MOMENT_ENTRIES and (residual_noise is None or residual_noise)):
+                and (shape[0] <= shape[1] or shape[2] < shape[1]) and shape[1] ** 4 <= MAX_MOMENT_ENTRIES
+                and (residual_noise is None or residual_noise)):
             return QueryKeyCrossFitInversion()
         return QueryKeyInversion(centred=False, residual_noise=True if residual_noise is None else residual_noise,
                                  value_map=value_map)
