@@ -371,8 +371,8 @@ def _residual_noise(task):
 
     Linear proxy: the regression of vec Y on vec X needs n > T d (and the (T d)^2 moment sums);
     linear QK with V known: the residual of the pooled least-squares fit of K (n T d_v > d^2);
-    linear QK with V unknown: the part of Y_i outside col(X_i) needs T > d; with T <= d, the cross-fitted least
-    squares' residual, within its cost budget; softmax: the residual of RStar's least-squares fit of the model,
+    linear QK with V unknown: the part of Y_i outside col(X_i) needs T > d; with T <= d or d_v < d, the
+    cross-fitted least squares' residual, within its cost budget; softmax: the residual of RStar's least-squares fit of the model,
     within its budgets (else the first-order inversion fits the bulk instead).
     """
     T, d, d_v, n = task["T"], task["d"], task["d_v"], task["n"]
@@ -388,9 +388,7 @@ def _residual_noise(task):
         from rstar.inversions import QueryKeyCrossFitInversion
 
         if QueryKeyCrossFitInversion.sizes_allow_cross_fit(n, T, d, d_v):
-            return True
-        if T <= d:
-            return False   # beyond the budgets at T > d: the first-order inversion's residual below
+            return True   # else first order: its residual outside col(X_i) needs T > d (below)
     if task["kind"] == "linear_qk":
         return bool(n * max(T - d, 0) * d_v >= 50)
     return False

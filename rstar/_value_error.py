@@ -140,13 +140,14 @@ class ValueMapErrorLeak:
         Lower Cholesky factor of the normal matrix ``H`` (row-major ``vec K``).
     A_half, B_half : ndarray of shape (d, d)
         The whitening factors ``A^{1/2}``, ``B^{1/2}``.
+    A_inv_half, B_inv_half : ndarray of shape (d, d)
+        Their (pseudo-)inverses, which map a whitened kernel back.
     """
 
-    def __init__(self, G, Vr, draws, L, A_half, B_half):
+    def __init__(self, G, Vr, draws, L, A_half, B_half, A_inv_half, B_inv_half):
         self.G, self.Vr, self.draws, self.L = G, Vr, draws, L
         self.A_half, self.B_half = A_half, B_half
-        self.A_inv_half = np.linalg.pinv(A_half, hermitian=True)
-        self.B_inv_half = np.linalg.pinv(B_half, hermitian=True)
+        self.A_inv_half, self.B_inv_half = A_inv_half, B_inv_half
         self._VG = np.matmul(Vr.T, G)                        # (n, m, d): V~^T G_i, the same for every kernel
 
     @property

@@ -218,8 +218,9 @@ class WhitenedStatistic:
         (:class:`rstar._value_error.ValueMapErrorLeak`; the ``null_shift`` of
         :func:`rstar.rules.simulated_null_p_values`). None otherwise.
     least_squares_factors : tuple or None
-        Least-squares query–key inversion: ``(L, A^{1/2}, B^{1/2})``, the
-        Cholesky factor of the normal matrix and the whitening factors.
+        Least-squares query–key inversion: ``(L, A^{1/2}, B^{1/2}, A^{-1/2},
+        B^{-1/2})``, the Cholesky factor of the normal matrix, the whitening
+        factors and their (pseudo-)inverses.
     warnings : list of (Warning subclass, str)
         Conditions the estimator must report.
     """
@@ -1035,6 +1036,7 @@ def _kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, warnings):
     product) and ``NULL_DRAWS`` draws ``A^{1/2} N B^{1/2}`` (seed ``NULL_SEED``) for the simulated test."""
     d = K.shape[0]
     A_half, B_half = psd_power(A, 0.5), psd_power(B, 0.5)
+    A_inv_half, B_inv_half = psd_power(A, -0.5), psd_power(B, -0.5)
     Kt = A_half @ K @ B_half
     lam, vecs = _eigh_desc(Kt @ Kt.T / d)
     lam = np.clip(lam, 0.0, None)
@@ -1042,8 +1044,9 @@ def _kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, warnings):
     Z = linalg.solve_triangular(L, rng.standard_normal((d * d, NULL_DRAWS)), lower=True, trans="T",
                                 check_finite=False) * np.sqrt(sigma2)   # sigma L^{-T} z
     draws = np.einsum("ab,bcj,cd->jad", A_half, Z.reshape(d, d, NULL_DRAWS), B_half, optimize=True)
-    return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d), float(sigma2), float(dof), warnings,
-                             statistic_matrix=Kt, null_draws=draws, least_squares_factors=(L, A_half, B_half))
+    return WhitenedStatistic(lam, vecs, A_inv_half, float(d), float(sigma2), float(dof), warnings,
+                             statistic_matrix=Kt, null_draws=draws,
+                             least_squares_factors=(L, A_half, B_half, A_inv_half, B_inv_half))
 
 
 def _with_warning(ws, category, message):
@@ -1251,8 +1254,7 @@ class QueryKeyCrossFitInversion(_KeptSamples, QueryKeyInversion):
         K, V, sigma2 = fit
         Vr = _value_error.reduced_value_map(V)
         draws = _value_error.value_map_error_draws(G_fit, K, Vr, sigma2, NULL_DRAWS, NULL_SEED + 1)
-        L, A_half, B_half = ws.least_squares_factors
-        return _value_error.ValueMapErrorLeak(G_test, Vr, draws, L, A_half, B_half)
+        return _value_error.ValueMapErrorLeak(G_test, Vr, draws, *ws.least_squares_factors)
 
     def whiten(self, stats):
         if not self.cross_fit_possible(stats):

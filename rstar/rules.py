@@ -704,7 +704,7 @@ class MarchenkoPasturRule(RankRule):
     structured only if the leak implied by the spikes found is visible
     (:func:`leak_is_visible`). A statistic that carries exact draws of its
     noise (``ws.null_draws``: linear QK with a known V, or cross-fitted with
-    V unknown and ``T <= d``) is tested against them instead
+    V unknown and ``T <= d`` or ``d_v < d``) is tested against them instead
     (:func:`simulated_null_p_values`); a cross-fitted pair
     (``ws.cross_fit``) counts a spike where either counts it at half the
     level (a Bonferroni union), leaving out a direction whose fitted V is a

@@ -61,7 +61,7 @@ def test_leak_is_the_exact_move_of_the_least_squares_kernel(d_v):
     D = (dV @ Q.T)[None]                                  # dV V'^T = D V~^T
     A_half, B_half = linalg.sqrtm(_spd(rng, d)).real, linalg.sqrtm(_spd(rng, d)).real
     G = np.matmul(np.swapaxes(X, 1, 2), X)
-    leak = ve.ValueMapErrorLeak(G, Vr, D, L, A_half, B_half)
+    leak = ve.ValueMapErrorLeak(G, Vr, D, L, A_half, B_half, np.linalg.inv(A_half), np.linalg.inv(B_half))
     U, s, Wt = np.linalg.svd(A_half @ K @ B_half)
     acc = leak.start()
     np.testing.assert_array_equal(acc.draws(), 0.0)
