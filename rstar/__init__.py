@@ -1,6 +1,7 @@
 """rstar: the intrinsic rank r* of attention tasks, estimated from data alone.
 
-Data-only estimators (an inversion composed with a rank rule) are importable
+Data-only estimators (an inversion composed with a rank rule, :mod:`rstar.inversions` and
+:mod:`rstar.rules`; their cost budgets in :mod:`rstar.budgets`) are importable
 from the top level; trained students live in :mod:`rstar.students` (needs the
 ``torch`` extra, imported lazily).
 """
@@ -12,7 +13,7 @@ from .estimators import (
     RStarEstimator,
     SoftmaxInversionEstimator,
 )
-from .exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
+from .exceptions import IllConditionedInversionWarning, InversionFallbackWarning, UnidentifiableRankWarning
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "SoftmaxInversionEstimator",
     "RStarEstimator",
     "IllConditionedInversionWarning",
+    "InversionFallbackWarning",
     "UnidentifiableRankWarning",
     "__version__",
 ]

@@ -38,6 +38,7 @@ import numpy as np
 from scipy.special import gammaln
 
 from .marchenko_pastur import johnstone_centring, mp_median
+from .inversions import WishartNull
 from .rules import RankRule, RuleResult
 
 __all__ = [
@@ -542,7 +543,13 @@ class BaselineRule(RankRule):
 
     Notes
     -----
-    Only Gavish–Donoho uses a given ``noise_variance`` (its known-noise
+    The baselines assume a white-noise (Marchenko–Pastur) bulk, so the rule
+    supports statistics whose null model is a
+    :class:`~rstar.inversions.WishartNull` and raises
+    :class:`~rstar.inversions.UnsupportedNullModelError` for any other (to
+    apply a baseline to any spectrum anyway, call its function, e.g.
+    ``minka_rank(est.spectrum_, est.n_columns_)``, or
+    :func:`baseline_ranks`). Only Gavish–Donoho uses a given ``noise_variance`` (its known-noise
     threshold); the others are defined for unknown noise and ignore it.
     ``effective_rank`` is the rank itself, ``threshold`` is the cut in
     eigenvalue units where the method has one (Gavish–Donoho), else the
@@ -552,7 +559,7 @@ class BaselineRule(RankRule):
     --------
     >>> import numpy as np
     >>> from rstar.baselines import BaselineRule
-    >>> from rstar.estimators import make_inversion
+    >>> from rstar.inversions import make_inversion
     >>> from rstar.datasets import make_linear_proxy
     >>> X, Y = make_linear_proxy(500, rank=3, random_state=0)
     >>> inv = make_inversion("linear_proxy")
@@ -568,7 +575,9 @@ class BaselineRule(RankRule):
         self.method = method
         self.kwargs = kwargs
 
-    def __call__(self, ws, noise_variance=None, max_rank=None):
+    supported_nulls = (WishartNull,)
+
+    def _call(self, ws, noise_variance, max_rank):
         lam, m = _statistic(ws)
         lam = np.sort(lam)[::-1]
         kwargs = dict(self.kwargs)

@@ -1,35 +1,35 @@
-"""Data-only r* estimators: an inversion composed with a rank rule.
+"""Data-only r* estimators: an inversion composed with a rank rule at a level.
 
-The classes here are thin: they validate, rescale, call an inversion from
-:mod:`rstar.inversions` and a rule from :mod:`rstar.rules`, and store the
-fitted attributes. Adding a rule or an inversion needs no change here beyond
-naming it in ``_make_rule`` / :func:`make_inversion`.
+The five public classes are presets of one estimator, :class:`_RankEstimator`
+(inversion method x rank rule x level): they validate their parameters
+(scikit-learn's ``_parameter_constraints``), rescale the data, let
+:func:`rstar.inversions.choose_inversion` decide the inversion (once per fit,
+recorded as ``inversion_``), call it and the rule, and store the fitted
+attributes. The numerics live in :mod:`rstar.inversions` and :mod:`rstar.rules`.
+
+| class | inversion method | rule | default level |
+|---|---|---|---|
+| ``NumericalRankEstimator`` | ``"auto"`` | :class:`~rstar.rules.NumericalRule` | (tolerance) |
+| ``MPRankEstimator`` | ``"auto"`` | :class:`~rstar.rules.MarchenkoPasturRule` | 0.01 |
+| ``EnergyRankEstimator`` | ``"auto"`` | :class:`~rstar.rules.EnergyRule` | 0.01 |
+| ``SoftmaxInversionEstimator`` | ``method`` (``"auto"``) | :class:`~rstar.rules.MarchenkoPasturRule` | 0.01 |
+| ``RStarEstimator`` | ``"least_squares"`` (softmax), ``"auto"`` | :class:`~rstar.rules.MarchenkoPasturRule` | 0.003 |
 """
 
+import copy
 import warnings
+from numbers import Integral, Real
 
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.utils import check_random_state
+from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted
 
-from ._validation import (
-    check_operator,
-    check_positive,
-    check_rank_param,
-    check_tokens,
-    check_value_map,
-    check_X_Y,
-)
-from .inversions import (
-    ILL_CONDITIONED_ASPECT,
-    MAX_MOMENT_ENTRIES,
-    QueryKeyCrossFitInversion,
-    QueryKeyInversion,
-    QueryKeyLeastSquaresInversion,
-    SoftmaxExactInversion,
-    SoftmaxLeastSquaresInversion,
-    TokenInversion,
-)
+from ._validation import check_positive, check_rank_param, check_tokens, check_value_map, check_X_Y
+from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
+from .exceptions import InversionFallbackWarning
+from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion
 from .metrics import token_r2_score
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
 
@@ -44,121 +44,64 @@ __all__ = [
 
 #: RStarEstimator's default false-alarm level per sequential test: the level with the highest exact
 #: recovery of r* on a held-out grid (seed 1 of benchmarks/recovery.py, recounted by
-#: benchmarks/alpha_calibration.py from the p-values at 0.01; docs/recovery.md, change 24)
+#: benchmarks/alpha_calibration.py from the p-values at 0.01; docs/validation.md)
 RSTAR_ALPHA = 0.003
 
+_FIRST_ORDER = ("query_key_first_order", "softmax_first_order")
 
-def make_inversion(operator, value_map=None, *, shape=None, method="auto", residual_noise=None, clip=1e-3):
-    """The inversion for an operator (theory §4).
-
-    Parameters
-    ----------
-    operator : {"linear_proxy", "linear_qk", "softmax"}
-    value_map : ndarray of shape (d, d_v) or None
-        Known V, in the units the inversion will see.
-    shape : tuple (T, d, d_v) or None
-        Needed to decide ``method="auto"``.
-    method : {"auto", "first_order", "exact", "least_squares"}, default="auto"
-        Softmax: ``"exact"`` needs V and ``d >= T``, ``d_v >= T``;
-        ``"auto"`` uses it when ``X_i V`` is well conditioned
-        (``T <= 0.9 min(d, d_v)``), else the first-order inversion (the
-        paper's estimators); ``"least_squares"`` fits the model itself
-        (:class:`~rstar.inversions.SoftmaxLeastSquaresInversion`, V known or
-        not; first order beyond its budgets), :class:`RStarEstimator`'s choice.
-        Linear QK: ``"exact"`` (needs V) is the least-squares inversion
-        :class:`~rstar.inversions.QueryKeyLeastSquaresInversion`;
-        ``"auto"`` uses it when V is known and its ``d^2 x d^2`` normal
-        matrix fits the memory budget (``d^4 <= MAX_MOMENT_ENTRIES``, i.e.
-        ``d <= 76``); with V unknown and ``T <= d`` or ``d_v < d`` (same
-        budget) it uses the cross-fitted least squares
-        :class:`~rstar.inversions.QueryKeyCrossFitInversion`; else
-        ``M_i = X_i^+ Y_i`` (``"first_order"``).
-    residual_noise : bool or None
-        Query–key inversions: take the noise variance from the residual
-        outside ``col(X_i)``. Default: True for linear_qk; False for softmax,
-        whose bulk is fitted instead (both its level and its width, see
-        :func:`rstar.marchenko_pastur.fit_mp_bulk`).
-    clip : float, default=1e-3
-        Exact softmax inversion: attention weights are clipped at ``clip / T``.
-
-    Returns
-    -------
-    Inversion
-
-    Examples
-    --------
-    >>> from rstar.estimators import make_inversion
-    >>> type(make_inversion("linear_qk")).__name__
-    'QueryKeyInversion'
-    """
-    if method not in ("auto", "first_order", "exact", "least_squares"):
-        raise ValueError(f"method must be 'auto', 'first_order', 'exact' or 'least_squares', got {method!r}.")
-    if method == "least_squares" and operator != "softmax":
-        raise ValueError(f"method must be 'auto', 'first_order' or 'exact' for operator={operator!r} "
-                         "('least_squares' is the softmax inversion).")
-    if operator == "linear_proxy":
-        return TokenInversion(value_map=value_map)
-    if operator == "linear_qk":
-        if method == "exact" and value_map is None:
-            raise ValueError("method='exact' for operator='linear_qk' needs a known value_map (the least-squares "
-                             "inversion solves Y_i = X_i K X_i^T X_i V for K).")
-        d = None if value_map is None else np.asarray(value_map).shape[0]
-        if method == "exact" or (method == "auto" and d is not None and d**4 <= MAX_MOMENT_ENTRIES
-                                 and (residual_noise is None or residual_noise)):
-            return QueryKeyLeastSquaresInversion(value_map)
-        # V unknown: least squares with V cross-fitted where the first-order inversion is biased (T <= d) or
-        # weak on r* - d_v of the directions should r* exceed d_v (d_v < d; see QueryKeyCrossFitInversion)
-        if (method == "auto" and value_map is None and shape is not None
-                and (shape[0] <= shape[1] or shape[2] < shape[1]) and shape[1] ** 4 <= MAX_MOMENT_ENTRIES
-                and (residual_noise is None or residual_noise)):
-            return QueryKeyCrossFitInversion()
-        return QueryKeyInversion(centred=False, residual_noise=True if residual_noise is None else residual_noise,
-                                 value_map=value_map)
-    if operator == "softmax":
-        exact_ok = well_conditioned = False
-        if value_map is not None and shape is not None:
-            T, d, d_v = shape
-            exact_ok = d >= T and d_v >= T
-            # S_i = Y_i (X_i V)^+ amplifies noise as T nears min(d, d_v) (MP hard edge)
-            well_conditioned = T <= ILL_CONDITIONED_ASPECT * min(d, d_v)
-        if method == "exact" and not exact_ok:
-            raise ValueError(
-                "method='exact' needs a known value_map and d >= T and d_v >= T (X_i V must have full row "
-                f"rank T); got value_map={'None' if value_map is None else 'given'} and (T, d, d_v)={shape}.")
-        if method == "exact" or (method == "auto" and exact_ok and well_conditioned):
-            return SoftmaxExactInversion(value_map, clip=clip)
-        if method == "least_squares":
-            return SoftmaxLeastSquaresInversion(value_map)
-        return QueryKeyInversion(centred=True, residual_noise=False if residual_noise is None else residual_noise,
-                                 value_map=value_map)
-    raise ValueError(f"unknown operator {operator!r}")
+_SHARED_CONSTRAINTS = {
+    "operator": [StrOptions({"linear_proxy", "linear_qk", "softmax"})],
+    "value_map": ["array-like", None],
+    "rank": [Interval(Integral, 0, None, closed="left"), None],
+    "max_rank": [Interval(Integral, 0, None, closed="left"), None],
+    "noise_variance": [Interval(Real, 0, None, closed="neither"), None],
+    "random_state": ["random_state"],
+    "n_null_draws": [Interval(Integral, 1, None, closed="left")],
+    "memory_budget": [Interval(Integral, 1, None, closed="left")],
+    "compute_budget": [Interval(Real, 1, None, closed="left")],
+    "predict_sums": ["boolean"],
+}
 
 
-class _BaseRankEstimator(RegressorMixin, BaseEstimator):
-    """Shared fit / partial_fit / predict / score for the data-only estimators."""
+def _resolve_seed(random_state):
+    """The integer seed of a fit's simulations: ``DEFAULT_SEED`` for None (a fit is then a deterministic function
+    of the data), the int itself, or one draw from a ``RandomState``."""
+    if random_state is None:
+        return DEFAULT_SEED
+    if isinstance(random_state, Integral) and not isinstance(random_state, bool):
+        return int(random_state)
+    return int(check_random_state(random_state).randint(0, 2**31 - 2))
 
-    _operator_default = "linear_proxy"
 
-    # -- hooks -----------------------------------------------------------
+class _RankEstimator(RegressorMixin, BaseEstimator):
+    """The data-only estimator: inversion (``_method``) x rule (``_make_rule``) x level; the public classes are presets."""
+
+    _parameter_constraints = dict(_SHARED_CONSTRAINTS)
+
+    # -- the preset -------------------------------------------------------------
     def _get_operator(self):
         return self.operator
 
-    def _make_rule(self):  # pragma: no cover - abstract
+    def _method(self):
+        """The inversion method handed to :func:`rstar.inversions.choose_inversion`."""
+        return "auto"
+
+    def _make_rule(self, unit):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _validate_rule_params(self):
-        pass
-
-    def _inversion_options(self):
-        return {}
+    def _clip(self):
+        return 1e-3
 
     # -- validation --------------------------------------------------------
     def _validate_params_(self):
-        check_operator(self._get_operator())
-        check_rank_param(self.rank, "rank")
-        check_rank_param(self.max_rank, "max_rank")
+        self._validate_params()   # scikit-learn's _parameter_constraints
+        for name in ("rank", "max_rank"):
+            check_rank_param(getattr(self, name), name)   # bools are refused
         check_positive(self.noise_variance, "noise_variance")
         self._validate_rule_params()
+
+    def _validate_rule_params(self):
+        pass
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -189,7 +132,7 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
         -------
         self
         """
-        for attr in ("_stats", "_inv"):
+        for attr in ("_stats", "_inv", "_whitened", "_shared_statistic"):
             if hasattr(self, attr):
                 delattr(self, attr)
         return self._fit_batch(X, Y)
@@ -208,6 +151,66 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
         self
         """
         return self._fit_batch(X, Y)
+
+    def fit_from(self, fitted):
+        """Fit this estimator's rule on the statistic another estimator has accumulated.
+
+        The rule runs on ``fitted``'s sums and whitened statistic without a
+        pass over the data: the result equals ``fit`` on the same data.
+        ``fitted`` must have been fitted with the same inversion (operator,
+        method, value map, budgets, ``random_state``, ``n_null_draws``,
+        ``predict_sums``); later ``partial_fit`` calls on either continue
+        from a copy of the sums.
+
+        Parameters
+        ----------
+        fitted : fitted rstar data-only estimator
+
+        Returns
+        -------
+        self
+
+        Raises
+        ------
+        ValueError
+            If ``fitted`` would not build the same inversion.
+
+        Examples
+        --------
+        >>> from rstar import MPRankEstimator, RStarEstimator
+        >>> from rstar.datasets import make_linear_proxy
+        >>> X, Y = make_linear_proxy(500, rank=3, random_state=0)
+        >>> ref = RStarEstimator(operator="linear_proxy").fit(X, Y)
+        >>> MPRankEstimator(alpha=0.003).fit_from(ref).rank_ == MPRankEstimator(alpha=0.003).fit(X, Y).rank_
+        True
+        """
+        check_is_fitted(fitted, "rank_")
+        if not isinstance(fitted, _RankEstimator):
+            raise ValueError(f"fit_from needs a fitted rstar data-only estimator, got {type(fitted).__name__}.")
+        self._validate_params_()
+        mine = self._inversion_config(fitted._dims, fitted._x_scale, fitted._y_scale)
+        theirs = fitted._inversion_config(fitted._dims, fitted._x_scale, fitted._y_scale)
+        if not _same_config(mine, theirs):
+            raise ValueError(f"{type(self).__name__} would build a different inversion than {type(fitted).__name__} "
+                             "(operator, method, value map, budgets, random_state, n_null_draws or predict_sums "
+                             "differ): fit it on the data instead.")
+        for attr in ("n_features_in_", "_dims", "_y_ndim", "_x_scale", "_y_scale", "_inv", "_stats", "_budget",
+                     "_seed", "_value_map_internal"):
+            setattr(self, attr, getattr(fitted, attr))
+        self._whitened = getattr(fitted, "_whitened", None)
+        self._shared_statistic = fitted._shared_statistic = True
+        self._finalize()
+        return self
+
+    def _inversion_config(self, dims, x_scale, y_scale):
+        """Everything that defines the inversion this estimator builds for data of this shape and scale."""
+        T, d, d_v = dims
+        V = check_value_map(self.value_map, d, d_v)
+        return dict(operator=self._get_operator(), method=self._method(), clip=self._clip(),
+                    value_map=None if V is None else V * (x_scale / y_scale),
+                    budget=(int(self.memory_budget), float(self.compute_budget)),
+                    seed=_resolve_seed(self.random_state) if not hasattr(self.random_state, "randint") else None,
+                    n_null_draws=int(self.n_null_draws), predict_sums=bool(self.predict_sums))
 
     def _fit_batch(self, X, Y):
         self._validate_params_()
@@ -229,10 +232,14 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
             self._x_scale = _rms(X)
             self._y_scale = _rms(Y)
             V = check_value_map(self.value_map, d, d_v)
-            V_internal = None if V is None else V * (self._x_scale / self._y_scale)
-            self._inv = make_inversion(self._get_operator(), V_internal, shape=(T, d, d_v),
-                                       **self._inversion_options())
+            self._value_map_internal = None if V is None else V * (self._x_scale / self._y_scale)
+            self._budget = CostBudget(int(self.memory_budget), float(self.compute_budget))
+            self._seed = _resolve_seed(self.random_state)
+            self._inv = make_inversion(self._get_operator(), self._value_map_internal, shape=(T, d, d_v),
+                                       method=self._method(), clip=self._clip(), budget=self._budget, seed=self._seed,
+                                       n_null_draws=self.n_null_draws, predict_sums=self.predict_sums)
             self._stats = self._inv.new_stats(T, d, d_v)
+            self._shared_statistic = False
         else:
             T0, d0, dv0 = self._dims
             if d != d0:
@@ -243,7 +250,12 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
             if T != T0:
                 raise ValueError(f"X has T={T} tokens, but earlier batches had T={T0}; partial_fit batches "
                                  "must share the sequence length.")
+            if self._shared_statistic:
+                # the sums came from another estimator (fit_from): continue from a copy
+                self._stats = copy.deepcopy(self._stats)
+                self._shared_statistic = False
         self._inv.update(self._stats, X / self._x_scale, Y / self._y_scale)
+        self._whitened = None
         n_total = self._stats["n"]
         need = self._inv.min_samples(T, d, d_v)
         if n_total < need:
@@ -252,22 +264,51 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
         self._finalize()
         return self
 
+    def _choose(self):
+        """The inversion for the samples seen so far (:func:`rstar.inversions.choose_inversion`)."""
+        choice = choose_inversion(self._get_operator(), value_map_known=self._value_map_internal is not None,
+                                  shape=self._dims, n_samples=self._stats["n"], method=self._method(),
+                                  budget=self._budget)
+        if choice.name not in self._inv.produces:   # pragma: no cover - a bug, not a user error
+            raise RuntimeError(f"{type(self._inv).__name__} cannot produce the {choice.name} statistic.")
+        return choice
+
+    def _whiten(self, choice):
+        """The whitened statistic of the chosen inversion, computed once per state of the sums."""
+        key = (self._stats["n"], choice.name)
+        cached = getattr(self, "_whitened", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        ws = self._inv.whiten(self._stats, choice.name)
+        self._whitened = (key, ws)
+        return ws
+
     def _finalize(self):
-        T, d, d_v = self._dims
-        ws = self._inv.whiten(self._stats)
-        exact = isinstance(self._inv, SoftmaxExactInversion)
-        unit = 1.0 if exact else self._y_scale**2
+        choice = self._choose()
+        ws = self._whiten(choice)
+        notes = [(InversionFallbackWarning, message) for message in choice.messages()]
+        log_domain = ws.units == "log-attention"
+        unit = 1.0 if log_domain else self._y_scale**2
         user_noise = None
-        if self.noise_variance is not None and not exact:
-            user_noise = self.noise_variance / unit
+        if self.noise_variance is not None:
+            if log_domain:
+                notes.append((UserWarning, "noise_variance is in units of Y**2 and does not apply to the exact softmax "
+                              "inversion, whose spectrum is in log-attention units: it is ignored (the split-half "
+                              "noise level is used). Use method='first_order' to test at a given noise level."))
+            else:
+                user_noise = self.noise_variance / unit
+        if self._value_map_internal is not None and ws.inversion in _FIRST_ORDER:
+            notes.append((UserWarning, f"the known value_map is not used by the {ws.inversion} inversion's statistic "
+                          "(only by predict): the rank is estimated as with V unknown. The least-squares inversions "
+                          "use it (see inversion_reason_ and the fallback warning, if any)."))
         p = ws.dim
         if self.max_rank is not None and self.max_rank > p:
             raise ValueError(f"max_rank must be <= {p} (the dimension of the statistic), got {self.max_rank}.")
         if self.rank is not None and self.rank > p:
             raise ValueError(f"rank must be <= {p} (the dimension of the statistic: "
                              f"{'T' if self._inv.space == 'tokens' else 'd'}), got {self.rank}.")
-        res = self._make_rule()(ws, user_noise, self.max_rank)
-        for category, message in list(ws.warnings) + list(res.warnings):
+        res = self._make_rule(unit)(ws, user_noise, self.max_rank)
+        for category, message in notes + list(ws.warnings) + list(res.warnings):
             warnings.warn(message, category, stacklevel=4)
         rank = res.rank if self.rank is None else self.rank
         self.rank_ = int(rank)
@@ -281,8 +322,20 @@ class _BaseRankEstimator(RegressorMixin, BaseEstimator):
         self.n_columns_ = float(ws.n_columns)
         self.components_ = ws.components(self.rank_)
         self.n_samples_seen_ = int(self._stats["n"])
+        self.inversion_ = ws.inversion
+        self.inversion_reason_ = choice.reason if ws.inversion == choice.name else _fallback_message(ws)
+        self.null_model_ = ws.null.kind
+        self.noise_source_ = "user" if user_noise is not None else ws.null.noise_source
         # the closed-form operator costs several times the rank estimate: built on first use
         self._operator_cache = {}
+
+    @property
+    def statistic_(self):
+        """The :class:`rstar.inversions.WhitenedStatistic` the rule read: the whitened eigen-decomposition
+        (``spectrum_`` is its ``eigenvalues`` in Y units), its null model and any extra evidence (internal units:
+        the data rescaled to unit RMS)."""
+        check_is_fitted(self, "rank_")
+        return self._whiten(self._choose())
 
     @property
     def operator_(self):
@@ -362,10 +415,11 @@ _SHARED_PARAMS_DOC = """
     operator : {"linear_proxy", "linear_qk", "softmax"}, default=%(default)r
         The model class (theory §2): ``"linear_proxy"`` (Y = A X V, r* = rank A,
         components in token space), ``"linear_qk"`` (Y = (X K X^T) X V / c),
-        ``"softmax"`` (Y = softmax(X K X^T / sqrt(d)) X V; first-order
-        inversion, which is also exact for linear-QK data when T > d).
+        ``"softmax"`` (Y = softmax(X K X^T / sqrt(d)) X V).
     value_map : array-like of shape (d, d_v) or None, default=None
-        The value matrix V if known. None (unknown) is supported throughout.
+        The value matrix V if known. None (unknown) is supported throughout."""
+
+_COMMON_PARAMS_DOC = """
     rank : int or None, default=None
         None estimates r*; an int forces ``rank_`` (the rank of the fitted
         operator), e.g. for a data-only rank sweep with ``GridSearchCV``.
@@ -373,7 +427,60 @@ _SHARED_PARAMS_DOC = """
         Upper bound on the estimated rank.
     noise_variance : float or None, default=None
         Known variance sigma**2 of the noise entries of Y. None: estimated
-        (residual of the model when identifiable, else the MP bulk median)."""
+        (residual of the model when identifiable, else the MP bulk median).
+    random_state : int, RandomState instance or None, default=None
+        Seeds the simulations (null draws, random starting kernels). None
+        uses a fixed seed (``rstar.inversions.DEFAULT_SEED``), so that a fit
+        is a deterministic function of the data and ``partial_fit`` equals
+        ``fit``; a ``RandomState`` is drawn from once per fit.
+    n_null_draws : int, default=1000
+        Draws of the simulated null (least-squares inversions): the smallest
+        p-value is ``1 / (n_null_draws + 1)``; time and memory grow linearly.
+    memory_budget : int, default=536870912
+        Bytes (512 MiB) an inversion may keep beyond its ``O(d^2)`` sums:
+        the samples of a least-squares fit, or (half of it each) moment sums
+        and ``d^2 x d^2`` matrices (:mod:`rstar.budgets`).
+    compute_budget : float, default=2**39
+        Multiply-adds one least-squares fit or information matrix may cost
+        (minutes of one core at the default; :mod:`rstar.budgets`). Beyond
+        either budget :func:`rstar.inversions.choose_inversion` falls back
+        to the first-order inversion with an ``InversionFallbackWarning``.
+    predict_sums : bool, default=True
+        Accumulate the moment sums behind ``predict``'s closed-form operator
+        (query–key inversions, ``d^4`` entries). False saves their memory and
+        time; ``rank_`` is unchanged and ``predict`` raises."""
+
+
+def _init_common(est, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
+                 predict_sums):
+    est.rank = rank
+    est.max_rank = max_rank
+    est.noise_variance = noise_variance
+    est.random_state = random_state
+    est.n_null_draws = n_null_draws
+    est.memory_budget = memory_budget
+    est.compute_budget = compute_budget
+    est.predict_sums = predict_sums
+
+
+def _same_config(a, b):
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and np.array_equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _fallback_message(ws):
+    """The message of the warning that says why ``ws`` comes from a fallback inversion."""
+    for _, message in reversed(ws.warnings):
+        if "Fallback in use" in message:
+            return message
+    return "a fallback while the inversion ran"
+
 
 _FITTED_DOC = """
     Attributes
@@ -390,7 +497,7 @@ _FITTED_DOC = """
     threshold_ : float
         The cut applied to ``spectrum_``.
     noise_variance_ : float
-        Noise variance used (given, residual-based or bulk-based).
+        Noise variance used (given, residual-based or bulk-based; see ``noise_source_``).
     spike_strengths_ : ndarray of shape (n_spikes,)
         BBP-debiased population spikes (units of the noise variance).
     p_values_ : ndarray of shape (n_tests,)
@@ -403,7 +510,7 @@ _FITTED_DOC = """
         Under pure noise ``p_values_[0]`` is close to uniform on (0, 1)
         (conservative with a fitted bulk; for linear QK with V unknown and
         T <= d or d_v < d it is twice the smaller of two such p-values, one
-        per half of the samples, capped at 1; see docs/estimators.md).
+        per half of the samples, capped at 1; see docs/rules/marchenko_pastur.md).
     rank_interval_ : tuple of two ints
         ``(lower, upper)``: the counts of the same sequential test at the
         strict level ``alpha / 10`` and the lenient level ``min(10 alpha, 0.5)``
@@ -419,27 +526,46 @@ _FITTED_DOC = """
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (rank_, T) or (rank_, d)
         Orthonormal basis of the recovered subspace (range of A, or of K).
+    statistic_ : WhitenedStatistic
+        The whitened statistic the rule read, with its null model
+        (``statistic_.null``) and evidence, in the estimator's internal
+        units (data rescaled to unit RMS).
     operator_ : object
         The closed-form operator used by ``predict``; fitted from the moment
         sums on first access (``predict``, ``score`` or reading it), since it
         costs several times the rank estimate itself.
+    inversion_ : str
+        The inversion that produced ``spectrum_``, after any fallback (a key
+        of :data:`rstar.inversions.INVERSIONS`; decided by
+        :func:`rstar.inversions.choose_inversion`).
+    inversion_reason_ : str
+        Why that inversion ran.
+    null_model_ : str
+        The null model the rule tested against: ``"wishart"``,
+        ``"structured_bulk"``, ``"simulated"`` or ``"cross_fit_union"``.
+    noise_source_ : str
+        Where ``noise_variance_`` comes from (``"user"``, ``"regression
+        residual"``, ``"residual outside col(X_i)"``, ``"least-squares
+        residual"``, ``"split-half draw"``, ``"bulk"``, ``"fitted bulk"``).
     n_features_in_ : int
         d.
     n_samples_seen_ : int
 """
 
 
-class MPRankEstimator(_BaseRankEstimator):
+class MPRankEstimator(_RankEstimator):
     __doc__ = ("""Rank = eigenvalues of the whitened statistic above the Marchenko–Pastur edge.
 
     The edge carries a Tracy–Widom margin at false-alarm level ``alpha``
     (sequential tests, theory §5), so pure noise gives ``rank_ = 0`` with
     probability about ``1 - alpha``. ``effective_rank_`` is the entropy
     effective rank R_eff of the BBP-debiased spikes (the paper's MP-corrected
-    R_eff).
+    R_eff). The inversion is :func:`rstar.inversions.choose_inversion`'s
+    ``"auto"`` choice (the paper's for softmax); the rule is
+    :class:`rstar.rules.MarchenkoPasturRule`.
 
     Parameters
-    ----------""" + _SHARED_PARAMS_DOC % {"default": "linear_proxy"} + """
+    ----------""" + _SHARED_PARAMS_DOC % {"default": "linear_proxy"} + _COMMON_PARAMS_DOC + """
     alpha : float in (0, 1), default=0.01
         False-alarm level of each spike test.
 """ + _FITTED_DOC + """
@@ -448,23 +574,26 @@ class MPRankEstimator(_BaseRankEstimator):
     >>> from rstar import MPRankEstimator
     >>> from rstar.datasets import make_linear_proxy
     >>> X, Y = make_linear_proxy(500, rank=3, random_state=0)
-    >>> MPRankEstimator().fit(X, Y).rank_
-    3
+    >>> est = MPRankEstimator().fit(X, Y)
+    >>> est.rank_, est.inversion_, est.noise_source_
+    (3, 'token', 'regression residual')
     """)
 
+    _parameter_constraints = {**_SHARED_CONSTRAINTS, "alpha": [Interval(Real, 0, 1, closed="neither")]}
+
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
-                 alpha=0.01):
+                 alpha=0.01, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS, memory_budget=DEFAULT_MEMORY_BUDGET,
+                 compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True):
         self.operator = operator
         self.value_map = value_map
-        self.rank = rank
-        self.max_rank = max_rank
-        self.noise_variance = noise_variance
         self.alpha = alpha
+        _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
+                     predict_sums)
 
     def _validate_rule_params(self):
         check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
 
-    def _make_rule(self):
+    def _make_rule(self, unit):
         return MarchenkoPasturRule(alpha=self.alpha)
 
 
@@ -475,10 +604,10 @@ class EnergyRankEstimator(MPRankEstimator):
     inverse BBP map, and ``effective_rank_ = exp(H(theta / sum theta))``;
     ``rank_ = floor(effective_rank_ + 1/2)``. Weak spikes count for less: the
     paper's choice for softmax kernels; it under-counts spikes of very
-    unequal strength.
+    unequal strength. The rule is :class:`rstar.rules.EnergyRule`.
 
     Parameters
-    ----------""" + _SHARED_PARAMS_DOC % {"default": "linear_proxy"} + """
+    ----------""" + _SHARED_PARAMS_DOC % {"default": "linear_proxy"} + _COMMON_PARAMS_DOC + """
     alpha : float in (0, 1), default=0.01
 """ + _FITTED_DOC + """
     Examples
@@ -490,21 +619,25 @@ class EnergyRankEstimator(MPRankEstimator):
     3
     """)
 
-    def _make_rule(self):
+    def _make_rule(self, unit):
         return EnergyRule(alpha=self.alpha)
 
 
-class NumericalRankEstimator(_BaseRankEstimator):
+class NumericalRankEstimator(_RankEstimator):
     __doc__ = ("""Rank = eigenvalues of the whitened statistic above a tolerance.
 
     The paper's data-only numerical rank: not noise-aware (pure noise gives
     full rank unless ``tol`` sits above the noise), and broken by the
-    softmax inversion's non-linear bulk.
+    softmax inversion's non-linear bulk. ``p_values_`` and the range of
+    ``rank_interval_`` come from the noise-aware test beside it; a warning
+    says when the tolerance's count falls outside that range
+    (:class:`rstar.rules.NumericalRule`).
 
     Parameters
-    ----------""" + _SHARED_PARAMS_DOC % {"default": "linear_proxy"} + """
+    ----------""" + _SHARED_PARAMS_DOC % {"default": "linear_proxy"} + _COMMON_PARAMS_DOC + """
     tol : float or None, default=None
-        Absolute tolerance in the units of ``spectrum_`` (Y**2).
+        Absolute tolerance in the units of ``spectrum_`` (Y**2, or
+        log-attention units for the exact softmax inversion).
     rtol : float in (0, 1], default=1e-2
         Used when ``tol`` is None: the cut is ``rtol * spectrum_[0]``.
 """ + _FITTED_DOC + """
@@ -517,23 +650,25 @@ class NumericalRankEstimator(_BaseRankEstimator):
     3
     """)
 
+    _parameter_constraints = {**_SHARED_CONSTRAINTS, "tol": [Interval(Real, 0, None, closed="left"), None],
+                              "rtol": [Interval(Real, 0, 1, closed="right")]}
+
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
-                 tol=None, rtol=1e-2):
+                 tol=None, rtol=1e-2, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
+                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True):
         self.operator = operator
         self.value_map = value_map
-        self.rank = rank
-        self.max_rank = max_rank
-        self.noise_variance = noise_variance
         self.tol = tol
         self.rtol = rtol
+        _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
+                     predict_sums)
 
     def _validate_rule_params(self):
         check_positive(self.tol, "tol", strict=False)
         check_positive(self.rtol, "rtol", allow_none=False, upper=1.0 + 1e-12)
 
-    def _make_rule(self):
-        tol = None if self.tol is None else self.tol / self._y_scale**2
-        return NumericalRule(tol=tol, rtol=self.rtol)
+    def _make_rule(self, unit):
+        return NumericalRule(tol=None if self.tol is None else self.tol / unit, rtol=self.rtol)
 
 
 class SoftmaxInversionEstimator(MPRankEstimator):
@@ -555,17 +690,14 @@ class SoftmaxInversionEstimator(MPRankEstimator):
 
     Parameters
     ----------
-    value_map : array-like of shape (d, d_v) or None, default=None
-    rank : int or None, default=None
-    max_rank : int or None, default=None
-    noise_variance : float or None, default=None
-        Known noise variance of Y (first-order inversion only).
+    value_map : array-like of shape (d, d_v) or None, default=None""" + _COMMON_PARAMS_DOC + """
     alpha : float in (0, 1), default=0.01
     method : {"auto", "first_order", "exact", "least_squares"}, default="auto"
         ``"auto"`` is the paper's choice above; ``"least_squares"`` is
         :class:`RStarEstimator`'s inversion (least squares on the model
         itself, :class:`rstar.inversions.SoftmaxLeastSquaresInversion`).
-    clip : float, default=1e-3
+        See :func:`rstar.inversions.choose_inversion`.
+    clip : float in (0, 1), default=1e-3
         Exact inversion: recovered attention weights are clipped at ``clip / T``.
 """ + _FITTED_DOC + """
     Examples
@@ -573,81 +705,84 @@ class SoftmaxInversionEstimator(MPRankEstimator):
     >>> from rstar import SoftmaxInversionEstimator
     >>> from rstar.datasets import make_attention_task
     >>> X, Y = make_attention_task(1000, seq_len=32, n_features=16, rank=3, random_state=0)
-    >>> SoftmaxInversionEstimator().fit(X, Y).rank_
-    3
+    >>> est = SoftmaxInversionEstimator().fit(X, Y)
+    >>> est.rank_, est.inversion_, est.null_model_
+    (3, 'softmax_first_order', 'structured_bulk')
     """)
 
+    _parameter_constraints = {**{k: v for k, v in _SHARED_CONSTRAINTS.items() if k != "operator"},
+                              "alpha": [Interval(Real, 0, 1, closed="neither")],
+                              "method": [StrOptions({"auto", "first_order", "exact", "least_squares"})],
+                              "clip": [Interval(Real, 0, 1, closed="neither")]}
+
     def __init__(self, *, value_map=None, rank=None, max_rank=None, noise_variance=None, alpha=0.01,
-                 method="auto", clip=1e-3):
+                 method="auto", clip=1e-3, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
+                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True):
         self.value_map = value_map
-        self.rank = rank
-        self.max_rank = max_rank
-        self.noise_variance = noise_variance
         self.alpha = alpha
         self.method = method
         self.clip = clip
+        _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
+                     predict_sums)
 
     def _get_operator(self):
         return "softmax"
 
+    def _method(self):
+        return self.method
+
+    def _clip(self):
+        return self.clip
+
     def _validate_rule_params(self):
         super()._validate_rule_params()
-        if self.method not in ("auto", "first_order", "exact", "least_squares"):
-            raise ValueError(f"method must be 'auto', 'first_order', 'exact' or 'least_squares', "
-                             f"got {self.method!r}.")
         check_positive(self.clip, "clip", allow_none=False, upper=1.0)
-
-    def _inversion_options(self):
-        return {"method": self.method, "clip": self.clip}
 
 
 class RStarEstimator(MPRankEstimator):
     __doc__ = ("""The package's recommended r* estimator for each operator.
 
-    - ``"linear_proxy"``: token inversion, noise variance from the residual
-      of the unconstrained linear regression (exact under the model), spikes
-      above the MP edge with a Tracy–Widom margin.
-    - ``"linear_qk"``: query–key inversion with sigma_min^2 sample weights
-      and whitening, noise variance from the residual outside col(X_i), MP
-      edge with Tracy–Widom margin; with a known V, least squares of K on Y
-      itself; with V unknown and ``T <= d`` or ``d_v < d``, the same least
-      squares on each half of the samples with V fitted on the other half,
-      its null draws carrying that V's error, the two halves combined by a
-      Bonferroni union (:class:`rstar.inversions.QueryKeyCrossFitInversion`).
-    - ``"softmax"`` (default): least squares of K (full rank) on the model
-      ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V`` itself, V known or
-      profiled out, tested sequentially against draws of the fitted K's
-      first-order noise (:class:`rstar.inversions.SoftmaxLeastSquaresInversion`);
-      beyond its cost budgets, or without a value signal, the first-order
-      centred inversion with an MP edge and Tracy–Widom margin.
+    A preset: the Marchenko–Pastur rule at ``alpha = 0.003`` on the
+    inversion below (``inversion_`` records what ran; every fallback warns).
 
-    ``p_values_`` and ``rank_interval_`` say how sure the count is (see
-    ``docs/estimators.md``: calibrated on null tasks).
+    ============== ============================================================
+    operator       inversion
+    ============== ============================================================
+    linear_proxy   ``token``: second moment and coherent split-half statistic
+    linear_qk      ``query_key_least_squares`` (V known); ``query_key_cross_fit``
+                   (V unknown, ``T <= d`` or ``d_v < d``); else
+                   ``query_key_first_order``
+    softmax        ``softmax_least_squares`` (V known or profiled out), tested
+                   against draws of its noise
+    ============== ============================================================
+
+    For the linear operators it is exactly ``MPRankEstimator(alpha=0.003)``.
 
     Parameters
-    ----------""" + _SHARED_PARAMS_DOC % {"default": "softmax"} + """
+    ----------""" + _SHARED_PARAMS_DOC % {"default": "softmax"} + _COMMON_PARAMS_DOC + """
     alpha : float in (0, 1), default=0.003
-        False-alarm level of each sequential test. The default is the level
-        with the highest exact recovery of r* on a held-out recovery grid
-        (``benchmarks/alpha_calibration.py`` on seed 1 of
-        ``benchmarks/recovery.py``, 1000 tasks: 97.9% at 0.003 against 97.0%
-        at 0.01, over-counts 12 -> 3, under-counts 18 -> 18; see
-        ``docs/recovery.md``). The other estimators keep the conventional 0.01.
+        False-alarm level of each sequential test: the level with the
+        highest exact recovery of r* on a held-out recovery grid
+        (``benchmarks/alpha_calibration.py``; docs/validation.md). The other
+        estimators keep the conventional 0.01.
 """ + _FITTED_DOC + """
     Examples
     --------
     >>> from rstar import RStarEstimator
     >>> from rstar.datasets import make_attention_task
     >>> X, Y = make_attention_task(1000, seq_len=32, n_features=16, rank=3, random_state=0)
-    >>> RStarEstimator().fit(X, Y).rank_
-    3
+    >>> est = RStarEstimator().fit(X, Y)
+    >>> est.rank_, est.inversion_, est.null_model_
+    (3, 'softmax_least_squares', 'simulated')
     """)
 
     def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
-                 alpha=RSTAR_ALPHA):
-        super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank,
-                         noise_variance=noise_variance, alpha=alpha)
+                 alpha=RSTAR_ALPHA, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
+                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True):
+        super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, noise_variance=noise_variance,
+                         alpha=alpha, random_state=random_state, n_null_draws=n_null_draws,
+                         memory_budget=memory_budget, compute_budget=compute_budget, predict_sums=predict_sums)
 
-    def _inversion_options(self):
+    def _method(self):
         # softmax: least squares on the model itself (first order beyond its budget)
-        return {"method": "least_squares"} if self._get_operator() == "softmax" else {}
+        return "least_squares" if self._get_operator() == "softmax" else "auto"

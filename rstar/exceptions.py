@@ -1,6 +1,6 @@
 """Warnings raised when the data cannot identify r* reliably."""
 
-__all__ = ["IllConditionedInversionWarning", "UnidentifiableRankWarning"]
+__all__ = ["IllConditionedInversionWarning", "UnidentifiableRankWarning", "InversionFallbackWarning"]
 
 
 class IllConditionedInversionWarning(UserWarning):
@@ -10,3 +10,8 @@ class IllConditionedInversionWarning(UserWarning):
 class UnidentifiableRankWarning(UserWarning):
     """The spectrum cannot separate signal from noise (too few bulk eigenvalues, or
     more spikes than bulk); see the message for the fallback used."""
+
+
+class InversionFallbackWarning(UserWarning):
+    """The preferred inversion could not run (a cost budget, too few samples); the message names the
+    inversion that ran instead and why (also recorded as ``inversion_`` and ``inversion_reason_``)."""

@@ -1,0 +1,144 @@
+"""Cost budgets: the one place where rstar decides what a fit may spend.
+
+Every inversion that can cost more than a few passes over the data checks
+its memory and its arithmetic against a :class:`CostBudget` before it runs.
+The budget is a parameter of every data-only estimator (``memory_budget``
+in bytes, ``compute_budget`` in multiply-adds); crossing it never changes
+the statistical test silently: :func:`rstar.inversions.choose_inversion`
+picks another inversion and says why (an ``InversionFallbackWarning``), or,
+where the user asked for that inversion by name, raises ``ValueError``.
+
+What the defaults cost (measured on this project's reference machine, one
+core of a shared 2-core x86-64 box, OpenBLAS): ``memory_budget = 512 MiB``
+bounds the samples kept for a least-squares fit and each moment-sum array
+(at most half of it); ``compute_budget = 2**39`` multiply-adds is of the
+order of minutes of one core for the largest fit it admits (the largest
+grid tasks of ``benchmarks/recovery.py`` that fit within it took up to
+about 6 minutes).
+
+The cost models are deliberately simple and conservative:
+
+- the moment sums of the closed-form operator: ``8 * entries`` bytes per
+  array (two arrays), each at most ``memory_budget / 2``;
+- the samples a least-squares inversion keeps: ``8 n T (d + d_v)`` bytes;
+- normal matrices and information of a ``d x d`` kernel: ``8 d^4`` bytes,
+  at most ``memory_budget / 2``;
+- alternating least squares of the cross-fitted query–key inversion:
+  ``512 (n d^4 + d^6)`` (an allowance of 512 iterations);
+- its L-BFGS fit on the profile loss: ``1024 n T d (d + d_v)``;
+- the least-squares softmax fit: ``512 n T^2 (d + d_v)``;
+- the softmax kernel's information: :func:`information_cost`.
+
+Examples
+--------
+>>> from rstar.budgets import CostBudget
+>>> budget = CostBudget()
+>>> budget.memory_bytes // 2**20, budget.multiply_adds == 2**39
+(512, True)
+>>> budget.allows_samples(n=1000, T=32, d=16, d_v=16)
+True
+"""
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CostBudget",
+    "DEFAULT_MEMORY_BUDGET",
+    "DEFAULT_COMPUTE_BUDGET",
+    "sample_bytes",
+    "kernel_matrix_bytes",
+    "cross_fit_als_cost",
+    "cross_fit_profiled_cost",
+    "softmax_fit_cost",
+    "information_cost",
+]
+
+#: Default ``memory_budget`` of the estimators, in bytes (512 MiB).
+DEFAULT_MEMORY_BUDGET = 2**29
+#: Default ``compute_budget`` of the estimators, in multiply-adds (about 5.5e11).
+DEFAULT_COMPUTE_BUDGET = 2**39
+
+_FLOAT_BYTES = 8
+#: Iterations allowed for by the cost of an alternating least-squares or L-BFGS fit (per-iteration cost times this).
+_ITERATIONS = 512
+
+
+def sample_bytes(n, T, d, d_v):
+    """Bytes of ``n`` kept samples ``(X_i, Y_i)`` in float64: ``8 n T (d + d_v)``."""
+    return _FLOAT_BYTES * n * T * (d + d_v)
+
+
+def kernel_matrix_bytes(d):
+    """Bytes of one ``d^2 x d^2`` float64 matrix (a normal matrix or information of a ``d x d`` kernel)."""
+    return _FLOAT_BYTES * d**4
+
+
+def cross_fit_als_cost(n, d):
+    """Multiply-adds of the cross-fit's alternating least squares: ``512 (n d^4 + d^6)``."""
+    return _ITERATIONS * (n * d**4 + d**6)
+
+
+def cross_fit_profiled_cost(n, T, d, d_v):
+    """Multiply-adds of the cross-fit's L-BFGS fit on the profile loss: ``1024 n T d (d + d_v)``."""
+    return 2 * _ITERATIONS * n * T * d * (d + d_v)
+
+
+def softmax_fit_cost(n, T, d, d_v):
+    """Multiply-adds of the least-squares softmax fit: ``512 n T^2 (d + d_v)``."""
+    return _ITERATIONS * n * T * T * (d + d_v)
+
+
+def information_cost(n, T, d, d_v, value_map_fitted=True):
+    """Multiply-adds to form and factor the softmax kernel's information
+    (:func:`rstar._softmax_ls.information_matrix_cost`)."""
+    from ._softmax_ls import information_matrix_cost
+
+    return information_matrix_cost(n, T, d, d_v, value_map_fitted)
+
+
+@dataclass(frozen=True)
+class CostBudget:
+    """What one fit may spend.
+
+    Parameters
+    ----------
+    memory_bytes : int, default=DEFAULT_MEMORY_BUDGET
+        Memory for the statistics an inversion keeps beyond its ``O(d^2)``
+        sums: kept samples (at most all of it), each moment-sum array or
+        ``d^2 x d^2`` matrix (at most half of it).
+    multiply_adds : float, default=DEFAULT_COMPUTE_BUDGET
+        Arithmetic of one least-squares fit or information matrix.
+    """
+
+    memory_bytes: int = DEFAULT_MEMORY_BUDGET
+    multiply_adds: float = DEFAULT_COMPUTE_BUDGET
+
+    def allows_array(self, entries):
+        """Whether one float64 array of ``entries`` entries fits in half the memory budget."""
+        return _FLOAT_BYTES * entries <= self.memory_bytes / 2
+
+    def allows_samples(self, n, T, d, d_v):
+        """Whether ``n`` samples can be kept."""
+        return sample_bytes(n, T, d, d_v) <= self.memory_bytes
+
+    def allows_kernel_matrix(self, d):
+        """Whether a ``d^2 x d^2`` matrix fits in half the memory budget."""
+        return self.allows_array(d**4)
+
+    def allows_compute(self, multiply_adds):
+        """Whether a computation of this many multiply-adds is within the budget."""
+        return multiply_adds <= self.multiply_adds
+
+    def describe(self):
+        """The budget in words, for messages."""
+        return f"memory_budget={_bytes(self.memory_bytes)}, compute_budget={self.multiply_adds:.3g} multiply-adds"
+
+
+def _bytes(n):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{int(n)} bytes"
+
+
+DEFAULT_BUDGET = CostBudget()

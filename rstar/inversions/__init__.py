@@ -1,0 +1,152 @@
+"""Inversions: samples (X, Y) -> a whitened statistic whose signal part has rank r* (theory §4).
+
+Each inversion accumulates *sums over samples* in a dict of arrays
+(``new_stats`` / ``update`` / :func:`merge_stats`), so streaming
+(``partial_fit``) and map-reduce come for free, and ``whiten`` turns the
+sums into a :class:`WhitenedStatistic`: the eigen-decomposition of
+``N^{-1/2} C N^{-1/2}`` (``N`` the noise Gram) and exactly one null model
+(:mod:`rstar.inversions._statistic`). ``fit_operator`` fits the operator in
+closed form at a given rank from the same sums (used by ``predict``).
+Which inversion runs is decided by :func:`choose_inversion`, once per fit.
+
+All arrays passed in are already validated and rescaled to unit RMS by the
+estimator (so results do not depend on the units of X and Y).
+
+One module per inversion:
+
+- :mod:`~rstar.inversions.token` — :class:`TokenInversion` (linear proxy).
+- :mod:`~rstar.inversions.query_key` — :class:`QueryKeyInversion`
+  (``M_i = X_i^+ Y_i``: linear QK to first order, and centred, softmax).
+- :mod:`~rstar.inversions.query_key_least_squares` —
+  :class:`QueryKeyLeastSquaresInversion` (linear QK, V known).
+- :mod:`~rstar.inversions.query_key_cross_fit` —
+  :class:`QueryKeyCrossFitInversion` (linear QK, V unknown, ``T <= d`` or ``d_v < d``).
+- :mod:`~rstar.inversions.softmax_exact` — :class:`SoftmaxExactInversion` (softmax, V known).
+- :mod:`~rstar.inversions.softmax_least_squares` —
+  :class:`SoftmaxLeastSquaresInversion` (softmax, V known or not).
+"""
+
+from ._base import DEFAULT_NULL_DRAWS, DEFAULT_SEED, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, merge_stats
+from ._kernel import nearest_kronecker_product
+from ._statistic import (
+    CoherentEvidence,
+    CrossFitNull,
+    NullModel,
+    SimulatedNull,
+    SplitHalfEvidence,
+    StructuredBulkNull,
+    UnsupportedNullModelError,
+    WhitenedStatistic,
+    WishartNull,
+)
+from .choice import INVERSIONS, METHODS, InversionChoice, choose_inversion, decision_table, decision_table_markdown
+from .query_key import QueryKeyInversion, coherent_spectrum
+from .query_key_cross_fit import QueryKeyCrossFitInversion
+from .query_key_least_squares import QueryKeyLeastSquaresInversion
+from .softmax_exact import SoftmaxExactInversion
+from .softmax_least_squares import SoftmaxLeastSquaresInversion
+from .token import TokenInversion, proxy_coherent_spectrum
+
+__all__ = [
+    "WhitenedStatistic",
+    "NullModel",
+    "WishartNull",
+    "StructuredBulkNull",
+    "SimulatedNull",
+    "CrossFitNull",
+    "CoherentEvidence",
+    "SplitHalfEvidence",
+    "UnsupportedNullModelError",
+    "Inversion",
+    "TokenInversion",
+    "QueryKeyInversion",
+    "QueryKeyLeastSquaresInversion",
+    "QueryKeyCrossFitInversion",
+    "SoftmaxExactInversion",
+    "SoftmaxLeastSquaresInversion",
+    "InversionChoice",
+    "choose_inversion",
+    "decision_table",
+    "decision_table_markdown",
+    "make_inversion",
+    "coherent_spectrum",
+    "proxy_coherent_spectrum",
+    "merge_stats",
+    "nearest_kronecker_product",
+    "INVERSIONS",
+    "METHODS",
+    "MIN_NOISE_DOF",
+    "ILL_CONDITIONED_ASPECT",
+    "DEFAULT_SEED",
+    "DEFAULT_NULL_DRAWS",
+]
+
+
+def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=1e-3, budget=None, seed=None,
+                   n_null_draws=None, predict_sums=True):
+    """The inversion object that accumulates the sums for an operator, value map and shape.
+
+    It is the inversion :func:`choose_inversion` prefers for the shape alone
+    (``n_samples=None``); its ``whiten(stats, run)`` produces that statistic,
+    or the first-order one it falls back to (``run``, decided by
+    :func:`choose_inversion` with the samples' count).
+
+    Parameters
+    ----------
+    operator : {"linear_proxy", "linear_qk", "softmax"}
+    value_map : ndarray of shape (d, d_v) or None
+        Known V, in the units the inversion will see.
+    shape : tuple (T, d, d_v) or None
+        None: decide as if the shape allowed only first-order inversions
+        (the least squares with a known V still runs for linear QK).
+    method : {"auto", "first_order", "exact", "least_squares"}, default="auto"
+        See :func:`choose_inversion`.
+    clip : float, default=1e-3
+        Exact softmax inversion: attention weights are clipped at ``clip / T``.
+    budget : CostBudget or None
+    seed : int or None
+        Seed of the simulations (null draws, random starts).
+    n_null_draws : int or None
+    predict_sums : bool, default=True
+        Accumulate the query–key moment sums behind ``predict``'s closed-form operator (``d^4`` entries);
+        False saves their memory and time (``rank_`` is unchanged; ``predict`` then raises).
+
+    Returns
+    -------
+    Inversion
+
+    Examples
+    --------
+    >>> from rstar.inversions import make_inversion
+    >>> type(make_inversion("linear_qk")).__name__
+    'QueryKeyInversion'
+    >>> type(make_inversion("linear_qk", shape=(6, 12, 12))).__name__
+    'QueryKeyCrossFitInversion'
+    """
+    import numpy as np
+
+    known = value_map is not None
+    if shape is None:
+        d = np.asarray(value_map).shape[0] if known else 1
+        T = d + 1   # T > d: no shape-driven choice
+        d_v = np.asarray(value_map).shape[1] if known else d
+        if operator == "softmax" and method == "auto":
+            method = "first_order"
+        shape = (T, d, d_v)
+    name = choose_inversion(operator, value_map_known=known, shape=shape, method=method, budget=budget).name
+    opts = dict(budget=budget, seed=seed, n_null_draws=n_null_draws)
+    if name == "token":
+        return TokenInversion(value_map=value_map, **opts)
+    if name == "query_key_first_order":
+        return QueryKeyInversion(centred=False, residual_noise=True, value_map=value_map, predict_sums=predict_sums,
+                                 **opts)
+    if name == "query_key_least_squares":
+        return QueryKeyLeastSquaresInversion(value_map, **opts)
+    if name == "query_key_cross_fit":
+        return QueryKeyCrossFitInversion(predict_sums=predict_sums, **opts)
+    if name == "softmax_first_order":
+        return QueryKeyInversion(centred=True, residual_noise=False, value_map=value_map, predict_sums=predict_sums,
+                                 **opts)
+    if name == "softmax_exact":
+        return SoftmaxExactInversion(value_map, clip=clip, **opts)
+    return SoftmaxLeastSquaresInversion(value_map, **opts)

@@ -1,0 +1,202 @@
+"""What every inversion shares: the base class, sums over samples, and their merge (map-reduce)."""
+
+import numpy as np
+
+from .._linalg import psd_power, sym
+from ..budgets import DEFAULT_BUDGET
+
+__all__ = ["Inversion", "merge_stats", "MIN_NOISE_DOF", "ILL_CONDITIONED_ASPECT", "DEFAULT_SEED", "DEFAULT_NULL_DRAWS"]
+
+#: Residual degrees of freedom needed before a residual noise estimate is used.
+MIN_NOISE_DOF = 50
+#: Aspect ratio min(T, d) / max(T, d) above which X_i^+ is ill-conditioned
+#: (hard edge of the MP law at ratio 1).
+ILL_CONDITIONED_ASPECT = 0.9
+#: Seed of the simulations (null draws, random starts) when the estimator's ``random_state`` is None, so that
+#: ``fit`` is a deterministic function of the data and ``partial_fit`` equals ``fit``.
+DEFAULT_SEED = 20260
+#: Default number of simulated null draws (``n_null_draws``).
+DEFAULT_NULL_DRAWS = 1000
+
+
+class Inversion:
+    """Base class of the inversions: samples -> sums over samples -> a :class:`WhitenedStatistic`.
+
+    Subclasses implement ``new_stats(T, d, d_v)`` (a dict of zeroed sums),
+    ``update(stats, X, Y)`` (add a batch), ``whiten(stats, run=None)`` (the
+    statistic of the inversion named ``run``, one of ``self.produces``) and
+    ``fit_operator(stats, basis)`` (the closed-form operator at a rank, for
+    ``predict``). Sums merge by :func:`merge_stats`.
+
+    Parameters
+    ----------
+    value_map : ndarray of shape (d, d_v) or None
+        Known value matrix V (already in the estimator's internal units).
+    budget : CostBudget or None
+        What the inversion may spend (:mod:`rstar.budgets`; None: the defaults).
+    seed : int or None
+        Seed of its simulations (None: ``DEFAULT_SEED``).
+    n_null_draws : int or None
+        Draws of simulated nulls (None: ``DEFAULT_NULL_DRAWS``).
+    """
+
+    #: which space ``components_`` live in: "tokens" (T) or "features" (d)
+    space = "features"
+    #: the name of this inversion (``inversion_``)
+    name = ""
+
+    def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None):
+        self.value_map = value_map
+        self.budget = DEFAULT_BUDGET if budget is None else budget
+        self.seed = DEFAULT_SEED if seed is None else int(seed)
+        self.n_null_draws = DEFAULT_NULL_DRAWS if n_null_draws is None else int(n_null_draws)
+
+    @property
+    def produces(self):
+        """Names of the inversions whose statistic this accumulator can produce (the first is its own)."""
+        return (self.name,)
+
+    def statistic_dim(self, T, d):
+        return d
+
+    def min_samples(self, T, d, d_v):
+        """Fewest samples for which the statistic and its noise Gram are defined."""
+        return 2
+
+    def new_stats(self, T, d, d_v):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def update(self, stats, X, Y):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def whiten(self, stats, run=None):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def fit_operator(self, stats, basis):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _check_run(self, run):
+        run = self.name if run is None else run
+        if run not in self.produces:
+            raise ValueError(f"{type(self).__name__} produces {self.produces}, not {run!r}.")
+        return run
+
+
+def eigh_descending(W):
+    """Eigenvalues (descending) and eigenvectors of the symmetric part of ``W``."""
+    w, Q = np.linalg.eigh(sym(W))
+    return w[::-1].copy(), Q[:, ::-1].copy()
+
+
+def whiten_pair(C, N):
+    """Eigen-decomposition of ``N^{-1/2} C N^{-1/2}`` and the map ``N^{1/2}``."""
+    N_isqrt = psd_power(N, -0.5)
+    lam, vecs = eigh_descending(N_isqrt @ C @ N_isqrt)
+    return lam, vecs, psd_power(N, 0.5)
+
+
+def with_warning(ws, category, message):
+    """``ws`` (a fallback's whitened statistic) with the warning that says why it is in use."""
+    ws.warnings.append((category, message))
+    return ws
+
+
+# -- samples kept for least-squares fits ---------------------------------------------------------------
+
+
+def start_keeping_samples(stats, budget):
+    """Mark ``stats`` as keeping its samples in halves (odd / even global index), within ``budget``."""
+    stats["samples_odd"] = []
+    stats["samples_even"] = []
+    stats["sample_budget_bytes"] = int(budget.memory_bytes)
+
+
+def keep_half_samples(stats, X, Y, odd):
+    """Append a batch's samples to ``stats["samples_odd"]`` / ``stats["samples_even"]`` (lists, so
+    :func:`merge_stats` concatenates), or drop both for good once they exceed the memory budget.
+    ``stats["n"]`` must already count the batch."""
+    if stats.get("samples_odd") is None:
+        return
+    if drop_samples_over_budget(stats):
+        return
+    for key, mask in (("samples_odd", odd), ("samples_even", ~odd)):
+        if mask.any():
+            stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
+
+
+def drop_samples_over_budget(stats):
+    """Drop the kept samples for good once ``8 n T (d + d_v)`` bytes exceed the budget; True if dropped."""
+    T, d, d_v = stats["dims"]
+    if 8 * stats["n"] * T * (d + d_v) > stats["sample_budget_bytes"]:
+        stats["samples_odd"] = stats["samples_even"] = None
+        return True
+    return False
+
+
+def kept_half(stats, key):
+    """``(X, Y)`` of the samples kept under ``key``, concatenated."""
+    X, Y = zip(*stats[key])
+    return np.concatenate(X), np.concatenate(Y)
+
+
+def merge_stats(a, b):
+    """Sum two statistics dicts from the same inversion (map-reduce).
+
+    Parameters
+    ----------
+    a, b : dict
+        From ``inversion.new_stats`` + ``inversion.update`` on two shards.
+
+    Returns
+    -------
+    dict
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.datasets import make_linear_proxy
+    >>> from rstar.inversions import TokenInversion, merge_stats
+    >>> X, Y = make_linear_proxy(400, random_state=0)
+    >>> inv = TokenInversion()
+    >>> shards = []
+    >>> for part in (slice(0, 200), slice(200, 400)):
+    ...     stats = inv.new_stats(16, 12, 12)
+    ...     inv.update(stats, X[part], Y[part])
+    ...     shards.append(stats)
+    >>> merged = merge_stats(*shards)
+    >>> merged["n"], round(float(inv.whiten(merged).noise_variance), 4)
+    (400, 0.0025)
+    """
+    out = {}
+    for key in a:
+        if key in ("dims", "sample_budget_bytes"):
+            if a[key] != b[key]:
+                raise ValueError(f"cannot merge statistics with different {key}: {a[key]} and {b[key]}.")
+            out[key] = a[key]
+        elif a[key] is None or b[key] is None:
+            out[key] = None
+        else:
+            out[key] = a[key] + b[key]
+    if out.get("samples_odd") is not None:
+        # each shard kept its samples within the budget; together they may not (as in one pass)
+        drop_samples_over_budget(out)
+    return out
+
+
+class KeptSamplesMixin:
+    """Mixin for an inversion that also keeps its samples, in halves by the parity of their global index
+    (:func:`keep_half_samples`; beyond the memory budget only the other sums remain)."""
+
+    def new_stats(self, T, d, d_v):
+        stats = super().new_stats(T, d, d_v)
+        start_keeping_samples(stats, self.budget)
+        return stats
+
+    def update(self, stats, X, Y):
+        odd = (stats["n"] + np.arange(X.shape[0])) % 2 == 1
+        super().update(stats, X, Y)
+        keep_half_samples(stats, X, Y, odd)   # over budget: the other sums only
+
+    def samples_kept(self, stats):
+        """Whether the samples are still kept (within the memory budget)."""
+        return stats.get("samples_odd") is not None

@@ -1,0 +1,290 @@
+"""The statistic contract between inversions and rank rules.
+
+An inversion returns a :class:`WhitenedStatistic`: a small core (the
+whitened eigen-decomposition, the unwhitening map, the effective column
+count, the name of the inversion that produced it) plus exactly one *null
+model*, the law of the statistic under "no more spikes", and any extra
+evidence as typed objects. A rank rule dispatches once on the type of the
+null model and raises :class:`UnsupportedNullModelError` for one it does
+not support; it never asks which inversion produced the statistic.
+
+Null models
+-----------
+:class:`WishartNull`
+    The bulk is a white Wishart (Marchenko–Pastur law with ``n_columns``
+    columns) at a noise level known from a residual, or to be estimated
+    from the bulk.
+:class:`StructuredBulkNull`
+    The bulk holds more than white noise (the higher-order terms of the
+    first-order softmax inversion, or a clipped log-domain bulk): rules fit
+    its level *and* width.
+:class:`SimulatedNull`
+    Exact (or first-order) Gaussian draws of the whitened statistic's noise
+    are available: rules test against them (a parametric bootstrap).
+:class:`CrossFitNull`
+    Two simulated nulls, one per half of the samples (the cross-fitted
+    query–key inversion), combined by a Bonferroni union.
+
+Evidence
+--------
+:class:`CoherentEvidence`
+    A second, coherent spectrum whose noise is a white Wishart and whose
+    signal has rank at most r*.
+:class:`SplitHalfEvidence`
+    The split-half noise draw behind the exact softmax inversion's noise
+    level, and its log-domain residual variance (reported only).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._linalg import orthonormal_rows
+
+__all__ = [
+    "WhitenedStatistic",
+    "NullModel",
+    "WishartNull",
+    "StructuredBulkNull",
+    "SimulatedNull",
+    "CrossFitNull",
+    "CoherentEvidence",
+    "SplitHalfEvidence",
+    "UnsupportedNullModelError",
+]
+
+
+class UnsupportedNullModelError(TypeError):
+    """A rank rule was given a statistic whose null model it does not know how to test."""
+
+
+class NullModel:
+    """Base class of the null models. ``kind`` names it in fitted attributes (``null_model_``)."""
+
+    kind = "null"
+
+
+@dataclass
+class WishartNull(NullModel):
+    """White-noise bulk: Marchenko–Pastur with the statistic's ``n_columns`` columns.
+
+    Attributes
+    ----------
+    noise_variance : float or None
+        An estimate of ``sigma2`` independent of the spectrum (a residual of
+        a model that holds under the operator), or None (estimate it from
+        the bulk).
+    noise_dof : float
+        Degrees of freedom of ``noise_variance``.
+    noise_source : str
+        Where ``noise_variance`` comes from (``"bulk"`` when it is None).
+    min_bulk_columns : float or None
+        Fewest independent columns a bulk the statistic sums can have
+        (``(sum w_i)^2 / sum w_i^2``), or None.
+    leak_ratio : float or None
+        Query–key statistic with fewer (effective) tokens than features: the
+        relative power ``(d - t) / (d t)`` with which the signal leaks out
+        of range(K*) through the random projectors ``X_i^+ X_i``; rules
+        decide from it whether the bulk must be fitted as structured
+        (:func:`rstar.rules.leak_is_visible`). None otherwise.
+    mp_shaped_bulk : bool
+        Whether the eigenvalues below the spikes follow an MP law, so that
+        the part of the bulk below any eigenvalue can be fitted on its own
+        (:func:`rstar.rules.top_down_p_values`).
+    """
+
+    noise_variance: float = None
+    noise_dof: float = 0.0
+    noise_source: str = "bulk"
+    min_bulk_columns: float = None
+    leak_ratio: float = None
+    mp_shaped_bulk: bool = True
+    kind = "wishart"
+
+
+@dataclass
+class StructuredBulkNull(NullModel):
+    """A bulk wider than white noise, whose level and width rules fit.
+
+    Attributes
+    ----------
+    noise_variance : float or None
+        A given level of the bulk (only its width is then fitted), or None.
+    noise_dof : float
+    noise_source : str
+    min_bulk_columns : float or None
+        Lower bound on the fitted bulk's number of columns.
+    residual_power : float or None
+        First-order softmax inversion with ``T - 1 > d``: the power per
+        degree of freedom of the part of ``Y_i`` outside ``col(X_i)``, an
+        upper reference for the bulk inside it
+        (:func:`rstar.rules.residual_floor_p_values`). None otherwise.
+    mp_shaped_bulk : bool
+    """
+
+    noise_variance: float = None
+    noise_dof: float = 0.0
+    noise_source: str = "fitted bulk"
+    min_bulk_columns: float = None
+    residual_power: float = None
+    mp_shaped_bulk: bool = True
+    kind = "structured_bulk"
+
+
+@dataclass
+class SimulatedNull(NullModel):
+    """Draws of the noise of a whitened kernel estimate ``K~`` (statistic ``K~ K~^T / d``).
+
+    Attributes
+    ----------
+    statistic_matrix : ndarray of shape (p, p)
+        The whitened kernel estimate ``K~``.
+    eigenvalues : ndarray of shape (p,)
+        Descending eigenvalues of ``K~ K~^T / p``.
+    n_columns : float
+    draws : ndarray of shape (B, p, p)
+        ``B`` draws of the whitened estimate's noise at ``noise_variance``.
+    noise_variance : float
+    noise_dof : float
+    noise_source : str
+    factors : tuple
+        ``(L, A^{1/2}, B^{1/2}, A^{-1/2}, B^{-1/2})``: the Cholesky factor of
+        the normal matrix (or information) and the whitening factors.
+    shift : object or None
+        Noise that grows with the signal (the fitted value map's error of
+        the cross-fit, :class:`rstar._value_error.ValueMapErrorLeak`), the
+        ``null_shift`` of :func:`rstar.rules.simulated_null_p_values`.
+    poor_fit : bool
+        Cross-fit only: the value map this direction is tested with comes
+        from a fit that is provably not its half's least squares and that
+        misfits the other half; the union leaves it out.
+    """
+
+    statistic_matrix: np.ndarray
+    eigenvalues: np.ndarray
+    n_columns: float
+    draws: np.ndarray
+    noise_variance: float
+    noise_dof: float
+    noise_source: str = "least-squares residual"
+    factors: tuple = None
+    shift: object = None
+    poor_fit: bool = False
+    kind = "simulated"
+
+    @property
+    def n_draws(self):
+        return int(self.draws.shape[0])
+
+
+@dataclass
+class CrossFitNull(NullModel):
+    """Two simulated nulls, one per cross-fitted direction; a spike counts where either counts it at ``alpha / 2``.
+
+    Attributes
+    ----------
+    directions : tuple of two SimulatedNull
+        The first is the statistic's own (its eigenvalues are the core's).
+    """
+
+    directions: tuple
+    kind = "cross_fit_union"
+
+    @property
+    def noise_variance(self):
+        return self.directions[0].noise_variance
+
+    @property
+    def noise_dof(self):
+        return self.directions[0].noise_dof
+
+    @property
+    def noise_source(self):
+        return self.directions[0].noise_source
+
+
+@dataclass
+class CoherentEvidence:
+    r"""A coherent spectrum whose noise is a white Wishart with ``n_columns`` columns and whose signal has rank <= r\*.
+
+    Attributes
+    ----------
+    eigenvalues : ndarray
+        Descending.
+    n_columns : float
+    noise_variance : float or None
+        A noise level for this statistic alone (None: the main statistic's).
+    noise_dof : float or None
+    """
+
+    eigenvalues: np.ndarray
+    n_columns: float
+    noise_variance: float = None
+    noise_dof: float = None
+
+
+@dataclass
+class SplitHalfEvidence:
+    """The exact softmax inversion's split-half noise draw and log-domain residual variance (reported only)."""
+
+    null_spectrum: np.ndarray = None
+    residual_variance: float = None
+
+
+@dataclass
+class WhitenedStatistic:
+    r"""The output of an inversion: a whitened symmetric statistic and its null model.
+
+    Attributes
+    ----------
+    eigenvalues : ndarray of shape (p,)
+        Descending eigenvalues of ``N^{-1/2} C N^{-1/2}``.
+    eigenvectors : ndarray of shape (p, p)
+        Matching eigenvectors (columns), in whitened coordinates.
+    unwhiten : ndarray of shape (p, p)
+        ``N^{1/2}``: maps whitened directions back to the original space.
+    n_columns : float
+        Effective number of independent columns ``m`` of the noise.
+    null : NullModel
+        The law of the statistic without (further) signal.
+    inversion : str
+        Name of the inversion that produced it (after any fallback).
+    evidence : tuple
+        Extra typed evidence (:class:`CoherentEvidence`, :class:`SplitHalfEvidence`).
+    warnings : list of (Warning subclass, str)
+        Conditions the estimator must report.
+    units : {"Y^2", "log-attention"}
+        Units of the eigenvalues: those of Y squared (after the estimator's
+        rescaling), or log-attention units (the exact softmax inversion),
+        which do not scale with Y.
+    """
+
+    eigenvalues: np.ndarray
+    eigenvectors: np.ndarray
+    unwhiten: np.ndarray
+    n_columns: float
+    null: NullModel
+    inversion: str = ""
+    evidence: tuple = ()
+    warnings: list = field(default_factory=list)
+    units: str = "Y^2"
+
+    @property
+    def dim(self):
+        return self.eigenvalues.size
+
+    @property
+    def noise_variance(self):
+        """The null model's noise level (None where the bulk sets it)."""
+        return self.null.noise_variance
+
+    def evidence_of(self, kind):
+        """The piece of evidence of type ``kind``, or None."""
+        for item in self.evidence:
+            if isinstance(item, kind):
+                return item
+        return None
+
+    def components(self, k):
+        """Orthonormal basis (rows) of the top-``k`` subspace in original coordinates."""
+        return orthonormal_rows(self.unwhiten @ self.eigenvectors[:, :k])

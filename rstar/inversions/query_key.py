@@ -1,0 +1,313 @@
+"""First-order query–key inversion ``M_i = X_i^+ Y_i`` (theory §4; class B1, and B2 to first order)."""
+
+import numpy as np
+
+from .. import _bilinear
+from .._linalg import batched_pseudo_inverse, psd_power, solve_psd, sym
+from ..exceptions import IllConditionedInversionWarning
+from ._base import ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, whiten_pair
+from ._kernel import LinearQKOperator, SoftmaxOperator
+from ._statistic import CoherentEvidence, StructuredBulkNull, WhitenedStatistic, WishartNull
+
+__all__ = ["QueryKeyInversion", "coherent_spectrum", "predict_sums_fit"]
+
+#: Per-sample residual degrees of freedom needed before samples are reweighted by
+#: their residual power (first-order softmax): 1/rho_i then has about 30% relative sd.
+MIN_SAMPLE_DOF = 20
+
+
+def predict_sums_fit(budget, d, d_v):
+    """Whether the query–key moment sums behind ``predict`` (``d^4`` and ``d^3 d_v`` entries) fit the memory
+    budget (each at most half of it)."""
+    return budget.allows_array(d**4) and budget.allows_array(d**3 * d_v)
+
+
+def coherent_spectrum(M_sum, N_coherent):
+    """Eigenvalues of the whitened first moment of the query–key inversion.
+
+    For linear QK with ``T >= d`` every sample gives ``M_i = X_i^+ Y_i =
+    K G_i V + X_i^+ E_i`` exactly, so the weighted sum
+    ``M = sum_i w_i M_i = K (sum_i w_i G_i) V + E'`` has its signal in
+    range(K) with rank ``min(r*, rank V)``, and its noise columns are
+    independent ``N(0, sigma2 N_c)`` with ``N_c = sum_i w_i^2 (X_i^T X_i)^+``
+    (Gaussian noise: exactly). ``W = N_c^{-1/2} M`` (d × d_v) then has white
+    noise, and the eigenvalues of ``W W^T / d_v`` (or of ``W^T W / d`` when
+    ``d > d_v``, the same non-zero spectrum rescaled) follow a white Wishart
+    with ``p = min(d, d_v)`` rows and ``m = max(d, d_v)`` columns at level
+    ``sigma2``, plus spikes. Because the signal adds coherently over samples
+    while the noise adds incoherently, a direction of K whose spike in the
+    second-moment statistic is ``theta`` has about ``n theta`` here: spikes
+    far below that statistic's BBP threshold stand out, as long as V does not
+    crush them (the signal is ``K G V``, not ``K``) and ``d_v >= r*``.
+
+    Parameters
+    ----------
+    M_sum : ndarray of shape (d, d_v)
+    N_coherent : ndarray of shape (d, d)
+
+    Returns
+    -------
+    eigenvalues : ndarray of shape (min(d, d_v),)
+        Descending.
+    n_columns : float
+        ``max(d, d_v)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.datasets import make_attention_task
+    >>> from rstar.inversions import QueryKeyInversion
+    >>> X, Y = make_attention_task(500, kind="linear_qk", seq_len=24, n_features=8, rank=2, random_state=0)
+    >>> inv = QueryKeyInversion()
+    >>> stats = inv.new_stats(24, 8, 8)
+    >>> inv.update(stats, X, Y)
+    >>> ws = inv.whiten(stats)
+    >>> from rstar.inversions import CoherentEvidence
+    >>> coherent = ws.evidence_of(CoherentEvidence)
+    >>> lam = coherent.eigenvalues / ws.noise_variance   # white Wishart 8 x 8 (edge 4) plus 2 spikes
+    >>> int(np.sum(lam > 10)), coherent.n_columns
+    (2, 8.0)
+    """
+    M_sum = np.asarray(M_sum, dtype=np.float64)
+    N_coherent = np.asarray(N_coherent, dtype=np.float64)
+    if M_sum.ndim != 2 or M_sum.size == 0:
+        raise ValueError(f"M_sum must be a non-empty 2-D array (d, d_v), got shape {M_sum.shape}.")
+    d, d_v = M_sum.shape
+    if N_coherent.shape != (d, d):
+        raise ValueError(f"N_coherent must have shape ({d}, {d}) to match M_sum, got {N_coherent.shape}.")
+    if not (np.all(np.isfinite(M_sum)) and np.all(np.isfinite(N_coherent))):
+        raise ValueError("M_sum and N_coherent must be finite.")
+    W = psd_power(N_coherent, -0.5) @ M_sum
+    S = W @ W.T / d_v if d <= d_v else W.T @ W / d
+    lam = np.clip(np.linalg.eigvalsh(sym(S))[::-1], 0.0, None)
+    return lam, float(max(d, d_v))
+
+
+class QueryKeyInversion(Inversion):
+    """Query–key inversion ``M_i = X_i^+ Y_i`` (theory §4; B1, and B2 to first order).
+
+    Columns of ``M_i = K* G_i V* + X_i^+ E_i`` lie in range(K*) whatever V* is.
+    ``C = sum_i w_i M_i M_i^T`` and noise Gram ``N = d_v sum_i w_i (X_i^T X_i)^+``
+    with sample weights ``w_i = sigma_min(X_i)^2``: each weighted sample then
+    has noise covariance at most ``sigma2 I``, which tames the heavy tail of
+    ``(X_i^T X_i)^{-1}`` near ``T = d`` (MP hard edge) without moving the
+    columns out of range(K*). The effective number of MP columns ``m``
+    matches the second moment of the whitened null spectrum: with
+    ``A_i = w_i G_i^+``, ``m = d_v (sum_i tr A_i)^2 / sum_i [(tr A_i)^2 + tr A_i^2]``.
+
+    Parameters
+    ----------
+    centred : bool, default=False
+        Centre X and Y over tokens first (``P X``, ``P Y``): the first-order
+        softmax inversion, since ``P softmax(Z) X V ~ P Z P X V / T`` near
+        uniform attention; it also holds exactly for linear-QK data.
+    residual_noise : bool, default=True
+        Estimate ``sigma2`` from the part of ``Y_i`` outside ``col(X_i)``
+        (exact for linear QK when ``T > d``). For softmax data this residual
+        also holds the higher-order terms, and its power per degree of freedom
+        matches the level of the structured bulk they leave inside
+        ``col(X_i)`` (checked numerically: within 5% over T = 16..64,
+        d = 8..32, logit scale 1..6).
+    structured_bulk : bool or None
+        Flag the bulk as wider than white noise (default: ``centred``).
+    value_map : ndarray or None
+        Known V: used by ``fit_operator``.
+    reweight : bool or None
+        Divide each sample's weight by its residual power per degree of
+        freedom ``rho_i`` (default: ``centred``), when every sample has at
+        least ``MIN_SAMPLE_DOF`` residual degrees of freedom
+        (``(T_eff - d) d_v >= 20``). For softmax data the residual holds the
+        higher-order terms, whose power varies from sample to sample by
+        orders of magnitude with heavy-tailed tokens (a mixture of MP laws
+        that no single bulk fits); weighting by ``1 / rho_i`` is generalised
+        least squares across samples and leaves the columns in range(K*).
+        The residual outside ``col(X_i)`` is independent of the noise inside
+        it, so the weights do not bias the statistic.
+    """
+
+    def __init__(self, centred=False, residual_noise=True, value_map=None, structured_bulk=None, reweight=None, *,
+                 predict_sums=True, budget=None, seed=None, n_null_draws=None):
+        super().__init__(value_map, budget=budget, seed=seed, n_null_draws=n_null_draws)
+        self.centred = centred
+        self.predict_sums = predict_sums
+        self.residual_noise = residual_noise
+        self.structured_bulk = centred if structured_bulk is None else structured_bulk
+        self.reweight = centred if reweight is None else reweight
+
+    @property
+    def first_order_name(self):
+        """The name of the first-order inversion these sums give: softmax's when centred, linear QK's otherwise."""
+        return "softmax_first_order" if self.centred else "query_key_first_order"
+
+    @property
+    def name(self):
+        return self.first_order_name
+
+    def _reweighted(self, T, d, d_v):
+        T_eff = self._tokens_eff(T)
+        return bool(self.reweight) and (T_eff - min(T_eff, d)) * d_v >= MIN_SAMPLE_DOF
+
+    def min_samples(self, T, d, d_v):
+        # the noise Gram sum_i w_i (X_i^T X_i)^+ must have full rank d
+        T_eff = max(self._tokens_eff(T), 1)
+        return max(2, -(-d // min(T_eff, d)) + 1)
+
+    def new_stats(self, T, d, d_v):
+        moments = self.predict_sums and predict_sums_fit(self.budget, d, d_v)
+        return {
+            "dims": (T, d, d_v),
+            "n": 0,
+            "C": np.zeros((d, d)),
+            "N": np.zeros((d, d)),
+            "s1": 0.0,
+            "s2": 0.0,
+            "s2_within": 0.0,
+            "w1": 0.0,
+            "w2": 0.0,
+            "res": 0.0,
+            "res_dof": 0.0,
+            "res_w": 0.0,
+            "wt": 0.0,
+            "n_deficient": 0,
+            "HZ": np.zeros((d, d, d, d)) if moments else None,
+            "FZ": np.zeros((d, d, d, d_v)) if moments else None,
+            "xbar_xbar": np.zeros((d, d)),
+            "xbar_ybar": np.zeros((d, d_v)),
+            # first moment, read only by the linear (uncentred) inversion
+            "M_sum": None if self.centred else np.zeros((d, d_v)),
+            "N_coherent": None if self.centred else np.zeros((d, d)),
+        }
+
+    def _tokens_eff(self, T):
+        return T - 1 if self.centred else T
+
+    def update(self, stats, X, Y):
+        n, T, d = X.shape
+        d_v = Y.shape[2]
+        xbar, ybar = X.mean(axis=1), Y.mean(axis=1)
+        if self.centred:
+            Xc, Yc = X - xbar[:, None, :], Y - ybar[:, None, :]
+        else:
+            Xc, Yc = X, Y
+        G = np.einsum("nta,ntb->nab", Xc, Xc, optimize=True)
+        U, inv_s, Wt, smallest, rank = batched_pseudo_inverse(Xc)
+        # M_i = X_i^+ Y_i and (X_i^T X_i)^+ from one SVD per sample
+        M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Yc, optimize=True)
+        G_pinv = np.einsum("nka,nk,nkb->nab", Wt, inv_s**2, Wt, optimize=True)
+        fitted = np.einsum("nta,nav->ntv", Xc, M, optimize=True)
+        y_sq = np.sum(Yc**2, axis=(1, 2))
+        res_i = np.maximum(y_sq - np.sum(fitted**2, axis=(1, 2)), 0.0)
+        dof_i = np.maximum(self._tokens_eff(T) - rank, 0) * d_v
+        w = smallest
+        if self._reweighted(T, d, d_v):
+            power = y_sq / (T * d_v)
+            rho = np.maximum(res_i / np.maximum(dof_i, 1), 1e-8 * power + np.finfo(float).tiny)
+            # a sample whose outputs are exactly zero carries no information on K (and 1 / rho would overflow)
+            w = np.divide(w, rho, out=np.zeros_like(w), where=y_sq > 0)
+        stats["n"] += n
+        stats["C"] += np.einsum("n,nav,nbv->ab", w, M, M, optimize=True)
+        stats["N"] += np.einsum("n,nab->ab", w, G_pinv)
+        # first moment: sum_i w_i M_i = K (sum_i w_i G_i) V + noise of covariance sigma2 sum_i w_i^2 G_i^+
+        if stats.get("M_sum") is not None:
+            stats["M_sum"] += np.einsum("n,nav->av", w, M)
+            stats["N_coherent"] += np.einsum("n,nab->ab", w**2, G_pinv)
+        tr = np.trace(G_pinv, axis1=1, axis2=2) * w
+        stats["s1"] += float(tr.sum())
+        stats["s2"] += float(np.sum(tr**2))
+        stats["s2_within"] += float(np.sum(w**2 * np.sum(inv_s**4, axis=1)))
+        # residual power per dof, weighted as the whitened bulk weights each sample
+        stats["res_w"] += float(np.sum(tr * res_i / np.maximum(dof_i, 1)))
+        stats["wt"] += float(np.sum(tr[dof_i > 0]))
+        stats["w1"] += float(w.sum())
+        stats["w2"] += float(np.sum(w**2))
+        stats["res"] += float(res_i.sum())
+        stats["res_dof"] += float(dof_i.sum())
+        stats["n_deficient"] += int(np.sum(rank < min(self._tokens_eff(T), d)))
+        if stats["HZ"] is not None:
+            HZ, FZ = _bilinear.moment_sums(G, M, w)
+            stats["HZ"] += HZ
+            stats["FZ"] += FZ
+        stats["xbar_xbar"] += xbar.T @ xbar
+        stats["xbar_ybar"] += xbar.T @ ybar
+
+    def whiten(self, stats, run=None):
+        self._check_run(run)
+        return self._first_order_statistic(stats)
+
+    def _first_order_statistic(self, stats):
+        """The first-order statistic of these sums (also the fallback of the least-squares inversions)."""
+        name = self.first_order_name
+        T, d, d_v = stats["dims"]
+        warnings = []
+        if stats["s1"] <= 0:
+            # every sample degenerate (e.g. T = 1 with centring): no information
+            lam = np.zeros(d)
+            return WhitenedStatistic(lam, np.eye(d), np.eye(d), float(max(stats["n"] * d_v, 1)), WishartNull(), name,
+                                     (), warnings)
+        # Match the second moment of the whitened null spectrum: with per-sample noise
+        # covariances A_i = w_i (X_i^T X_i)^+ (d_v columns each) and a noise Gram close to a
+        # multiple of I, (1/p) E tr S^2 = sigma^4 (1 + p / m) with
+        # m = d_v (sum_i tr A_i)^2 / sum_i [(tr A_i)^2 + tr A_i^2].
+        # The tr A_i^2 term counts that a sample's d_v columns share one anisotropic covariance;
+        # it matters near T = d, where A_i has a few dominant directions, and when T < d.
+        m_eff = d_v * stats["s1"] ** 2 / (stats["s2"] + stats["s2_within"])
+        T_eff = self._tokens_eff(T)
+        lam, vecs, unwhiten = whiten_pair(stats["C"], d_v * stats["N"])
+        aspect = min(T_eff, d) / max(T_eff, d)
+        if aspect > ILL_CONDITIONED_ASPECT:
+            warnings.append((IllConditionedInversionWarning,
+                             f"the query-key inversion is ill-conditioned: {'T-1' if self.centred else 'T'}"
+                             f"={T_eff} tokens is close to d={d} features (hard edge of the Marchenko-Pastur "
+                             "law), so X_i^+ amplifies noise. Fallback in use: samples are weighted by "
+                             "sigma_min(X_i)^2 and the noise Gram is whitened; the estimate rests on the "
+                             "better-conditioned samples and may be unreliable. Use T >= 1.5 d or more samples."))
+        noise, dof = None, stats["res_dof"]
+        # residual power per dof, each sample weighted as the whitened bulk weights it
+        power = stats["res_w"] / stats["wt"] if dof >= MIN_NOISE_DOF and stats["wt"] > 0 else None
+        if self.residual_noise and dof >= MIN_NOISE_DOF:
+            if self._reweighted(T, d, d_v):
+                noise = power
+            else:
+                noise = max(stats["res"], 0.0) / dof
+        # With T < d, X_i^+ X_i is a random projector: the signal leaks a flat,
+        # non-white bulk (theory §4); the rule decides from its size whether to
+        # fit it like the softmax one.
+        leak = (d - T_eff) / (d * T_eff) if 0 < T_eff < d else None
+        coherent = None
+        if (not self.centred and noise is not None and T_eff > d and stats["n_deficient"] == 0
+                and stats.get("M_sum") is not None):
+            coherent = coherent_spectrum(stats["M_sum"], stats["N_coherent"])
+        min_columns = stats["w1"] ** 2 / stats["w2"] if stats["w2"] > 0 else None
+        source = "residual outside col(X_i)" if noise is not None else ("fitted bulk" if self.structured_bulk else "bulk")
+        if self.structured_bulk:
+            null = StructuredBulkNull(noise, float(dof), source, min_columns, power)
+        else:
+            null = WishartNull(noise, float(dof), source, min_columns, leak)
+        evidence = () if coherent is None else (CoherentEvidence(coherent[0], coherent[1]),)
+        return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), null, name, evidence, warnings)
+
+    def fit_operator(self, stats, basis):
+        if stats["HZ"] is None:
+            return None
+        T, d, _ = stats["dims"]
+        V = self.value_map
+        if not self.centred:
+            L, R = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T, R_known=V)
+            return LinearQKOperator(L, R)
+        # First-order softmax: M_i ~ K (X^T P X) V / (T sqrt(d)), scale (K, V) ~ (aK, V/a).
+        c = T * np.sqrt(d)
+        if V is not None:
+            L, _ = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T, R_known=V / c)
+            return SoftmaxOperator(L, V)
+        Sxx, Sxy = stats["xbar_xbar"], stats["xbar_ybar"]
+        if basis.shape[0] == 0:
+            return SoftmaxOperator(np.zeros((d, d)), solve_psd(Sxx, Sxy))
+        L, R = _bilinear.fit_bilinear(stats["HZ"], stats["FZ"], basis.T)
+        # token means: mean_t Y ~ mean_t X V to first order, which fixes the scale of V
+        denom = float(np.sum(R * (Sxx @ R)))
+        beta = float(np.sum(Sxy * R)) / denom if denom > 0 else 0.0
+        if beta == 0.0 or not np.isfinite(beta):
+            return SoftmaxOperator(np.zeros((d, d)), solve_psd(Sxx, Sxy))
+        return SoftmaxOperator(L * c / beta, beta * R)
+
+

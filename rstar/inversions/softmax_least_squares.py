@@ -1,0 +1,229 @@
+"""Least-squares (Gaussian maximum-likelihood) inversion of softmax attention, V known or not (theory §4, B2)."""
+
+import numpy as np
+from scipy import linalg
+from scipy.stats import f as f_dist
+
+from .. import _softmax_ls
+from .._linalg import solve_psd
+from ..budgets import DEFAULT_BUDGET, information_cost, softmax_fit_cost
+from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
+from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, with_warning
+from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
+from .query_key import QueryKeyInversion
+
+__all__ = ["SoftmaxLeastSquaresInversion", "softmax_fit_sizes_fit", "softmax_fit_blocker"]
+
+#: With V unknown the fit runs only where the F test of ``V = 0`` under uniform attention rejects at this level.
+VALUE_SIGNAL_ALPHA = 1e-3
+#: It falls back to first order (with a warning) where its residual variance exceeds this many times
+#: the power per degree of freedom outside col(P X_i) (the model does not hold).
+SOFTMAX_MISFIT = 1.1
+
+
+def residual_dof(n, T, d, d_v, value_map_known=False):
+    """Degrees of freedom of the least-squares residual: ``n T d_v - d^2`` (``- d d_v`` with V fitted)."""
+    return n * T * d_v - d * d - (0 if value_map_known else d * d_v)
+
+
+def softmax_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
+    """Why n samples of this shape cannot be fitted by least squares (None if they can): kept within the memory
+    budget, fitted within the compute budget (:func:`rstar.budgets.softmax_fit_cost`), their information
+    formed within it (:func:`rstar.budgets.information_cost`), and ``MIN_NOISE_DOF`` residual degrees of
+    freedom."""
+    if residual_dof(n, T, d, d_v, value_map_known) < MIN_NOISE_DOF:
+        return (f"{n} samples leave fewer than {MIN_NOISE_DOF} residual degrees of freedom for the least squares "
+                f"at T={T}, d={d}, d_v={d_v}")
+    if not budget.allows_samples(n, T, d, d_v):
+        return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
+    if not budget.allows_compute(softmax_fit_cost(n, T, d, d_v)):
+        return f"the fit on {n} samples exceeds the compute budget ({budget.describe()})"
+    if not budget.allows_compute(information_cost(n, T, d, d_v, not value_map_known)):
+        return f"the information of K (d^2 x d^2 at d={d}) exceeds the compute budget ({budget.describe()})"
+    return None
+
+
+def softmax_fit_sizes_fit(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
+    """Whether n samples of this shape can be fitted by least squares (:func:`softmax_fit_blocker` is None)."""
+    return softmax_fit_blocker(n, T, d, d_v, value_map_known, budget) is None
+
+
+class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
+    """Least-squares (Gaussian maximum-likelihood) inversion of softmax attention, V known or not.
+
+    ``K`` is fitted at full rank by least squares on the model itself,
+    ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V + E_i``, with V known or
+    profiled out (:func:`rstar._softmax_ls.fit_softmax_least_squares`, L-BFGS
+    from ``K = 0``). Unlike the first-order inversion it leaves no
+    higher-order terms in a structured bulk, and unlike the exact (log-domain)
+    inversion it needs neither ``T <= d`` nor a known V. To first order the
+    fitted K has noise ``N(0, sigma2 F^{-1})``, with F the Gauss–Newton
+    information of K with V profiled out
+    (:func:`rstar._softmax_ls.softmax_kernel_information_matrix`) and
+    ``sigma2 = RSS / (n T d_v - d^2 - d d_v)`` (``d d_v`` only when V is
+    fitted). The statistic is ``K~ K~^T / d`` with ``K~ = A^{1/2} K B^{1/2}``,
+    ``A (x) B`` the nearest Kronecker product to F, and it carries
+    ``n_null_draws`` draws of the whitened noise, so the rule runs the same
+    simulated sequential test as for linear QK with a known V
+    (:func:`rstar.rules.simulated_null_p_values`): F need not be a Kronecker
+    product (with heavy-tailed tokens it is far from one).
+
+    The samples are kept (lists, so ``partial_fit`` and :func:`merge_stats`
+    concatenate) within the memory budget, and the fit runs while its cost
+    and that of its information are within the compute budget and the
+    residual has at least ``MIN_NOISE_DOF`` degrees of freedom
+    (:func:`softmax_fit_sizes_fit`); otherwise this is the first-order inversion
+    (:class:`QueryKeyInversion` with ``centred=True``). So it is too where,
+    with V unknown, the data show no value signal (the F test of ``V = 0``
+    under uniform attention does not reject at ``VALUE_SIGNAL_ALPHA``,
+    :meth:`value_signal_p_value`): K is then not identified, and its least
+    squares runs off to hard attention that fits the noise. And where the
+    fit's residual variance exceeds ``SOFTMAX_MISFIT`` times the power per
+    degree of freedom outside ``col(P X_i)`` (which softmax data fill with
+    the noise plus the higher-order terms), the model does not hold (e.g.
+    linear-QK data): first order again, with an ``UnidentifiableRankWarning``;
+    likewise where L-BFGS stops at ``SOFTMAX_MAX_ITER`` iterations before
+    converging (the null draws are the noise of a minimum, not of the
+    optimiser's error).
+
+    Parameters
+    ----------
+    value_map : ndarray of shape (d, d_v) or None
+
+    Examples
+    --------
+    >>> from rstar.datasets import make_attention_task
+    >>> from rstar.inversions import SoftmaxLeastSquaresInversion
+    >>> X, Y = make_attention_task(400, seq_len=12, n_features=6, rank=2, noise=0.05, random_state=0)
+    >>> inv = SoftmaxLeastSquaresInversion()
+    >>> stats = inv.new_stats(12, 6, 6)
+    >>> inv.update(stats, X, Y)
+    >>> ws = inv.whiten(stats)
+    >>> ws.inversion, ws.null.kind, ws.null.draws.shape
+    ('softmax_least_squares', 'simulated', (1000, 6, 6))
+    >>> from rstar.rules import MarchenkoPasturRule
+    >>> MarchenkoPasturRule()(ws).rank
+    2
+    """
+
+    name = "softmax_least_squares"
+
+    def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None):
+        super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
+                         n_null_draws=n_null_draws)
+
+    @property
+    def produces(self):
+        return (self.name, self.first_order_name)
+
+    residual_dof = staticmethod(residual_dof)
+
+    def fit_possible(self, stats):
+        """Whether the samples were kept and :func:`softmax_fit_sizes_fit` allows the fit."""
+        return self.samples_kept(stats) and softmax_fit_sizes_fit(
+            stats["n"], *stats["dims"], value_map_known=self.value_map is not None, budget=self.budget)
+
+    def default_run(self, stats):
+        """The least squares where :meth:`fit_possible`, else first order."""
+        return self.name if self.fit_possible(stats) else self.first_order_name
+
+    @staticmethod
+    def _samples(stats):
+        parts = [kept_half(stats, key) for key in ("samples_odd", "samples_even") if stats[key]]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def value_signal_p_value(self, stats, Y):
+        """p-value of the F test of ``V = 0`` under uniform attention (``Y_i ~ 1 xbar_i^T V``).
+
+        Without a value signal the kernel is not identified: the least
+        squares then drives K to hard attention that fits the noise.
+        """
+        T, d, d_v = stats["dims"]
+        gram, cross = T * stats["xbar_xbar"], T * stats["xbar_ybar"]
+        explained = float(np.sum(cross * solve_psd(gram, cross)))
+        dof = stats["n"] * T * d_v - d * d_v
+        resid = max(float(np.sum(Y**2)) - explained, np.finfo(float).tiny)
+        return float(f_dist.sf((explained / (d * d_v)) / (resid / dof), d * d_v, dof))
+
+    def _value_signal(self, stats, Y):
+        """A known V, or the F test of ``V = 0`` rejects at ``VALUE_SIGNAL_ALPHA``."""
+        return self.value_map is not None or self.value_signal_p_value(stats, Y) <= VALUE_SIGNAL_ALPHA
+
+    def whiten(self, stats, run=None):
+        run = self._check_run(self.default_run(stats) if run is None else run)
+        first_order = self._first_order_statistic
+        if run != self.name:
+            return first_order(stats)
+        if not self.fit_possible(stats):
+            raise ValueError("the least-squares softmax fit needs the samples, which were dropped over the memory "
+                             "budget.")
+        T, d, d_v = stats["dims"]
+        X, Y = self._samples(stats)
+        if not self._value_signal(stats, Y):
+            # no value signal: the first-order inversion's null is calibrated without one
+            return with_warning(first_order(stats), UnidentifiableRankWarning,
+                f"the outputs show no value signal (the F test of V = 0 under uniform attention does not reject "
+                f"at {VALUE_SIGNAL_ALPHA:g}), so the least squares cannot identify K (it would run off to hard "
+                "attention that fits the noise). Fallback in use: the first-order inversion, whose null holds "
+                "without a value signal; a known value_map or more samples would identify K.")
+        K, V, sigma2, converged = self._fit(X, Y)
+        dof = self.residual_dof(X.shape[0], T, d, d_v, self.value_map is not None)
+        if (converged and stats["res_dof"] >= MIN_NOISE_DOF
+                and sigma2 > SOFTMAX_MISFIT * stats["res"] / stats["res_dof"]):
+            # softmax data leave at least the noise outside col(P X_i) (plus the higher-order terms), and
+            # the model's own fit no more than the noise: a larger residual says the model does not hold
+            return with_warning(first_order(stats), UnidentifiableRankWarning,
+                f"the least-squares fit of softmax attention leaves {sigma2 * stats['res_dof'] / stats['res']:.2f} "
+                "times the residual power found outside col(P X_i): the data do not follow "
+                "softmax(X K X^T / sqrt(d)) X V (e.g. linear query-key attention: use "
+                "operator='linear_qk'). Fallback in use: the first-order inversion, which holds for "
+                "both.")
+        if not converged:
+            # the null draws are the noise of a minimum: an unconverged K holds the optimiser's error too
+            # (on a held-out Student-t task, r* = 4 read 62)
+            return with_warning(first_order(stats), UnidentifiableRankWarning,
+                f"the least-squares fit of the softmax kernel stopped after "
+                f"{_softmax_ls.SOFTMAX_MAX_ITER} L-BFGS iterations before converging (a flat or "
+                "badly conditioned loss, e.g. heavy-tailed tokens with few samples). Fallback in "
+                "use: the first-order inversion.")
+        F = _softmax_ls.softmax_kernel_information_matrix(X, K, V, value_map_fitted=self.value_map is None)
+        F = F + 1e-10 * max(float(np.trace(F)) / F.shape[0], np.finfo(float).tiny) * np.eye(F.shape[0])
+        try:
+            L = linalg.cholesky(F, lower=True, check_finite=False)
+        except linalg.LinAlgError:
+            return with_warning(first_order(stats), IllConditionedInversionWarning,
+                "the information of the least-squares softmax kernel is singular (directions of K "
+                "that no sample's attention sees). Fallback in use: the first-order inversion.")
+        A, B = nearest_kronecker_product(F, d)
+        # draws of the estimate's noise to first order: vec N ~ N(0, sigma2 F^{-1})
+        return kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, [], inversion=self.name, seed=self.seed,
+                                                n_draws=self.n_null_draws, noise_source="least-squares residual")
+
+    def _fit(self, X, Y, K0=None, basis=None):
+        """Least-squares ``(K, V, sigma2, converged)`` on samples scaled to unit RMS (so the optimiser's path does
+        not depend on the units, e.g. the first ``partial_fit`` batch's scaling), returned in the units given."""
+        T, d, d_v = X.shape[1], X.shape[2], Y.shape[2]
+        sx = max(float(np.sqrt(np.mean(X**2))), np.finfo(float).tiny)
+        sy = max(float(np.sqrt(np.mean(Y**2))), np.finfo(float).tiny)
+        V0 = None if self.value_map is None else self.value_map * (sx / sy)
+        K, V, rss, converged = _softmax_ls.fit_softmax_least_squares(
+            X / sx, Y / sy, V0, None if K0 is None else K0 * sx**2, basis)
+        sigma2 = rss * sy**2 / self.residual_dof(X.shape[0], T, d, d_v, self.value_map is not None)
+        return K / sx**2, V * (sy / sx), sigma2, converged
+
+    def fit_operator(self, stats, basis):
+        if not self.fit_possible(stats):
+            return super().fit_operator(stats, basis)
+        X, Y = self._samples(stats)
+        if not self._value_signal(stats, Y):
+            return super().fit_operator(stats, basis)
+        d = stats["dims"][1]
+        if basis.shape[0] == 0:
+            K = np.zeros((d, d))
+            V, _ = _softmax_ls.SoftmaxLeastSquaresLoss(X, Y, self.value_map).value_map(K)
+            return SoftmaxOperator(K, V)
+        K_full = self._fit(X, Y)[0]
+        K, V, _, _ = self._fit(X, Y, K0=K_full, basis=basis)
+        return SoftmaxOperator(K, V)
+
+
