@@ -49,8 +49,9 @@ def test_bad_arrays(Est, Xb, Yb, exc, match):
 @pytest.mark.parametrize(
     "params, match",
     [
-        ({"rank": -1}, "rank must be None or a non-negative integer"),
-        ({"rank": 1.5}, "rank must be None or a non-negative integer"),
+        # scikit-learn's parameter validation names the parameter and its valid range
+        ({"rank": -1}, r"'rank' parameter of .* must be an int in the range \[0, inf\) or None"),
+        ({"rank": 1.5}, r"'rank' parameter of .* must be an int in the range \[0, inf\) or None"),
         ({"rank": True}, "rank must be None or a non-negative integer"),
         ({"rank": 99}, "rank must be <="),
         ({"max_rank": -2}, "max_rank"),
@@ -67,7 +68,7 @@ def test_bad_parameters(Est, params, match):
 
 @pytest.mark.parametrize("Est", [NumericalRankEstimator, MPRankEstimator, EnergyRankEstimator, RStarEstimator])
 def test_unknown_operator(Est):
-    with pytest.raises(ValueError, match="operator must be one of"):
+    with pytest.raises(ValueError, match=r"'operator' parameter of .* must be a str among"):
         Est(operator="attention").fit(X, Y)
 
 

@@ -19,7 +19,7 @@ from rstar.baselines import (
     minka_rank,
 )
 from rstar.datasets import make_linear_proxy
-from rstar.estimators import make_inversion
+from rstar.inversions import make_inversion
 from rstar.marchenko_pastur import mp_median
 
 
@@ -229,3 +229,16 @@ def test_adapters_on_the_statistic_rstar_uses():
     assert gd.rank == 3 and gd.noise_variance == pytest.approx(0.05**2)
     assert gd.threshold == pytest.approx(gavish_donoho_threshold(ws.eigenvalues, ws.n_columns, 0.05**2))
     assert BaselineRule("minka")(ws, max_rank=1).rank == 1
+
+
+def test_baseline_rule_supports_only_white_noise_nulls():
+    # the baselines assume a white-noise (Marchenko-Pastur) bulk: a statistic with another null model is refused
+    from rstar.inversions import StructuredBulkNull, UnsupportedNullModelError, WhitenedStatistic, WishartNull
+
+    lam = spiked_wishart(12, 500, [5.0], 0)
+    white = WhitenedStatistic(lam, np.eye(12), np.eye(12), 500.0, WishartNull())
+    assert BaselineRule("minka")(white).rank == 1
+    structured = WhitenedStatistic(lam, np.eye(12), np.eye(12), 500.0, StructuredBulkNull())
+    for name in BASELINES:
+        with pytest.raises(UnsupportedNullModelError, match="WishartNull"):
+            BaselineRule(name)(structured)

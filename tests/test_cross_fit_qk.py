@@ -1,28 +1,49 @@
 """Cross-fitted least-squares query-key inversion (V unknown, T <= d or d_v < d) and the fit behind it."""
 
+import dataclasses
 import warnings
 
 import numpy as np
 import pytest
 
 from rstar import RStarEstimator, _bilinear
-from rstar import inversions as inv
+from rstar.budgets import DEFAULT_COMPUTE_BUDGET, CostBudget
 from rstar.datasets import make_attention_task
-from rstar.estimators import make_inversion
-from rstar.exceptions import UnidentifiableRankWarning
+from rstar.exceptions import InversionFallbackWarning, UnidentifiableRankWarning
+from rstar.inversions import query_key_cross_fit as qkcf
 from sklearn.exceptions import ConvergenceWarning
 from rstar.inversions import (
+    CrossFitNull,
     QueryKeyCrossFitInversion,
     QueryKeyInversion,
     QueryKeyLeastSquaresInversion,
+    SimulatedNull,
+    WishartNull,
+    make_inversion,
     merge_stats,
 )
-from rstar.rules import MarchenkoPasturRule, _union_p_values
+from rstar.inversions.query_key_cross_fit import cross_fit_method, cross_fit_sizes_fit
+from rstar.rules import MarchenkoPasturRule
+from rstar.rules.simulated import _union_p_values
 
 
 def _task(n, T, d, r, noise=0.1, d_v=None, seed=0, **kw):
     return make_attention_task(n, kind="linear_qk", seq_len=T, n_features=d, value_dim=d_v, rank=r, noise=noise,
                                random_state=seed, return_teacher=True, **kw)
+
+
+def _first_order_fit(X, Y):
+    """RStar on linear QK with the cross-fit over the compute budget: its first-order fallback (public API)."""
+    est = RStarEstimator("linear_qk", compute_budget=1)
+    with pytest.warns(InversionFallbackWarning, match="query_key_cross_fit inversion not used"):
+        est.fit(X, Y)
+    assert est.inversion_ == "query_key_first_order"
+    return est
+
+
+def _direction(ws, i):
+    """The statistic ``ws`` tested against its cross-fit direction ``i`` alone (a simulated null)."""
+    return dataclasses.replace(ws, null=ws.null.directions[i])
 
 
 def test_make_inversion_picks_cross_fit_for_unknown_v_and_few_tokens():
@@ -110,11 +131,9 @@ def test_cross_fit_recovers_rank_where_first_order_falls_short(T, d, d_v, r, n):
     X, Y, _ = _task(n, T, d, r, noise=1.0, d_v=d_v, singular_values=np.geomspace(1.0, 0.3, r))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first = RStarEstimator("linear_qk")
-        first._inversion_options = lambda: {"method": "first_order"}
-        first.fit(X, Y)
+        first = _first_order_fit(X, Y)
         est = RStarEstimator("linear_qk").fit(X, Y)
-    assert type(est._inv) is QueryKeyCrossFitInversion
+    assert est.inversion_ == "query_key_cross_fit"
     assert first.rank_ < r
     assert est.rank_ == r
     assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
@@ -127,26 +146,27 @@ def test_cross_fit_recovers_rank_beyond_the_value_dimension(d_v, r):
     # isotropic part of E[G_i V V^T G_i], so the first-order count falls short
     T, d, n = 12, 8, 600
     X, Y, _ = _task(n, T, d, r, noise=1.0, d_v=d_v, singular_values=np.geomspace(1.0, 0.3, r))
-    first = RStarEstimator("linear_qk")
-    first._inversion_options = lambda: {"method": "first_order"}
-    first.fit(X, Y)
+    first = _first_order_fit(X, Y)
     est = RStarEstimator("linear_qk").fit(X, Y)
-    assert type(est._inv) is QueryKeyCrossFitInversion and est._inv.cross_fit_possible(est._stats)
+    assert est.inversion_ == "query_key_cross_fit"
     assert first.rank_ < r
     assert est.rank_ == r
     assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
 
 
-def test_cross_fit_at_more_tokens_than_features_stays_within_the_als_budget(monkeypatch):
-    # T > d: the first-order inversion is consistent, so the (costlier) profiled fit is not spent
+def test_cross_fit_at_more_tokens_than_features_stays_within_the_als_budget():
+    # T > d: the first-order inversion is consistent, so the (costlier) profiled fit is not spent.
+    # compute_budget=1e9 allows the profiled fit (1024 n T d (d + d_v) = 5.9e8) but not the alternating
+    # least squares (512 (n d^4 + d^6) = 1.4e9)
     X, Y, _ = _task(600, 12, 8, 5, noise=1.0, d_v=2, singular_values=np.geomspace(1.0, 0.3, 5))
-    monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 10)
-    assert QueryKeyCrossFitInversion.fit_method(600, 12, 8, 2) == "profiled"
-    assert not QueryKeyCrossFitInversion.sizes_allow_cross_fit(600, 12, 8, 2)
-    assert QueryKeyCrossFitInversion.sizes_allow_cross_fit(600, 8, 8, 2)
-    est = RStarEstimator("linear_qk").fit(X, Y)
-    ws = est._inv.whiten(est._stats)
-    assert ws.cross_fit is None and ws.null_draws is None   # first order
+    budget = CostBudget(multiply_adds=1e9)
+    assert cross_fit_method(600, 12, 8, 2, budget) == "profiled"
+    assert not cross_fit_sizes_fit(600, 12, 8, 2, budget)
+    assert cross_fit_sizes_fit(600, 8, 8, 2, budget)
+    with pytest.warns(InversionFallbackWarning, match="only the alternating least squares is spent"):
+        est = RStarEstimator("linear_qk", compute_budget=1e9).fit(X, Y)
+    assert est.inversion_ == "query_key_first_order"   # first order
+    assert est.null_model_ == "wishart" and isinstance(est.statistic_.null, WishartNull)
     assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
 
 
@@ -169,11 +189,11 @@ def test_a_fit_beaten_on_its_own_half_is_left_out_of_the_union(monkeypatch):
     ci.update(stats, X, Y)
     monkeypatch.setattr(QueryKeyCrossFitInversion, "fit_half", staticmethod(fit_half))
     ws = ci.whiten(stats)
-    # ws tests the odd half's V on the even half; ws.cross_fit the even half's V on the odd half
-    assert ws.poor_fit and not ws.cross_fit.poor_fit
+    # ws.null.directions[0] tests the odd half's V on the even half; directions[1] the even half's V on the odd half
+    assert ws.null.directions[0].poor_fit and not ws.null.directions[1].poor_fit
     assert ConvergenceWarning in [c for c, _ in ws.warnings]
     res = MarchenkoPasturRule()(ws)
-    alone = MarchenkoPasturRule()(ws.cross_fit)
+    alone = MarchenkoPasturRule()(_direction(ws, 1))
     assert res.rank == alone.rank == 3
     # the other direction alone, still at half the level
     np.testing.assert_allclose(res.p_values[:3], np.minimum(2 * alone.p_values[:3], 1))
@@ -188,8 +208,10 @@ def test_cross_fit_statistic_carries_both_directions():
     ci = QueryKeyCrossFitInversion()
     ci.update(stats, X, Y)
     ws = ci.whiten(stats)
-    assert ws.cross_fit is not None and ws.cross_fit.cross_fit is None
-    assert ws.null_draws is not None and ws.cross_fit.null_draws is not None
+    assert ws.inversion == "query_key_cross_fit"
+    assert isinstance(ws.null, CrossFitNull) and len(ws.null.directions) == 2
+    assert all(isinstance(w, SimulatedNull) and w.draws is not None for w in ws.null.directions)
+    np.testing.assert_array_equal(ws.null.directions[0].eigenvalues, ws.eigenvalues)
     # each direction alone is the least-squares inversion with the other half's fitted V
     _, V_odd, _ = QueryKeyCrossFitInversion.fit_half(X[1::2], Y[1::2])
     ls = QueryKeyLeastSquaresInversion(V_odd)
@@ -210,9 +232,8 @@ def test_union_takes_twice_the_smaller_p_value():
     ci.update(stats, X, Y)
     ws = ci.whiten(stats)
     both = MarchenkoPasturRule()(ws)
-    one = MarchenkoPasturRule()(ws.cross_fit)
-    ws.cross_fit = None
-    first = MarchenkoPasturRule()(ws)
+    one = MarchenkoPasturRule()(_direction(ws, 1))
+    first = MarchenkoPasturRule()(_direction(ws, 0))
     assert both.rank == one.rank == first.rank == 3
     np.testing.assert_allclose(both.p_values[:3], np.minimum(2 * np.minimum(one.p_values[:3], first.p_values[:3]), 1))
 
@@ -237,14 +258,14 @@ def test_cross_fit_streams_and_merges_like_fit():
     assert MarchenkoPasturRule()(ci.whiten(merged)).rank == 4
 
 
-def test_cross_fit_uses_the_profiled_fit_beyond_the_als_budget(monkeypatch):
+def test_cross_fit_uses_the_profiled_fit_beyond_the_als_budget():
     T, d, d_v, r, n = 8, 16, 16, 12, 600
     X, Y, _ = _task(n, T, d, r, noise=1.0, d_v=d_v, singular_values=np.geomspace(1.0, 0.3, r))
-    assert QueryKeyCrossFitInversion.fit_method(n, T, d, d_v) == "als"
-    monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 10)
-    assert QueryKeyCrossFitInversion.fit_method(n, T, d, d_v) == "profiled"
-    est = RStarEstimator("linear_qk").fit(X, Y)
-    assert est._inv.cross_fit_possible(est._stats)
+    assert cross_fit_method(n, T, d, d_v) == "als"
+    # 1e10 multiply-adds: the profiled fit (2.5e9) but not the alternating least squares (2.9e10)
+    assert cross_fit_method(n, T, d, d_v, CostBudget(multiply_adds=1e10)) == "profiled"
+    est = RStarEstimator("linear_qk", compute_budget=1e10).fit(X, Y)
+    assert est.inversion_ == "query_key_cross_fit"
     assert est.rank_ == r
     assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
     with pytest.raises(ValueError, match="method"):
@@ -261,31 +282,38 @@ def test_cross_fit_recovers_rank_with_heavy_tailed_tokens(seed):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnidentifiableRankWarning)   # the halves' misfit can stay high
         est = RStarEstimator("linear_qk").fit(X, Y)
-    assert est._inv.cross_fit_possible(est._stats)
+    assert est.inversion_ == "query_key_cross_fit"
     assert est.rank_ == 2
 
 
-def test_cross_fit_falls_back_to_first_order_beyond_budget(monkeypatch):
+def test_cross_fit_falls_back_to_first_order_beyond_budget():
     X, Y, _ = _task(400, 6, 12, 3, noise=0.05)
-    monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 10)
-    monkeypatch.setattr(inv, "MAX_PROFILED_FIT_COST", 10)
-    est = RStarEstimator("linear_qk").fit(X, Y)
-    assert type(est._inv) is QueryKeyCrossFitInversion
-    assert not est._inv.cross_fit_possible(est._stats)
-    ws = est._inv.whiten(est._stats)
-    assert ws.null_draws is None and ws.cross_fit is None
-    monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 2**30)
-    monkeypatch.setattr(inv, "MAX_PROFILED_FIT_COST", 2**30)
-    monkeypatch.setattr(inv, "MAX_COHERENT_SAMPLE_ENTRIES", 1000)
-    est = RStarEstimator("linear_qk").fit(X, Y)
-    assert est._stats["samples_odd"] is None and not est._inv.cross_fit_possible(est._stats)
-    # too few samples per half for the least squares: first order too
-    X, Y, _ = _task(12, 6, 12, 1, noise=0.05)
+    # neither fit within the compute budget
+    with pytest.warns(InversionFallbackWarning, match="exceeds the compute budget"):
+        est = RStarEstimator("linear_qk", compute_budget=1).fit(X, Y)
+    assert est.inversion_ == "query_key_first_order"
+    assert est.null_model_ == "wishart" and isinstance(est.statistic_.null, WishartNull)
+    # the 400 samples (8 n T (d + d_v) = 460800 bytes) over the memory budget, which still holds the
+    # d^2 x d^2 normal matrices (8 d^4 = 165888 bytes <= half of it): the samples are dropped
+    memory = 400_000
+    with pytest.warns(InversionFallbackWarning, match="keeping the 400 samples exceeds the memory budget"):
+        est = RStarEstimator("linear_qk", memory_budget=memory).fit(X, Y)
+    assert est.inversion_ == "query_key_first_order" and est.null_model_ == "wishart"
+    ci = QueryKeyCrossFitInversion(budget=CostBudget(memory_bytes=memory))
+    stats = ci.new_stats(6, 12, 12)
+    ci.update(stats, X, Y)
+    assert not ci.samples_kept(stats) and not ci.cross_fit_possible(stats)
+    assert ci.default_run(stats) == "query_key_first_order"
+    # too few samples per half for the least squares: first order too (8 samples: halves of 4 < 5 needed; 12 are
+    # enough, halves of 6, and the old version of this check passed only under the lingering sample budget above)
+    X, Y, _ = _task(8, 6, 12, 1, noise=0.05)
     est = RStarEstimator("linear_qk")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         est.fit(X, Y)
-    assert not est._inv.cross_fit_possible(est._stats)
+    assert est.inversion_ == "query_key_first_order"
+    assert any(w.category is InversionFallbackWarning and "too few for the least squares" in str(w.message)
+               for w in caught)
 
 
 def test_misfit_of_the_fitted_value_map_is_reported(monkeypatch):
@@ -293,23 +321,23 @@ def test_misfit_of_the_fitted_value_map_is_reported(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RStarEstimator("linear_qk").fit(X, Y)
-    monkeypatch.setattr(inv, "CROSS_FIT_MISFIT", 0.5)
+    monkeypatch.setattr(qkcf, "CROSS_FIT_MISFIT", 0.5)
     with pytest.warns(UnidentifiableRankWarning, match="poor local optimum"):
         RStarEstimator("linear_qk").fit(X, Y)
 
 
 @pytest.mark.parametrize("method,T,d_v", [("als", 6, 8), ("profiled", 6, 8), ("als", 12, 4)])
-def test_cross_fit_null_keeps_its_level(method, T, d_v, monkeypatch):
+def test_cross_fit_null_keeps_its_level(method, T, d_v):
     # r* = 0: each direction's V is fitted on samples independent of the ones it is tested on,
-    # so each test is exact whatever the optimiser; their Bonferroni union keeps the level
-    if method == "profiled":
-        monkeypatch.setattr(inv, "MAX_CROSS_FIT_COST", 10)
-    assert QueryKeyCrossFitInversion.fit_method(120, T, 8, d_v) == method
+    # so each test is exact whatever the optimiser; their Bonferroni union keeps the level.
+    # 2e8 multiply-adds: the profiled fit (9.4e7 at T = 6) but not the alternating least squares (3.9e8)
+    compute = 2e8 if method == "profiled" else DEFAULT_COMPUTE_BUDGET
+    assert cross_fit_method(120, T, 8, d_v, CostBudget(multiply_adds=compute)) == method
     false_alarms = 0
     for seed in range(30):
         X, Y = make_attention_task(120, kind="linear_qk", seq_len=T, n_features=8, value_dim=d_v, rank=0,
                                    random_state=seed)
-        est = RStarEstimator("linear_qk").fit(X, Y)
-        assert type(est._inv) is QueryKeyCrossFitInversion and est._inv.cross_fit_possible(est._stats)
+        est = RStarEstimator("linear_qk", compute_budget=compute).fit(X, Y)
+        assert est.inversion_ == "query_key_cross_fit"
         false_alarms += est.rank_ > 0
     assert false_alarms <= 1

@@ -7,9 +7,14 @@ import pytest
 
 from rstar import EnergyRankEstimator, MPRankEstimator, RStarEstimator
 from rstar.datasets import make_attention_task
-from rstar.estimators import make_inversion
-from rstar.exceptions import IllConditionedInversionWarning
-from rstar.inversions import NULL_DRAWS, QueryKeyInversion, QueryKeyLeastSquaresInversion
+from rstar.exceptions import IllConditionedInversionWarning, InversionFallbackWarning
+from rstar.inversions import (
+    DEFAULT_NULL_DRAWS,
+    QueryKeyInversion,
+    QueryKeyLeastSquaresInversion,
+    SimulatedNull,
+    make_inversion,
+)
 from rstar.rules import MarchenkoPasturRule, interval_levels, simulated_null_p_values
 
 
@@ -44,7 +49,7 @@ def test_fewer_tokens_than_features_recovered_with_known_v(T, d, d_v, r):
         warnings.simplefilter("ignore")
         unknown = MarchenkoPasturRule()(first.whiten(first_stats))
     est = RStarEstimator("linear_qk", value_map=V).fit(X, Y)
-    assert type(est._inv) is QueryKeyLeastSquaresInversion
+    assert est.inversion_ == "query_key_least_squares" and est.null_model_ == "simulated"
     assert est.rank_ == r
     assert est.noise_variance_ == pytest.approx(1.0, rel=0.05)
     assert est.rank_interval_[0] <= r <= est.rank_interval_[1]
@@ -116,8 +121,13 @@ def test_energy_rule_reads_the_least_squares_spikes():
 def test_too_few_samples_fall_back_with_a_warning():
     # d^2 = 256 unknowns, each sample pins at most T min(T, d_v) = 16 of them: 17 samples needed
     X, Y, V = _task(12, 4, 16, 2, d_v=8)
-    with pytest.warns(IllConditionedInversionWarning, match="too few for the least-squares"):
+    # the fallback is decided (and warned) by the estimator's choice of inversion; the first-order statistic
+    # does not use the known V, and says so
+    with pytest.warns(InversionFallbackWarning, match="query_key_least_squares inversion not used: 12 samples are "
+                      "too few for the least squares"), \
+            pytest.warns(UserWarning, match="known value_map is not used by the query_key_first_order"):
         est = RStarEstimator("linear_qk", value_map=V).fit(X, Y)
+    assert est.inversion_ == "query_key_first_order"
     assert est.rank_ >= 0 and est.spectrum_.shape == (16,)
     assert QueryKeyLeastSquaresInversion(V).least_squares_samples(4, 16, 8) == 17
 
@@ -140,11 +150,12 @@ def test_inversion_draws_have_the_statistic_shape():
     stats = inv.new_stats(6, 12, 12)
     inv.update(stats, X, Y)
     ws = inv.whiten(stats)
-    assert ws.null_draws.shape == (NULL_DRAWS, 12, 12)
-    np.testing.assert_allclose(np.linalg.eigvalsh(ws.statistic_matrix @ ws.statistic_matrix.T / 12)[::-1],
+    assert isinstance(ws.null, SimulatedNull)
+    assert ws.null.draws.shape == (DEFAULT_NULL_DRAWS, 12, 12)
+    np.testing.assert_allclose(np.linalg.eigvalsh(ws.null.statistic_matrix @ ws.null.statistic_matrix.T / 12)[::-1],
                                ws.eigenvalues, rtol=1e-8, atol=1e-12)
     # the whitened noise is close to white at the residual level
-    level = np.mean(ws.null_draws**2)
+    level = np.mean(ws.null.draws**2)
     assert level == pytest.approx(ws.noise_variance, rel=0.2)
 
 
@@ -209,6 +220,7 @@ def test_strict_level_is_floored_at_the_draws_resolution():
 
     X, Y, V = _task(600, 6, 12, 4)
     est = RStarEstimator("linear_qk", value_map=V).fit(X, Y)
-    assert est.alpha == RSTAR_ALPHA and RSTAR_ALPHA / 10 < 1 / (NULL_DRAWS + 1)
-    assert np.all(est.p_values_[:4] == pytest.approx(1 / (NULL_DRAWS + 1)))
+    assert est.n_null_draws == DEFAULT_NULL_DRAWS
+    assert est.alpha == RSTAR_ALPHA and RSTAR_ALPHA / 10 < 1 / (DEFAULT_NULL_DRAWS + 1)
+    assert np.all(est.p_values_[:4] == pytest.approx(1 / (DEFAULT_NULL_DRAWS + 1)))
     assert est.rank_interval_[0] == est.rank_ == 4

@@ -7,16 +7,19 @@ import pytest
 
 from rstar import RStarEstimator, SoftmaxInversionEstimator
 from rstar import _softmax_ls as sls
-from rstar import inversions
+from rstar.budgets import CostBudget, information_cost, softmax_fit_cost
 from rstar.datasets import make_attention_task, softmax_attention
-from rstar.estimators import make_inversion
-from rstar.exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
+from rstar.exceptions import IllConditionedInversionWarning, InversionFallbackWarning, UnidentifiableRankWarning
 from rstar.inversions import (
+    DEFAULT_NULL_DRAWS,
     QueryKeyInversion,
+    SimulatedNull,
     SoftmaxLeastSquaresInversion,
+    make_inversion,
     merge_stats,
     nearest_kronecker_product,
 )
+from rstar.inversions.softmax_least_squares import softmax_fit_blocker, softmax_fit_sizes_fit
 
 
 def _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05, seed=0, **kw):
@@ -89,10 +92,11 @@ def test_statistic_carries_null_draws():
     stats = inv.new_stats(10, 5, 4)
     inv.update(stats, X, Y)
     ws = inv.whiten(stats)
-    assert ws.null_draws.shape == (inversions.NULL_DRAWS, 5, 5) and ws.statistic_matrix.shape == (5, 5)
-    np.testing.assert_allclose(np.linalg.svd(ws.statistic_matrix, compute_uv=False) ** 2 / 5, ws.eigenvalues)
+    assert ws.inversion == "softmax_least_squares" and isinstance(ws.null, SimulatedNull)
+    assert ws.null.draws.shape == (DEFAULT_NULL_DRAWS, 5, 5) and ws.null.statistic_matrix.shape == (5, 5)
+    np.testing.assert_allclose(np.linalg.svd(ws.null.statistic_matrix, compute_uv=False) ** 2 / 5, ws.eigenvalues)
     # the draws' whitened noise is close to white at the residual variance (Gaussian tokens)
-    assert np.mean(ws.null_draws**2) == pytest.approx(ws.noise_variance, rel=0.3)
+    assert np.mean(ws.null.draws**2) == pytest.approx(ws.noise_variance, rel=0.3)
 
 
 @pytest.mark.parametrize("known_v", [False, True])
@@ -122,17 +126,19 @@ def test_rstar_softmax_v_unknown_recovers_rank(tokens, T, d):
     with warnings.catch_warnings():
         warnings.simplefilter("error", IllConditionedInversionWarning)
         est = RStarEstimator(operator="softmax").fit(X, Y)
-    assert isinstance(est._inv, SoftmaxLeastSquaresInversion) and est._inv.fit_possible(est._stats)
+    assert est.inversion_ == "softmax_least_squares" and est.null_model_ == "simulated"
     assert est.rank_ == 3
-    # the simulated null's smallest p-value is 1 / (NULL_DRAWS + 1)
-    assert est.p_values_[:3].max() <= 1.0 / (inversions.NULL_DRAWS + 1) and est.p_values_[3] > 0.01
+    # the simulated null's smallest p-value is 1 / (DEFAULT_NULL_DRAWS + 1)
+    assert est.p_values_[:3].max() <= 1.0 / (DEFAULT_NULL_DRAWS + 1) and est.p_values_[3] > 0.01
 
 
 def test_known_v_beyond_the_exact_inversion_recovers_rank():
     # T > 0.9 min(d, d_v): the exact inversion is ill-conditioned, the least squares is not
     X, Y, t = _task(n=400, T=16, d=8, d_v=8, rank=3, noise=0.1, logit_scale=3.0)
     est = RStarEstimator(operator="softmax", value_map=t.value_map).fit(X, Y)
-    assert isinstance(est._inv, SoftmaxLeastSquaresInversion) and est._inv.value_map is not None
+    assert est.inversion_ == "softmax_least_squares"
+    # V is known to the fit: its residual has n T d_v - d^2 degrees of freedom (not - d d_v more)
+    assert est.statistic_.null.noise_dof == SoftmaxLeastSquaresInversion.residual_dof(400, 16, 8, 8, True)
     assert est.rank_ == 3
 
 
@@ -151,27 +157,39 @@ def test_null_false_alarms_and_p_values():
     assert 0.05 <= np.mean(p0 < 0.5) <= 0.8 and np.mean(p0 < 0.05) <= 0.2
 
 
-@pytest.mark.parametrize("budget, cost", [("MAX_SOFTMAX_FIT_COST", 16 * 16 * 12 * 300),
-                                          ("MAX_SOFTMAX_INFORMATION_COST",
-                                           300 * 16 * (6**4 / 4 + 6**3 * 3) + 6**5 * 6 + 6**6)])
-def test_over_budget_is_the_first_order_inversion(monkeypatch, budget, cost):
+@pytest.mark.parametrize("n,T,d,d_v,binding", [(300, 16, 6, 6, "fit"), (300, 4, 16, 16, "information")])
+def test_compute_budget_binds_at_the_larger_cost(n, T, d, d_v, binding):
+    # one compute budget bounds both the fit (512 n T^2 (d + d_v)) and the information of K; the fit runs
+    # exactly while the larger of the two is within it
+    fit, info = softmax_fit_cost(n, T, d, d_v), information_cost(n, T, d, d_v)
+    assert (fit > info) == (binding == "fit")
+    cost = max(fit, info)
+    assert softmax_fit_blocker(n, T, d, d_v, budget=CostBudget(multiply_adds=cost)) is None
+    assert softmax_fit_sizes_fit(n, T, d, d_v, budget=CostBudget(multiply_adds=cost))
+    why = softmax_fit_blocker(n, T, d, d_v, budget=CostBudget(multiply_adds=cost - 1))
+    assert why is not None and ("information of K" in why) == (binding == "information")
+
+
+def test_over_budget_is_the_first_order_inversion():
     X, Y, _ = _task(n=300, T=16, d=6, d_v=6, rank=2, noise=0.05)
-    monkeypatch.setattr(inversions, budget, cost)
-    inv = SoftmaxLeastSquaresInversion()
+    cost = softmax_fit_cost(300, 16, 6, 6)   # 512 n T^2 (d + d_v): above the information's cost here
+    assert cost == 512 * 16 * 16 * 12 * 300
+    inv = SoftmaxLeastSquaresInversion(budget=CostBudget(multiply_adds=cost))
     stats = inv.new_stats(16, 6, 6)
     inv.update(stats, X, Y)
     assert inv.fit_possible(stats)
-    monkeypatch.setattr(inversions, budget, cost - 1)
-    inv = SoftmaxLeastSquaresInversion()
+    inv = SoftmaxLeastSquaresInversion(budget=CostBudget(multiply_adds=cost - 1))
     stats = inv.new_stats(16, 6, 6)
     inv.update(stats, X, Y)
-    assert not inv.fit_possible(stats)
+    assert not inv.fit_possible(stats) and inv.default_run(stats) == "softmax_first_order"
     ref = QueryKeyInversion(centred=True, residual_noise=False)
     ref_stats = ref.new_stats(16, 6, 6)
     ref.update(ref_stats, X, Y)
     np.testing.assert_allclose(inv.whiten(stats).eigenvalues, ref.whiten(ref_stats).eigenvalues)
-    est = RStarEstimator(operator="softmax").fit(X, Y)
-    assert est.rank_ == 2 and not est._inv.fit_possible(est._stats)
+    with pytest.warns(InversionFallbackWarning, match="softmax_least_squares inversion not used: the fit on 300 "
+                      "samples exceeds the compute budget"):
+        est = RStarEstimator(operator="softmax", compute_budget=cost - 1).fit(X, Y)
+    assert est.rank_ == 2 and est.inversion_ == "softmax_first_order"
 
 
 def test_too_few_residual_dof_is_the_first_order_inversion():
@@ -191,14 +209,15 @@ def test_partial_fit_and_merge_equal_fit():
     # the fit runs on samples scaled to unit RMS, so the first batch's scaling does not move it
     np.testing.assert_allclose(part.spectrum_, full.spectrum_, rtol=1e-6)
     inv = SoftmaxLeastSquaresInversion()
+    x_scale, y_scale = np.sqrt(np.mean(X**2)), np.sqrt(np.mean(Y**2))   # the estimator's internal units
     shards = []
     for s in (slice(0, 151), slice(151, 300)):
         st = inv.new_stats(10, 5, 4)
-        inv.update(st, X[s] / full._x_scale, Y[s] / full._y_scale)
+        inv.update(st, X[s] / x_scale, Y[s] / y_scale)
         shards.append(st)
     ws = inv.whiten(merge_stats(*shards))
     # shards split by their own parity: the samples come in another order (round-off only)
-    np.testing.assert_allclose(ws.eigenvalues * full._y_scale**2, full.spectrum_, rtol=1e-6)
+    np.testing.assert_allclose(ws.eigenvalues * y_scale**2, full.spectrum_, rtol=1e-6)
 
 
 def test_predict_uses_the_rank_constrained_fit():
@@ -220,8 +239,10 @@ def test_non_convergence_is_warned_and_falls_back_to_first_order(monkeypatch):
     monkeypatch.setattr(sls, "SOFTMAX_MAX_ITER", 2)
     with pytest.warns(UnidentifiableRankWarning, match="L-BFGS.*Fallback in use: the first-order inversion"):
         est = RStarEstimator(operator="softmax").fit(X, Y)
-    monkeypatch.setattr(inversions, "MAX_SOFTMAX_FIT_COST", 0)   # the first-order inversion
-    ref = RStarEstimator(operator="softmax").fit(X, Y)
+    assert est.inversion_ == "softmax_first_order" and "L-BFGS" in est.inversion_reason_
+    with pytest.warns(InversionFallbackWarning, match="exceeds the compute budget"):
+        ref = RStarEstimator(operator="softmax", compute_budget=1).fit(X, Y)   # the first-order inversion
+    assert ref.inversion_ == "softmax_first_order"
     assert est.rank_ == ref.rank_
     np.testing.assert_allclose(est.spectrum_, ref.spectrum_, rtol=1e-12)
 
@@ -236,7 +257,7 @@ def test_method_option():
         make_inversion("linear_qk", shape=(8, 6, 6), method="least_squares")
     X, Y, _ = _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05)
     est = SoftmaxInversionEstimator(method="least_squares").fit(X, Y)
-    assert isinstance(est._inv, SoftmaxLeastSquaresInversion) and est.rank_ == 2
+    assert est.inversion_ == "softmax_least_squares" and est.rank_ == 2
 
 
 def test_no_value_signal_is_the_first_order_inversion():
@@ -252,7 +273,9 @@ def test_no_value_signal_is_the_first_order_inversion():
     ref_stats = ref.new_stats(16, 6, 6)
     ref.update(ref_stats, X, Y)
     np.testing.assert_allclose(inv.whiten(stats).eigenvalues, ref.whiten(ref_stats).eigenvalues)
-    assert RStarEstimator(operator="softmax").fit(X, Y).rank_ == 0
+    with pytest.warns(UnidentifiableRankWarning, match="no value signal"):
+        est = RStarEstimator(operator="softmax").fit(X, Y)
+    assert est.rank_ == 0 and est.inversion_ == "softmax_first_order"
     # with a value signal the test rejects
     X, Y, _ = _task(n=400, T=16, d=6, d_v=6, rank=0, noise=0.3)
     stats = inv.new_stats(16, 6, 6)
@@ -266,7 +289,9 @@ def test_linear_qk_data_fall_back_to_first_order_with_a_warning():
     X, Y = make_attention_task(400, kind="linear_qk", seq_len=24, n_features=8, rank=3, noise=0.05, random_state=0)
     with pytest.warns(UnidentifiableRankWarning, match="do not follow softmax"):
         est = RStarEstimator().fit(X, Y)
-    assert est.rank_ == 3 and est._inv.fit_possible(est._stats)
+    # the fit ran (within the budgets) and failed the model check
+    assert est.rank_ == 3 and est.inversion_ == "softmax_first_order"
+    assert "do not follow softmax" in est.inversion_reason_
     assert est.spectrum_.shape == (8,) and est.n_columns_ > 8   # the first-order statistic, not the Wald one
 
 
@@ -276,4 +301,5 @@ def test_softmax_data_pass_the_misfit_check():
         X, Y, _ = _task(n=400, T=24, d=6, d_v=6, rank=3, noise=0.05, token_distribution=tokens, logit_scale=4.0)
         stats = inv.new_stats(24, 6, 6)
         inv.update(stats, X, Y)
-        assert inv.whiten(stats).null_draws is not None
+        ws = inv.whiten(stats)
+        assert ws.inversion == "softmax_least_squares" and isinstance(ws.null, SimulatedNull)

@@ -10,8 +10,9 @@ from scipy import linalg
 from rstar import RStarEstimator, _bilinear
 from rstar import _value_error as ve
 from rstar.datasets import make_attention_task
-from rstar.inversions import QueryKeyCrossFitInversion, QueryKeyLeastSquaresInversion
-from rstar.rules import _simulated_null_result, simulated_null_p_values
+from rstar.inversions import CrossFitNull, QueryKeyCrossFitInversion, QueryKeyLeastSquaresInversion
+from rstar.rules import simulated_null_p_values
+from rstar.rules.simulated import simulated_null_result
 
 
 def _spd(rng, d):
@@ -155,10 +156,11 @@ def test_cross_fit_carries_the_value_maps_error_in_both_directions():
     X, Y = make_attention_task(600, kind="linear_qk", seq_len=6, n_features=12, rank=3, noise=0.05,
                                random_state=0)
     ws = _cross_fit(X, Y)
-    for w in (ws, ws.cross_fit):
-        assert isinstance(w.null_shift, ve.ValueMapErrorLeak)
-        q, _ = simulated_null_p_values(w.statistic_matrix, w.null_draws, 0.01)
-        q_shift, _ = simulated_null_p_values(w.statistic_matrix, w.null_draws, 0.01, null_shift=w.null_shift)
+    assert isinstance(ws.null, CrossFitNull) and len(ws.null.directions) == 2
+    for w in ws.null.directions:
+        assert isinstance(w.shift, ve.ValueMapErrorLeak)
+        q, _ = simulated_null_p_values(w.statistic_matrix, w.draws, 0.01)
+        q_shift, _ = simulated_null_p_values(w.statistic_matrix, w.draws, 0.01, null_shift=w.shift)
         assert q_shift[0] == q[0]
         assert np.all(q_shift[:4] >= q[:4] - 2e-3)   # the shift widens the null (up to Monte Carlo noise)
     with warnings.catch_warnings():
@@ -169,17 +171,17 @@ def test_cross_fit_carries_the_value_maps_error_in_both_directions():
 def test_a_given_noise_level_scales_the_value_maps_error_too():
     X, Y = make_attention_task(600, kind="linear_qk", seq_len=6, n_features=12, rank=3, noise=0.05,
                                random_state=0)
-    ws = _cross_fit(X, Y)
-    own = _simulated_null_result(ws, None, 0.01, None)
-    same = _simulated_null_result(ws, ws.noise_variance, 0.01, None)
+    null = _cross_fit(X, Y).null.directions[0]
+    own = simulated_null_result(null, None, 0.01, None)
+    same = simulated_null_result(null, null.noise_variance, 0.01, None)
     np.testing.assert_allclose(same.p_values, own.p_values)
     factors = []
-    scaled = type(ws.null_shift).scaled
+    scaled = type(null.shift).scaled
 
     def spy(self, factor):
         factors.append(factor)
         return scaled(self, factor)
 
-    ws.null_shift.scaled = spy.__get__(ws.null_shift)
-    _simulated_null_result(ws, 4 * ws.noise_variance, 0.01, None)
+    null.shift.scaled = spy.__get__(null.shift)
+    simulated_null_result(null, 4 * null.noise_variance, 0.01, None)
     assert factors == [pytest.approx(2.0)]   # the same factor as the noise draws' (sqrt of the level's ratio)
