@@ -524,7 +524,7 @@ _FITTED_DOC = """
         about ``10 alpha``. Not affected by a forced ``rank``.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
-    components_ : ndarray of shape (rank_, T) or (rank_, d)
+    components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)
         Orthonormal basis of the recovered subspace (range of A, or of K).
     statistic_ : WhitenedStatistic
         The whitened statistic the rule read, with its null model
