@@ -160,6 +160,10 @@ def test_cross_fit_fallbacks_name_their_budget():
     messages = _fallbacks(_fit(est, X, Y))
     assert est.inversion_ == "query_key_first_order" and "compute budget" in messages[0]
     assert ref.inversion_ == "query_key_cross_fit"
+    # memory for its d^2 x d^2 normal matrices: 8^4 entries = 32 KiB, over half a 32 KiB budget
+    est = RStarEstimator("linear_qk", memory_budget=2**15)
+    messages = _fallbacks(_fit(est, X, Y))
+    assert est.inversion_ == "query_key_first_order" and "normal matrices" in messages[0]
 
 
 def test_exact_softmax_over_memory_budget():
