@@ -189,13 +189,14 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             raise ValueError(f"fit_from needs a fitted rstar data-only estimator, got {type(fitted).__name__}.")
         self._validate_params_()
         mine = self._inversion_config(fitted._dims, fitted._x_scale, fitted._y_scale)
-        theirs = fitted._inversion_config(fitted._dims, fitted._x_scale, fitted._y_scale)
+        # what fitted's statistic was built with (its parameters may have changed since)
+        theirs = fitted._config
         if not _same_config(mine, theirs):
             raise ValueError(f"{type(self).__name__} would build a different inversion than {type(fitted).__name__} "
                              "(operator, method, value map, budgets, random_state, n_null_draws or predict_sums "
                              "differ): fit it on the data instead.")
         for attr in ("n_features_in_", "_dims", "_y_ndim", "_x_scale", "_y_scale", "_inv", "_stats", "_budget",
-                     "_seed", "_value_map_internal"):
+                     "_seed", "_value_map_internal", "_config", "_method_used", "_operator_used"):
             setattr(self, attr, getattr(fitted, attr))
         self._whitened = getattr(fitted, "_whitened", None)
         self._shared_statistic = fitted._shared_statistic = True
@@ -240,6 +241,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                                        n_null_draws=self.n_null_draws, predict_sums=self.predict_sums)
             self._stats = self._inv.new_stats(T, d, d_v)
             self._shared_statistic = False
+            # what defines the inversion is frozen at the first batch (set_params between batches cannot change it)
+            self._config = self._inversion_config(self._dims, self._x_scale, self._y_scale)
+            self._method_used, self._operator_used = self._method(), self._get_operator()
         else:
             T0, d0, dv0 = self._dims
             if d != d0:
@@ -250,6 +254,10 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             if T != T0:
                 raise ValueError(f"X has T={T} tokens, but earlier batches had T={T0}; partial_fit batches "
                                  "must share the sequence length.")
+            if not _same_config(self._inversion_config(self._dims, self._x_scale, self._y_scale), self._config):
+                raise ValueError("a parameter that defines the inversion (operator, method, value_map, budgets, "
+                                 "random_state, n_null_draws, predict_sums) changed since the first partial_fit "
+                                 "batch: call fit to start again with the new parameters.")
             if self._shared_statistic:
                 # the sums came from another estimator (fit_from): continue from a copy
                 self._stats = copy.deepcopy(self._stats)
@@ -266,8 +274,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
 
     def _choose(self):
         """The inversion for the samples seen so far (:func:`rstar.inversions.choose_inversion`)."""
-        choice = choose_inversion(self._get_operator(), value_map_known=self._value_map_internal is not None,
-                                  shape=self._dims, n_samples=self._stats["n"], method=self._method(),
+        choice = choose_inversion(self._operator_used, value_map_known=self._value_map_internal is not None,
+                                  shape=self._dims, n_samples=self._stats["n"], method=self._method_used,
                                   budget=self._budget)
         if choice.name not in self._inv.produces:   # pragma: no cover - a bug, not a user error
             raise RuntimeError(f"{type(self._inv).__name__} cannot produce the {choice.name} statistic.")
@@ -323,11 +331,23 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self.components_ = ws.components(self.rank_)
         self.n_samples_seen_ = int(self._stats["n"])
         self.inversion_ = ws.inversion
-        self.inversion_reason_ = choice.reason if ws.inversion == choice.name else _fallback_message(ws)
+        if ws.inversion != choice.name:
+            self.inversion_reason_ = _fallback_message(ws)
+        elif choice.is_fallback:
+            self.inversion_reason_ = choice.messages()[0]
+        else:
+            self.inversion_reason_ = choice.reason
         self.null_model_ = ws.null.kind
         self.noise_source_ = "user" if user_noise is not None else ws.null.noise_source
         # the closed-form operator costs several times the rank estimate: built on first use
         self._operator_cache = {}
+
+    def __getstate__(self):
+        # the cached whitened statistic holds the null draws and d^2 x d^2 factors: recomputed on demand
+        # (deterministically, from the seed) rather than pickled
+        state = super().__getstate__()
+        state.pop("_whitened", None)
+        return state
 
     @property
     def statistic_(self):
@@ -435,7 +455,10 @@ _COMMON_PARAMS_DOC = """
         ``fit``; a ``RandomState`` is drawn from once per fit.
     n_null_draws : int, default=1000
         Draws of the simulated null (least-squares inversions): the smallest
-        p-value is ``1 / (n_null_draws + 1)``; time and memory grow linearly.
+        p-value is ``1 / (n_null_draws + 1)`` (``2 / (n_null_draws + 1)`` for
+        the cross-fitted union), so it must exceed about ``1 / alpha``
+        (``2 / alpha``) or no spike could be detected: fit then raises.
+        Time and memory grow linearly.
     memory_budget : int, default=536870912
         Bytes (512 MiB) an inversion may keep beyond its ``O(d^2)`` sums:
         the samples of a least-squares fit, or (half of it each) moment sums
@@ -539,7 +562,8 @@ _FITTED_DOC = """
         of :data:`rstar.inversions.INVERSIONS`; decided by
         :func:`rstar.inversions.choose_inversion`).
     inversion_reason_ : str
-        Why that inversion ran.
+        Why that inversion ran: the choice's reason, or, after a fallback,
+        the message of the warning that says why the preferred one did not.
     null_model_ : str
         The null model the rule tested against: ``"wishart"``,
         ``"structured_bulk"``, ``"simulated"`` or ``"cross_fit_union"``.

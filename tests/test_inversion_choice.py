@@ -73,7 +73,7 @@ def test_linear_qk_known_value_map_branch_and_its_sample_fallback():
     messages = _fallbacks(_fit(est, X[:6], Y[:6]))
     assert est.inversion_ == "query_key_first_order" and len(messages) == 1
     assert "query_key_least_squares inversion not used" in messages[0] and "too few" in messages[0]
-    assert est.inversion_reason_.startswith("M_i = X_i^+ Y_i")
+    assert est.inversion_reason_.startswith("query_key_least_squares inversion not used")
 
 
 @pytest.mark.parametrize("T, d_v", [(6, 8), (16, 4)])   # T <= d, and T > d with d_v < d
@@ -245,9 +245,9 @@ def test_random_state_seeds_the_null_draws():
 
 def test_n_null_draws_sets_the_smallest_p_value():
     X, Y, t = _qk(300, 6, 8, 8, rank=1)
-    est = RStarEstimator("linear_qk", value_map=t.value_map, n_null_draws=199).fit(X, Y)
-    assert est.statistic_.null.n_draws == 199
-    assert est.p_values_[0] == pytest.approx(1 / 200)
+    est = RStarEstimator("linear_qk", value_map=t.value_map, n_null_draws=399).fit(X, Y)
+    assert est.statistic_.null.n_draws == 399
+    assert est.p_values_[0] == pytest.approx(1 / 400)
 
 
 @pytest.mark.parametrize("params", [dict(n_null_draws=0), dict(memory_budget=0), dict(compute_budget=0.5),
@@ -350,3 +350,75 @@ def test_the_documented_decision_table_is_current():
     spec.loader.exec_module(module)
     text = Path(module.PAGE).read_text()
     assert module.BEGIN in text and module.render(text) == text
+
+
+# -- found in review ---------------------------------------------------------------------------------------
+
+
+def test_too_few_null_draws_raise_instead_of_reading_zero():
+    X, Y, t = _qk(300, 6, 8, 8)
+    with pytest.raises(ValueError, match="n_null_draws=300 gives p-values of at least"):
+        RStarEstimator("linear_qk", value_map=t.value_map, n_null_draws=300).fit(X, Y)   # 1/301 > 0.003
+    with pytest.raises(ValueError, match="n_null_draws=500"):
+        RStarEstimator("linear_qk", n_null_draws=500).fit(X, Y)   # cross-fit union: 2/501 > 0.003
+    est = MPRankEstimator("linear_qk", value_map=t.value_map, n_null_draws=300).fit(X, Y)   # alpha = 0.01
+    assert est.rank_ == 2 and est.rank_interval_[0] <= est.rank_ <= est.rank_interval_[1]
+
+
+def test_fit_from_compares_what_the_statistic_was_built_with():
+    X, Y, t = _qk(300, 6, 8, 8)
+    ref = RStarEstimator("linear_qk", value_map=t.value_map).fit(X, Y)
+    ref.set_params(n_null_draws=50)   # after the fit: its statistic still has 1000 draws
+    with pytest.raises(ValueError, match="different inversion"):
+        RStarEstimator("linear_qk", value_map=t.value_map, n_null_draws=50).fit_from(ref)
+    assert RStarEstimator("linear_qk", value_map=t.value_map).fit_from(ref).rank_ == 2
+
+
+def test_parameters_of_the_inversion_cannot_change_between_batches():
+    X, Y = make_attention_task(200, seq_len=12, n_features=6, rank=2, noise=0.05, random_state=0)
+    est = RStarEstimator().partial_fit(X[:100], Y[:100])
+    est.set_params(operator="linear_qk")
+    with pytest.raises(ValueError, match="changed since the first partial_fit batch"):
+        est.partial_fit(X[100:], Y[100:])
+    est.set_params(operator="softmax", alpha=0.01)   # a rule parameter may change
+    assert est.partial_fit(X[100:], Y[100:]).n_samples_seen_ == 200
+
+
+def test_all_zero_outputs_with_a_known_value_map():
+    X, _, t = make_attention_task(100, seq_len=8, n_features=6, rank=2, random_state=0, return_teacher=True)
+    est = RStarEstimator(value_map=t.value_map)
+    caught = _fit(est, X, np.zeros((100, 8, 6)))
+    assert est.rank_ == 0 and est.inversion_ == "softmax_first_order"
+    assert any("all zero" in m for _, m in caught)
+
+
+def test_fallback_reason_is_recorded_and_pickles_stay_small():
+    X, Y, t = _qk(300, 6, 8, 8)
+    est = MPRankEstimator("linear_qk", value_map=t.value_map, memory_budget=2**15).fit(X, Y)
+    assert est.inversion_reason_.startswith("query_key_least_squares inversion not used")
+    full = RStarEstimator("linear_qk", value_map=t.value_map).fit(X, Y)
+    assert full.statistic_.null.draws.shape[0] == 1000
+    restored = pickle.loads(pickle.dumps(full))
+    assert "_whitened" not in vars(restored) and restored.rank_ == full.rank_
+    np.testing.assert_array_equal(restored.statistic_.eigenvalues, full.statistic_.eigenvalues)
+
+
+def test_softmax_least_squares_checks_its_information_memory():
+    from rstar.inversions.softmax_least_squares import softmax_fit_blocker
+
+    # 100 samples of 4 tokens keep in 150 KiB, but the 24^4-entry information needs 2.5 MiB > half of 4 MiB
+    reason = softmax_fit_blocker(100, 4, 24, 24, budget=CostBudget(memory_bytes=4 * 2**20))
+    assert reason is not None and "information of K" in reason and "memory" in reason
+    assert softmax_fit_blocker(100, 4, 24, 24) is None
+
+
+def test_merge_refuses_statistics_accumulated_differently():
+    from rstar.inversions import TokenInversion, merge_stats
+
+    X, Y = make_linear_proxy(100, random_state=0)
+    a, b = TokenInversion(), TokenInversion(budget=CostBudget(memory_bytes=2**18))
+    sa, sb = a.new_stats(16, 12, 12), b.new_stats(16, 12, 12)
+    a.update(sa, X, Y)
+    b.update(sb, X, Y)
+    with pytest.raises(ValueError, match="accumulated differently"):
+        merge_stats(sa, sb)

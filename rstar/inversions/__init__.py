@@ -108,8 +108,10 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
         Seed of the simulations (null draws, random starts).
     n_null_draws : int or None
     predict_sums : bool, default=True
-        Accumulate the query–key moment sums behind ``predict``'s closed-form operator (``d^4`` entries);
-        False saves their memory and time (``rank_`` is unchanged; ``predict`` then raises).
+        Accumulate the first-order query–key moment sums behind ``predict``'s closed-form operator (``d^4``
+        entries); False saves their memory and time (``rank_`` is unchanged; ``predict`` then raises where it
+        needs them). No effect on the inversions whose operator comes from the statistic's own sums (token,
+        query–key least squares, exact softmax) or from the kept samples (least-squares softmax, when it ran).
 
     Returns
     -------
@@ -149,4 +151,4 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
                                  **opts)
     if name == "softmax_exact":
         return SoftmaxExactInversion(value_map, clip=clip, **opts)
-    return SoftmaxLeastSquaresInversion(value_map, **opts)
+    return SoftmaxLeastSquaresInversion(value_map, predict_sums=predict_sums, **opts)

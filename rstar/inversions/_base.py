@@ -167,6 +167,9 @@ def merge_stats(a, b):
     >>> merged["n"], round(float(inv.whiten(merged).noise_variance), 4)
     (400, 0.0025)
     """
+    if a.keys() != b.keys():
+        raise ValueError(f"cannot merge statistics accumulated differently (e.g. under different budgets): keys "
+                         f"{sorted(set(a) ^ set(b))} are in one only.")
     out = {}
     for key in a:
         if key in ("dims", "sample_budget_bytes"):

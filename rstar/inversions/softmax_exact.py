@@ -175,11 +175,12 @@ class SoftmaxExactInversion(Inversion):
                                                  mp_shaped_bulk=False),
                                      self.name, (SplitHalfEvidence(null, tau2),), warnings, "log-attention")
         # a half too small to solve: fit the bulk's level and width instead
+        why = (f"a half of the {stats['n']} samples is too small to solve the exact softmax inversion (each needs "
+               f"{self.min_samples(*stats['dims'])})" if null is None else
+               "the split-half noise draw is degenerate (its median eigenvalue is 0)")
         warnings.append((UnidentifiableRankWarning,
-                         f"a half of the {stats['n']} samples is too small to solve the exact softmax inversion "
-                         f"(each needs {self.min_samples(*stats['dims'])}), so no split-half draw sets the noise "
-                         "level. Fallback in use: the bulk's level and width are fitted to the spectrum; "
-                         "more samples give the split-half noise level."))
+                         f"{why}, so no split-half draw sets the noise level. Fallback in use: the bulk's level "
+                         "and width are fitted to the spectrum; more samples give the split-half noise level."))
         return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d),
                                  StructuredBulkNull(None, float(max(dof, 0)), "fitted bulk", mp_shaped_bulk=False),
                                  self.name, (SplitHalfEvidence(null, tau2),), warnings, "log-attention")

@@ -36,6 +36,9 @@ def softmax_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDG
                 f"at T={T}, d={d}, d_v={d_v}")
     if not budget.allows_samples(n, T, d, d_v):
         return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
+    if not budget.allows_kernel_matrix(d):
+        return (f"the information of K (d^2 x d^2 at d={d}, {8 * d**4 / 2**20:.4g} MiB) exceeds half the memory "
+                f"budget ({budget.describe()})")
     if not budget.allows_compute(softmax_fit_cost(n, T, d, d_v)):
         return f"the fit on {n} samples exceeds the compute budget ({budget.describe()})"
     if not budget.allows_compute(information_cost(n, T, d, d_v, not value_map_known)):
@@ -108,9 +111,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
 
     name = "softmax_least_squares"
 
-    def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None):
+    def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, predict_sums=True):
         super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
-                         n_null_draws=n_null_draws)
+                         n_null_draws=n_null_draws, predict_sums=predict_sums)
 
     @property
     def produces(self):
@@ -146,7 +149,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         return float(f_dist.sf((explained / (d * d_v)) / (resid / dof), d * d_v, dof))
 
     def _value_signal(self, stats, Y):
-        """A known V, or the F test of ``V = 0`` rejects at ``VALUE_SIGNAL_ALPHA``."""
+        """Outputs not all zero, and a known V or the F test of ``V = 0`` rejects at ``VALUE_SIGNAL_ALPHA``."""
+        if not np.any(Y):
+            return False
         return self.value_map is not None or self.value_signal_p_value(stats, Y) <= VALUE_SIGNAL_ALPHA
 
     def whiten(self, stats, run=None):
@@ -159,6 +164,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
                              "budget.")
         T, d, d_v = stats["dims"]
         X, Y = self._samples(stats)
+        if not np.any(Y):
+            return with_warning(first_order(stats), UnidentifiableRankWarning,
+                "the outputs Y are all zero: there is no signal to fit. Fallback in use: the first-order "
+                "inversion (rank_ 0).")
         if not self._value_signal(stats, Y):
             # no value signal: the first-order inversion's null is calibrated without one
             return with_warning(first_order(stats), UnidentifiableRankWarning,

@@ -127,8 +127,19 @@ def _direction_p_values(null, noise_variance, alpha, max_rank):
     return q, cuts, sigma2, draws.shape[0]
 
 
+def _check_draws_can_reject(n_draws, n_tests, alpha):
+    """ValueError unless the smallest Monte Carlo p-value, ``n_tests / (n_draws + 1)``, is below ``alpha``."""
+    smallest = n_tests / (n_draws + 1.0)
+    if smallest >= alpha:
+        need = int(np.ceil(n_tests / alpha))
+        raise ValueError(f"n_null_draws={n_draws} gives p-values of at least {smallest:.4g} "
+                         f"({n_tests} / (n_null_draws + 1)), not below alpha={alpha:g}: no spike could ever be "
+                         f"detected. Use n_null_draws >= {need} (1000 is the default).")
+
+
 def simulated_null_result(null, noise_variance, alpha, max_rank):
     """The rule's result on a statistic with a :class:`~rstar.inversions.SimulatedNull`."""
+    _check_draws_can_reject(null.n_draws, 1, alpha)
     q, cuts, sigma2, n_draws = _direction_p_values(null, noise_variance, alpha, max_rank)
     return _result_from_p_values(null, q, cuts, sigma2, alpha, 1, n_draws)
 
@@ -141,6 +152,7 @@ def cross_fit_union_result(null, noise_variance, alpha, max_rank):
     half's fit (``poor_fit``) is left out, the other still at alpha / 2, so that the rejections stay a subset
     of the union's.
     """
+    _check_draws_can_reject(min(d.n_draws for d in null.directions), 2, alpha)
     directions = [w for w in null.directions if not w.poor_fit] or list(null.directions)
     tested = [_direction_p_values(w, noise_variance, alpha, max_rank) for w in directions]
     q = _union_p_values(tested[0][0], tested[1][0] if len(tested) > 1 else np.ones(1), alpha)
@@ -155,7 +167,7 @@ def _result_from_p_values(ws, q, cuts, sigma2, alpha, n_tests, n_draws):
     lo, hi = interval_levels(alpha)
     # B draws give Monte Carlo p-values of at least 1/(B+1), times n_tests for a union: a strict level below
     # n_tests/B could never reject, so it is floored there (1/B = alpha/10 at alpha = 1% and B = 1000)
-    lo = max(lo, n_tests / n_draws)
+    lo = min(max(lo, n_tests / n_draws), alpha)
     lam = ws.eigenvalues
     p = lam.size
     threshold = float(cuts[min(rank, len(cuts) - 1)]) if len(cuts) else float(lam[0]) if p else 0.0
