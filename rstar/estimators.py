@@ -196,7 +196,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                              "(operator, method, value map, budgets, random_state, n_null_draws or predict_sums "
                              "differ): fit it on the data instead.")
         for attr in ("n_features_in_", "_dims", "_y_ndim", "_x_scale", "_y_scale", "_inv", "_stats", "_budget",
-                     "_seed", "_value_map_internal", "_config", "_method_used", "_operator_used"):
+                     "_seed", "_value_map_internal", "_config"):
             setattr(self, attr, getattr(fitted, attr))
         self._whitened = getattr(fitted, "_whitened", None)
         self._shared_statistic = fitted._shared_statistic = True
@@ -232,18 +232,17 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             self._y_ndim = 3 if y_ndim == 3 else y_ndim
             self._x_scale = _rms(X)
             self._y_scale = _rms(Y)
-            V = check_value_map(self.value_map, d, d_v)
-            self._value_map_internal = None if V is None else V * (self._x_scale / self._y_scale)
-            self._budget = CostBudget(int(self.memory_budget), float(self.compute_budget))
+            # what defines the inversion is frozen at the first batch (set_params between batches cannot change it)
+            self._config = config = self._inversion_config(self._dims, self._x_scale, self._y_scale)
+            self._value_map_internal = config["value_map"]
+            self._budget = CostBudget(*config["budget"])
             self._seed = _resolve_seed(self.random_state)
-            self._inv = make_inversion(self._get_operator(), self._value_map_internal, shape=(T, d, d_v),
-                                       method=self._method(), clip=self._clip(), budget=self._budget, seed=self._seed,
-                                       n_null_draws=self.n_null_draws, predict_sums=self.predict_sums)
+            self._inv = make_inversion(config["operator"], config["value_map"], shape=(T, d, d_v),
+                                       method=config["method"], clip=config["clip"], budget=self._budget,
+                                       seed=self._seed, n_null_draws=config["n_null_draws"],
+                                       predict_sums=config["predict_sums"])
             self._stats = self._inv.new_stats(T, d, d_v)
             self._shared_statistic = False
-            # what defines the inversion is frozen at the first batch (set_params between batches cannot change it)
-            self._config = self._inversion_config(self._dims, self._x_scale, self._y_scale)
-            self._method_used, self._operator_used = self._method(), self._get_operator()
         else:
             T0, d0, dv0 = self._dims
             if d != d0:
@@ -274,8 +273,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
 
     def _choose(self):
         """The inversion for the samples seen so far (:func:`rstar.inversions.choose_inversion`)."""
-        choice = choose_inversion(self._operator_used, value_map_known=self._value_map_internal is not None,
-                                  shape=self._dims, n_samples=self._stats["n"], method=self._method_used,
+        config = self._config
+        choice = choose_inversion(config["operator"], value_map_known=config["value_map"] is not None,
+                                  shape=self._dims, n_samples=self._stats["n"], method=config["method"],
                                   budget=self._budget)
         if choice.name not in self._inv.produces:   # pragma: no cover - a bug, not a user error
             raise RuntimeError(f"{type(self._inv).__name__} cannot produce the {choice.name} statistic.")

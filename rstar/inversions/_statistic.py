@@ -65,7 +65,17 @@ class NullModel:
 
 
 @dataclass
-class WishartNull(NullModel):
+class _BulkNull(NullModel):
+    """The fields the two bulk null models share (see :class:`WishartNull`)."""
+
+    noise_variance: float = None
+    noise_dof: float = 0.0
+    noise_source: str = "bulk"
+    min_bulk_columns: float = None
+
+
+@dataclass
+class WishartNull(_BulkNull):
     """White-noise bulk: Marchenko–Pastur with the statistic's ``n_columns`` columns.
 
     Attributes
@@ -93,27 +103,23 @@ class WishartNull(NullModel):
         (:func:`rstar.rules.top_down_p_values`).
     """
 
-    noise_variance: float = None
-    noise_dof: float = 0.0
-    noise_source: str = "bulk"
-    min_bulk_columns: float = None
     leak_ratio: float = None
     mp_shaped_bulk: bool = True
     kind = "wishart"
 
 
 @dataclass
-class StructuredBulkNull(NullModel):
+class StructuredBulkNull(_BulkNull):
     """A bulk wider than white noise, whose level and width rules fit.
 
     Attributes
     ----------
-    noise_variance : float or None
-        A given level of the bulk (only its width is then fitted), or None.
-    noise_dof : float
+    noise_variance, noise_dof, min_bulk_columns
+        As for :class:`WishartNull`; a given ``noise_variance`` fixes the
+        bulk's level (only its width is then fitted), and
+        ``min_bulk_columns`` bounds the fitted width.
     noise_source : str
-    min_bulk_columns : float or None
-        Lower bound on the fitted bulk's number of columns.
+        ``"fitted bulk"`` unless ``noise_variance`` is given.
     residual_power : float or None
         First-order softmax inversion with ``T - 1 > d``: the power per
         degree of freedom of the part of ``Y_i`` outside ``col(X_i)``, an
@@ -122,10 +128,7 @@ class StructuredBulkNull(NullModel):
     mp_shaped_bulk : bool
     """
 
-    noise_variance: float = None
-    noise_dof: float = 0.0
     noise_source: str = "fitted bulk"
-    min_bulk_columns: float = None
     residual_power: float = None
     mp_shaped_bulk: bool = True
     kind = "structured_bulk"
