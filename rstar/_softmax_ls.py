@@ -16,7 +16,9 @@ which :class:`rstar.inversions.SoftmaxLeastSquaresInversion` draws its null.
 import numpy as np
 from scipy import optimize
 
+from ._backend import NUMPY
 from ._linalg import solve_psd
+from .streaming import ArraySamples, Samples
 
 #: L-BFGS stops once an iteration lowers the residual sum of squares by less than this many times its
 #: value per observation (about the noise variance): an optimiser's error far below the noise's, whose
@@ -29,17 +31,19 @@ SOFTMAX_LOSS_TOL = 0.01
 #: (r* = 4 and 50) converged within 4000 and read r* exactly (196 and 348 s).
 SOFTMAX_MAX_ITER = 4000
 
-#: Float entries of one chunk's attention weights (``chunk T^2``) or information terms (``chunk T d^2``).
-CHUNK_ENTRIES = 2**20
-
-#: The attention weights of all samples are kept between the two passes of a loss evaluation up to this many entries.
+#: The attention weights of all samples are kept between the two passes of a loss evaluation up to this many
+#: entries (samples in memory only; otherwise every pass recomputes them).
 MAX_CACHED_WEIGHTS = 2**23
 
 
-def _transposed(A):
-    """``A_i^T`` for every sample, contiguous: numpy's stacked matmul is several times slower on a
-    transposed view."""
-    return np.ascontiguousarray(np.swapaxes(A, 1, 2))
+def _as_samples(X, Y):
+    """A :class:`rstar.streaming.Samples` source: ``X`` itself, or the arrays ``(X, Y)`` in memory."""
+    return X if isinstance(X, Samples) else ArraySamples(X, Y)
+
+
+def _attention(ops, X, K):
+    S = (X @ (K / np.sqrt(X.shape[2]))) @ ops.transposed(X)
+    return ops.softmax_rows(S)
 
 
 def attention_weights(X, K):
@@ -54,17 +58,60 @@ def attention_weights(X, K):
     -------
     S : ndarray of shape (n, T, T)
     """
-    S = (X @ (K / np.sqrt(X.shape[2]))) @ _transposed(X)
-    # row-wise softmax in place (one (n, T, T) array instead of scipy.special.softmax's temporaries)
-    S -= S.max(axis=-1, keepdims=True)
-    np.exp(S, out=S)
-    S /= S.sum(axis=-1, keepdims=True)
-    return S
+    return _attention(NUMPY, X, K)
 
 
-def _chunks(n, per_sample):
-    step = max(1, CHUNK_ENTRIES // max(per_sample, 1))
-    return [slice(s, min(s + step, n)) for s in range(0, n, step)]
+# -- per-chunk terms (written once for numpy and torch: rstar._backend) ---------------------------------------
+
+
+def _value_terms(ops, X, Y, K):
+    """A chunk's attention weights S, ``Z = S X`` and their shares of the value map's normal equations."""
+    d, d_v = X.shape[2], Y.shape[2]
+    S = _attention(ops, X, K)
+    Z = S @ X
+    Zf = Z.reshape(-1, d)
+    return S, Z, Zf.T @ Zf, Zf.T @ Y.reshape(-1, d_v)
+
+
+def value_map_sums(X, Y, K, ops=NUMPY):
+    """A chunk's ``(sum Z_i^T Z_i, sum Z_i^T Y_i)`` with ``Z_i = S_i X_i`` (numpy in and out)."""
+    _, _, gram, cross = _value_terms(ops, ops.asarray(X), ops.asarray(Y), ops.asarray(K))
+    return ops.to_numpy(gram), ops.to_numpy(cross)
+
+
+def _residual(ops, X, Y, K, V, kept=None):
+    """A chunk's attention weights and residual ``Y - S X V`` (through ``Z = S X`` where kept or d <= d_v)."""
+    S, Z = kept if kept is not None else (_attention(ops, X, K), None)
+    if Z is None and X.shape[2] <= V.shape[1]:
+        Z = S @ X
+    return S, Y - (Z @ V if Z is not None else S @ (X @ V))
+
+
+def _loss_terms(ops, X, Y, K, V, kept=None):
+    """A chunk's residual sum of squares and its gradient in K (before the ``1 / sqrt(d)``)."""
+    d = X.shape[2]
+    S, R = _residual(ops, X, Y, K, V, kept)
+    f = ops.scalar((R**2).sum())
+    # dL/dS = -2 R (X V)^T, its T x T product through d or d_v, whichever is smaller
+    if d < V.shape[1]:
+        dS = (R @ (-2.0 * V.T)) @ ops.transposed(X)
+    else:
+        dS = R @ ops.transposed(-2.0 * (X @ V))
+    # dA = S o (dS - rowsum(S o dS))
+    dS = (dS - ops.einsum("nts,nts->nt", dS, S, optimize=False)[..., None]) * S
+    return f, X.reshape(-1, d).T @ (dS @ X).reshape(-1, d)
+
+
+def loss_sums(X, Y, K, V, ops=NUMPY):
+    """A chunk's ``(rss, gradient sum)`` at ``(K, V)`` (numpy in and out)."""
+    f, grad = _loss_terms(ops, ops.asarray(X), ops.asarray(Y), ops.asarray(K), ops.asarray(V))
+    return f, ops.to_numpy(grad)
+
+
+def residual_sum(X, Y, K, V, ops=NUMPY):
+    """A chunk's residual sum of squares at ``(K, V)``."""
+    _, R = _residual(ops, ops.asarray(X), ops.asarray(Y), ops.asarray(K), ops.asarray(V))
+    return ops.scalar((R**2).sum())
 
 
 class SoftmaxLeastSquaresLoss:
@@ -76,26 +123,34 @@ class SoftmaxLeastSquaresLoss:
     orthogonal to every change of V). The gradient back-propagates
     ``dL/dS_i = -2 R_i (X_i V)^T`` through the row-wise softmax:
     ``dL/dK = sum_i X_i^T [S_i o (dL/dS_i - rowsum(S_i o dL/dS_i))] X_i / sqrt(d)``.
-    One evaluation costs ``O(n T^2 (d + d_v))``.
+    One evaluation costs ``O(n T^2 (d + d_v))``: one pass over the samples
+    with V known, two with V profiled (the second reuses the first's
+    attention weights where the samples are in memory and they fit
+    ``MAX_CACHED_WEIGHTS``).
 
     Parameters
     ----------
-    X : ndarray of shape (n, T, d)
-    Y : ndarray of shape (n, T, d_v)
+    X : ndarray of shape (n, T, d), or rstar.streaming.Samples
+        The tokens, or a source of ``(X, Y)`` chunks read at every evaluation
+        (then ``Y`` is None): batches or dask arrays never held in memory.
+    Y : ndarray of shape (n, T, d_v) or None
     value_map : ndarray of shape (d, d_v) or None
         Known V; None profiles it out.
     basis : ndarray of shape (k, d) or None
         Orthonormal rows Q: the loss is then a function of the ``k x d``
         matrix M with ``K = Q^T M`` (a fit of rank at most k).
+    ops : back-end operations, default=numpy
+        :func:`rstar._backend.resolve_backend` of a device.
     """
 
-    def __init__(self, X, Y, value_map=None, basis=None):
-        self.X, self.Y = X, Y
-        self.d = X.shape[2]
+    def __init__(self, X, Y=None, value_map=None, basis=None, ops=NUMPY):
+        self.samples = _as_samples(X, Y)
+        self.T, self.d, self.d_v = self.samples.dims
         self.known_value_map = value_map
         self.basis = basis
-        self._parts = _chunks(X.shape[0], X.shape[1] ** 2)
-        self._cache = X.shape[0] * X.shape[1] ** 2 <= MAX_CACHED_WEIGHTS
+        self.ops = ops
+        in_memory = isinstance(self.samples, ArraySamples)
+        self._cache = in_memory and self.samples.n_samples * self.T**2 <= MAX_CACHED_WEIGHTS
         self.n_evaluations = 0
 
     def kernel(self, m):
@@ -105,63 +160,68 @@ class SoftmaxLeastSquaresLoss:
             return np.reshape(m, (d, d))
         return self.basis.T @ np.reshape(m, (self.basis.shape[0], d))
 
-    def _value_map(self, K, keep):
-        """V for kernel K and, per chunk, its ``(S, Z = S X)`` if ``keep`` (else None)."""
-        if self.known_value_map is not None:
-            return self.known_value_map, [None] * len(self._parts)
-        d = self.d
-        gram, cross, kept = np.zeros((d, d)), np.zeros((d, self.Y.shape[2])), []
-        for part in self._parts:
-            S = attention_weights(self.X[part], K)
-            Z = S @ self.X[part]
-            gram += Z.reshape(-1, d).T @ Z.reshape(-1, d)
-            cross += Z.reshape(-1, d).T @ self.Y[part].reshape(-1, self.Y.shape[2])
-            kept.append((S, Z) if keep else None)
-        return solve_psd(gram, cross), kept
+    def _cached_value_map(self, K):
+        """V for kernel K and, per chunk, the device arrays ``(X, Y, (S, Z))`` (samples in memory)."""
+        ops, kept = self.ops, []
+        gram, cross = None, None
+        Kd = ops.asarray(K)
+        for X, Y in self.samples.chunks(self.T**2):
+            Xd, Yd = ops.asarray(X), ops.asarray(Y)
+            S, Z, g, c = _value_terms(ops, Xd, Yd, Kd)
+            gram = g if gram is None else gram + g
+            cross = c if cross is None else cross + c
+            kept.append((Xd, Yd, (S, Z)))
+        V = self.known_value_map
+        if V is None:
+            V = solve_psd(ops.to_numpy(gram), ops.to_numpy(cross))
+        return V, kept
 
-    def _residual(self, part, K, V, kept):
-        """The chunk's attention weights and residual ``Y - S X V`` (through ``Z = S X`` where kept or d <= d_v)."""
-        Xb = self.X[part]
-        S, Z = kept if kept is not None else (attention_weights(Xb, K), None)
-        if Z is None and self.d <= V.shape[1]:
-            Z = S @ Xb
-        return S, self.Y[part] - (Z @ V if Z is not None else S @ (Xb @ V))
+    def _value_map(self, K):
+        """V for kernel K: the known one, or the least squares (one pass)."""
+        if self.known_value_map is not None:
+            return self.known_value_map
+        gram, cross = self.samples.map_sum(value_map_sums, self.T**2, K, self.ops)
+        return solve_psd(gram, cross)
 
     def value_map(self, K):
         """The value map for kernel K (the known one, or the least-squares one) and the residual
         sum of squares: ``(V, rss)``."""
         K = np.asarray(K, dtype=float)
-        V, kept = self._value_map(K, keep=self._cache)
-        rss = sum(float(np.sum(self._residual(part, K, V, c)[1] ** 2)) for part, c in zip(self._parts, kept))
-        return V, rss
+        if self._cache and self.known_value_map is None:
+            V, kept = self._cached_value_map(K)
+            ops = self.ops
+            Kd, Vd = ops.asarray(K), ops.asarray(V)
+            rss = 0.0
+            for X, Y, c in kept:
+                rss += ops.scalar((_residual(ops, X, Y, Kd, Vd, c)[1] ** 2).sum())
+            return V, rss
+        V = self._value_map(K)
+        return V, float(self.samples.map_sum(residual_sum, self.T**2, K, V, self.ops))
 
     def __call__(self, m):
         """``(f, grad f)`` at the parameter vector m (row-major ``vec K``, or ``vec M`` with a basis)."""
         self.n_evaluations += 1
         K = self.kernel(m)
-        V, kept = self._value_map(K, keep=self._cache)
-        d = self.d
-        f, grad = 0.0, np.zeros((d, d))
-        for part, c in zip(self._parts, kept):
-            Xb = self.X[part]
-            S, R = self._residual(part, K, V, c)
-            f += float(np.sum(R**2))
-            # dL/dS = -2 R (X V)^T, its T x T product through d or d_v, whichever is smaller
-            if d < V.shape[1]:
-                dS = (R @ (-2.0 * V.T)) @ _transposed(Xb)
-            else:
-                dS = R @ _transposed(-2.0 * (Xb @ V))
-            # dA = S o (dS - rowsum(S o dS)), in place
-            dS -= np.einsum("nts,nts->nt", dS, S)[..., None]
-            dS *= S
-            grad += Xb.reshape(-1, d).T @ (dS @ Xb).reshape(-1, d)
-        grad /= np.sqrt(d)
+        d, ops = self.d, self.ops
+        if self._cache and self.known_value_map is None:
+            V, kept = self._cached_value_map(K)
+            Kd, Vd = ops.asarray(K), ops.asarray(V)
+            f, grad = 0.0, None
+            for X, Y, c in kept:
+                fc, gc = _loss_terms(ops, X, Y, Kd, Vd, c)
+                f += fc
+                grad = gc if grad is None else grad + gc
+            grad = ops.to_numpy(grad)
+        else:
+            V = self._value_map(K)
+            f, grad = self.samples.map_sum(loss_sums, self.T**2, K, V, ops)
+        grad = grad / np.sqrt(d)
         if self.basis is not None:
             grad = self.basis @ grad
-        return f, grad.ravel()
+        return float(f), grad.ravel()
 
 
-def fit_softmax_least_squares(X, Y, value_map=None, K0=None, basis=None, max_iter=None):
+def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, max_iter=None, ops=NUMPY):
     """Least-squares ``(K, V)`` of ``Y_i ~ softmax(X_i K X_i^T / sqrt(d)) X_i V`` by L-BFGS.
 
     Starts from ``K0`` (default ``0``: uniform attention, where the gradient
@@ -171,8 +231,9 @@ def fit_softmax_least_squares(X, Y, value_map=None, K0=None, basis=None, max_ite
 
     Parameters
     ----------
-    X : ndarray of shape (n, T, d)
-    Y : ndarray of shape (n, T, d_v)
+    X : ndarray of shape (n, T, d), or rstar.streaming.Samples
+        The tokens, or a source of chunks read at every evaluation (``Y`` None).
+    Y : ndarray of shape (n, T, d_v) or None
     value_map : ndarray of shape (d, d_v) or None
         Known V; None fits it too (profiled).
     K0 : ndarray of shape (d, d) or None
@@ -181,6 +242,7 @@ def fit_softmax_least_squares(X, Y, value_map=None, K0=None, basis=None, max_ite
         projection ``Q^T Q K0``.
     max_iter : int or None, default=None
         None means ``SOFTMAX_MAX_ITER``.
+    ops : back-end operations, default=numpy
 
     Returns
     -------
@@ -201,13 +263,14 @@ def fit_softmax_least_squares(X, Y, value_map=None, K0=None, basis=None, max_ite
     >>> converged, bool(np.linalg.norm(K - t.kernel) < 0.05 * np.linalg.norm(t.kernel))
     (True, True)
     """
-    d = X.shape[2]
+    loss = SoftmaxLeastSquaresLoss(X, Y, value_map, basis, ops)
+    d = loss.d
     max_iter = SOFTMAX_MAX_ITER if max_iter is None else int(max_iter)
-    loss = SoftmaxLeastSquaresLoss(X, Y, value_map, basis)
+    n_obs = loss.samples.n_samples * loss.T * loss.d_v
     K0 = np.zeros((d, d)) if K0 is None else np.asarray(K0, dtype=float)
     m0 = K0 if basis is None else basis @ K0
     res = optimize.minimize(loss, m0.ravel(), jac=True, method="L-BFGS-B",
-                            options={"maxiter": max_iter, "gtol": 0.0, "ftol": SOFTMAX_LOSS_TOL / Y.size,
+                            options={"maxiter": max_iter, "gtol": 0.0, "ftol": SOFTMAX_LOSS_TOL / n_obs,
                                      "maxcor": 20})
     K = loss.kernel(res.x)
     V, rss = loss.value_map(K)
@@ -226,7 +289,7 @@ def information_matrix_cost(n, T, d, d_v, value_map_fitted=True):
     return cost
 
 
-def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True):
+def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True, ops=NUMPY):
     """The Gauss–Newton information of the row-major ``vec K`` (``d^2 x d^2``), V profiled out if fitted.
 
     The model's change along ``dK`` is, on token t of sample i,
@@ -245,16 +308,19 @@ def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True):
 
     Parameters
     ----------
-    X : ndarray of shape (n, T, d)
+    X : ndarray of shape (n, T, d), or rstar.streaming.Samples
+        The tokens, or a source of chunks (one pass).
     K : ndarray of shape (d, d)
     V : ndarray of shape (d, d_v)
     value_map_fitted : bool, default=True
+    ops : back-end operations, default=numpy
 
     Returns
     -------
     F : ndarray of shape (d * d, d * d)
     """
-    d = X.shape[2]
+    samples = X if isinstance(X, Samples) else ArraySamples(X, None)
+    T, d = samples.dims[:2]
     if V.shape[1] > d:
         # F depends on V only through V V^T (C_it = D_it V with D_it symmetric d x d), so a
         # d x d factor of V V^T gives the same information at a cost in min(d, d_v).
@@ -267,29 +333,8 @@ def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True):
     n_upper = upper[0].size
     # With d_v > d / 2 the cross term is cheaper on the upper triangle of D_it, times V at the end.
     through_d = value_map_fitted and n_upper < d * d_v
-    rearranged = np.zeros((n_upper, n_upper))  # [(a<=c), (b<=e)] = sum x_a x_c (C C^T)_be
-    cross = np.zeros((d * d, n_upper if through_d else d * d_v))  # [(a, c), (b<=e)] = sum x_a m_c D_be
-    m_gram = np.zeros((d, d))                                     # or [(a, c), (b, v)] = sum x_a m_c C_bv
-    for part in _chunks(X.shape[0], X.shape[1] * d * d):
-        Xb = X[part]
-        S = attention_weights(Xb, K)
-        SX = S @ Xb
-        if through_d:
-            D = np.einsum("nts,nsa,nsb->ntab", S, Xb, Xb, optimize=True) - np.einsum("nta,ntb->ntab", SX, SX)
-            D = D.reshape(-1, d, d)
-            C = D @ V
-        else:
-            W = Xb @ V
-            C = np.einsum("nts,nsa,nsv->ntav", S, Xb, W, optimize=True) - np.einsum("nta,ntv->ntav", SX, S @ W)
-            C = C.reshape(-1, d, d_v)
-        x = Xb.reshape(-1, d)
-        CC = np.einsum("nav,nbv->nab", C, C, optimize=True)
-        rearranged += (x[:, upper[0]] * x[:, upper[1]]).T @ CC[:, upper[0], upper[1]]
-        if value_map_fitted:
-            m = SX.reshape(-1, d)
-            xm = np.einsum("na,nc->nac", x, m).reshape(-1, d * d)
-            cross += xm.T @ (D[:, upper[0], upper[1]] if through_d else C.reshape(-1, d * d_v))
-            m_gram += m.T @ m
+    rearranged, cross, m_gram = samples.map_sum(information_sums, T * d * d, K, V, value_map_fitted, through_d,
+                                                ops)
     pair = np.empty((d, d), dtype=np.intp)
     pair[upper] = pair[upper[::-1]] = np.arange(n_upper)
     if through_d:
@@ -304,3 +349,32 @@ def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True):
         G = np.einsum("kcv,cj->kjv", F_KV, U[:, keep] / np.sqrt(w[keep]), optimize=True).reshape(d * d, -1)
         F = F - G @ G.T
     return (F + F.T) / 2
+
+
+def information_sums(X, Y, K, V, value_map_fitted, through_d, ops=NUMPY):
+    """A chunk's shares of :func:`softmax_kernel_information_matrix`: the rearranged Kronecker sum
+    ``[(a<=c), (b<=e)] = sum x_a x_c (C C^T)_be``, the cross term with V (``[(a, c), (b<=e)] = sum x_a m_c D_be``
+    through d, or ``[(a, c), (b, v)] = sum x_a m_c C_bv``) and ``sum m m^T`` (zeros where V is known)."""
+    d, d_v = X.shape[2], V.shape[1]
+    upper = np.triu_indices(d)
+    up0, up1 = ops.index(upper[0]), ops.index(upper[1])
+    Xb, Kd, Vd = ops.asarray(X), ops.asarray(K), ops.asarray(V)
+    S = _attention(ops, Xb, Kd)
+    SX = S @ Xb
+    if through_d:
+        D = ops.einsum("nts,nsa,nsb->ntab", S, Xb, Xb) - ops.einsum("nta,ntb->ntab", SX, SX)
+        D = D.reshape(-1, d, d)
+        C = D @ Vd
+    else:
+        W = Xb @ Vd
+        C = ops.einsum("nts,nsa,nsv->ntav", S, Xb, W) - ops.einsum("nta,ntv->ntav", SX, S @ W)
+        C = C.reshape(-1, d, d_v)
+    x = Xb.reshape(-1, d)
+    CC = ops.einsum("nav,nbv->nab", C, C)
+    rearranged = (x[:, up0] * x[:, up1]).T @ CC[:, up0, up1]
+    if not value_map_fitted:
+        return ops.to_numpy(rearranged), np.zeros((d * d, d * d_v)), np.zeros((d, d))
+    m = SX.reshape(-1, d)
+    xm = ops.einsum("na,nc->nac", x, m).reshape(-1, d * d)
+    cross = xm.T @ (D[:, up0, up1] if through_d else C.reshape(-1, d * d_v))
+    return ops.to_numpy(rearranged), ops.to_numpy(cross), ops.to_numpy(m.T @ m)

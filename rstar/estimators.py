@@ -26,12 +26,14 @@ from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted
 
+from ._backend import check_device, resolve_backend
 from ._validation import check_positive, check_rank_param, check_tokens, check_value_map, check_X_Y
 from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
 from .exceptions import InversionFallbackWarning
-from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion
+from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
 from .metrics import token_r2_score
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
+from .streaming import BatchSamples, DaskSamples, is_dask_collection
 
 __all__ = [
     "NumericalRankEstimator",
@@ -60,6 +62,7 @@ _SHARED_CONSTRAINTS = {
     "memory_budget": [Interval(Integral, 1, None, closed="left")],
     "compute_budget": [Interval(Real, 1, None, closed="left")],
     "predict_sums": ["boolean"],
+    "device": "no_validation",   # validated by rstar._backend.check_device (imports torch only when needed)
 }
 
 
@@ -98,6 +101,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         for name in ("rank", "max_rank"):
             check_rank_param(getattr(self, name), name)   # bools are refused
         check_positive(self.noise_variance, "noise_variance")
+        check_device(self.device)
         self._validate_rule_params()
 
     def _validate_rule_params(self):
@@ -131,11 +135,177 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         Returns
         -------
         self
+
+        Notes
+        -----
+        ``X`` and ``Y`` may be ``dask.array`` arrays (chunked along the
+        samples): each chunk's sums are then computed where it lives and
+        reduced by dask's tree reduction (a ``distributed`` cluster
+        included), and an inversion that needs more than the sums reads the
+        chunks again in passes (:meth:`fit_batches`).
         """
-        for attr in ("_stats", "_inv", "_whitened", "_shared_statistic"):
+        self._reset()
+        if is_dask_collection(X) or is_dask_collection(Y):
+            import dask.array as da
+
+            X, Y = (A if is_dask_collection(A) else da.from_array(np.asarray(A)) for A in (X, Y))
+            return self._fit_samples(DaskSamples(X, Y))
+        return self._fit_batch(X, Y)
+
+    def _reset(self):
+        for attr in ("_stats", "_inv", "_whitened", "_shared_statistic", "_samples_read_in_passes"):
             if hasattr(self, attr):
                 delattr(self, attr)
-        return self._fit_batch(X, Y)
+
+    def fit_batches(self, batches):
+        """Estimate r* from samples given in batches, read in as many passes as the inversion needs.
+
+        The first pass accumulates the sums every inversion is built on
+        (memory independent of the number of samples, as with
+        :meth:`partial_fit`). Where the inversion needs the samples
+        themselves, they are kept if they fit ``memory_budget`` (the result is
+        then that of ``partial_fit`` over the same batches); if they do not,
+        the least-squares softmax fit reads the batches again at every
+        evaluation of its loss (``O(n T^2 (d + d_v))`` each, usually tens to a
+        few hundred passes) instead of falling back to first order, and the
+        other inversions that need their samples (the query–key cross-fit,
+        the linear proxy's split-half statistic beyond its moment sums) fall
+        back with an :class:`~rstar.exceptions.InversionFallbackWarning` as
+        ``partial_fit`` does. The internal units are set by the first batch.
+
+        Parameters
+        ----------
+        batches : list of (X, Y) pairs, or callable
+            ``(X_b, Y_b)`` pairs of shapes ``(n_b, T, d)`` and
+            ``(n_b, T, d_v)``, or a function of no arguments returning a fresh
+            iterable of them at each call (e.g. ``lambda: read(files)``); every
+            pass must yield the same samples in the same order
+            (:class:`rstar.streaming.BatchSamples`).
+
+        Returns
+        -------
+        self
+
+        Examples
+        --------
+        >>> from rstar import RStarEstimator
+        >>> from rstar.datasets import make_attention_task
+        >>> X, Y = make_attention_task(1000, seq_len=32, n_features=16, rank=3, random_state=0)
+        >>> batches = lambda: ((X[i:i + 250], Y[i:i + 250]) for i in range(0, 1000, 250))
+        >>> est = RStarEstimator(memory_budget=2**20).fit_batches(batches)   # 1 MiB: the samples are not kept
+        >>> est.rank_, est.inversion_
+        (3, 'softmax_least_squares')
+        """
+        self._reset()
+        return self._fit_samples(BatchSamples(batches))
+
+    def new_shard(self):
+        """An empty copy of this fitted estimator, in its units and configuration, to ``partial_fit`` on a shard
+        of the data and :meth:`merge` back (map-reduce).
+
+        Returns
+        -------
+        shard : estimator
+            Unfitted sums (no sample seen) with this estimator's internal units
+            and inversion.
+
+        Examples
+        --------
+        >>> from rstar import MPRankEstimator
+        >>> from rstar.datasets import make_linear_proxy
+        >>> X, Y = make_linear_proxy(900, rank=3, random_state=0)
+        >>> est = MPRankEstimator().partial_fit(X[:300], Y[:300])
+        >>> shard = est.new_shard().partial_fit(X[300:], Y[300:])   # e.g. on another machine
+        >>> est.merge(shard).n_samples_seen_, est.rank_ == MPRankEstimator().fit(X, Y).rank_
+        (900, True)
+        """
+        check_is_fitted(self, "rank_")
+        shard = copy.copy(self)
+        shard._stats = self._inv.new_stats(*self._dims)
+        shard._shared_statistic = False
+        shard._whitened = None
+        shard._samples_read_in_passes = False
+        for attr in [a for a in vars(shard) if a.endswith("_") and not a.startswith("_") and a != "n_features_in_"]:
+            delattr(shard, attr)
+        return shard
+
+    def merge(self, *shards):
+        """Add the sums of other estimators fitted on other samples: afterwards this estimator is fitted on all
+        of them (equal to :meth:`fit` on the union up to round-off and the order of the samples).
+
+        Parameters
+        ----------
+        *shards : estimators
+            Made by :meth:`new_shard` of this estimator (or of one of its
+            shards) and fitted with ``partial_fit``: the same units and
+            inversion.
+
+        Returns
+        -------
+        self
+
+        Raises
+        ------
+        ValueError
+            A shard in other units or with another inversion.
+        """
+        check_is_fitted(self, "rank_")
+        for shard in (self,) + shards:
+            if getattr(shard, "_samples_read_in_passes", False):
+                raise ValueError("cannot merge an estimator that read its samples in passes (fit_batches or dask "
+                                 "arrays): its least-squares fit needs them, and they were not kept.")
+        for shard in shards:
+            if not isinstance(shard, _RankEstimator) or not hasattr(shard, "_stats"):
+                raise ValueError(f"merge needs shards fitted with partial_fit, got {type(shard).__name__}.")
+            if (shard._x_scale, shard._y_scale) != (self._x_scale, self._y_scale) or not _same_config(
+                    shard._config, self._config):
+                raise ValueError("cannot merge a shard in other units or with another inversion: make each shard "
+                                 "with new_shard() of one fitted estimator, then partial_fit it.")
+        if self._shared_statistic:
+            self._stats = copy.deepcopy(self._stats)
+            self._shared_statistic = False
+        for shard in shards:
+            self._stats = merge_stats(self._stats, shard._stats)
+        self._whitened = None
+        self._finalize()
+        return self
+
+    def _fit_samples(self, samples):
+        """Fit from a :class:`rstar.streaming.Samples` source: one pass of sums, then the kept samples or the
+        source read in passes."""
+        self._validate_params_()
+        if isinstance(samples, DaskSamples):
+            self._start(*samples.block(0))
+            stats = _dask_statistic(self._inv, samples, self._x_scale, self._y_scale)
+            self._stats = merge_stats(self._stats, stats)
+        else:
+            for k, (X, Y) in enumerate(samples.batches()):
+                X, Y = self._validated(X, Y)
+                if k == 0:
+                    self._start(X, Y)
+                    _stop_keeping_samples(self._stats)
+                else:
+                    self._check_next(X, Y)
+                self._inv.update(self._stats, X / self._x_scale, Y / self._y_scale)
+            if not hasattr(self, "_stats"):
+                raise ValueError("batches gave no (X, Y) batch.")
+        n, (T, d, d_v) = self._stats["n"], self._dims
+        samples.set_shape(n, self._dims).with_scales(self._x_scale, self._y_scale)
+        passes = False
+        if "samples_odd" in self._stats:
+            if self._budget.allows_samples(n, T, d, d_v):
+                # within the budget: keep them, as partial_fit would
+                self._stats["samples_odd"], self._stats["samples_even"] = samples.halves()
+            else:
+                passes = bool(getattr(self._inv, "reads_sample_passes", False))
+        self._samples_read_in_passes = passes
+        self._check_enough_samples()
+        self._finalize(samples if passes else None)
+        if passes and self.predict_sums:
+            # the operator needs the samples too: fitted now, while they can be read
+            self._operator_cache["operator"] = self._inv.fit_operator(
+                self._stats, self.components_, samples=samples, ops=resolve_backend(self.device))
+        return self
 
     def partial_fit(self, X, Y):
         """Add a batch of samples; after the last batch the fitted attributes
@@ -196,7 +366,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                              "(operator, method, value map, budgets, random_state, n_null_draws or predict_sums "
                              "differ): fit it on the data instead.")
         for attr in ("n_features_in_", "_dims", "_y_ndim", "_x_scale", "_y_scale", "_inv", "_stats", "_budget",
-                     "_seed", "_value_map_internal", "_config"):
+                     "_seed", "_value_map_internal", "_config", "_samples_read_in_passes"):
             setattr(self, attr, getattr(fitted, attr))
         self._whitened = getattr(fitted, "_whitened", None)
         self._shared_statistic = fitted._shared_statistic = True
@@ -213,8 +383,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                     seed=_resolve_seed(self.random_state) if not hasattr(self.random_state, "randint") else None,
                     n_null_draws=int(self.n_null_draws), predict_sums=bool(self.predict_sums))
 
-    def _fit_batch(self, X, Y):
-        self._validate_params_()
+    def _validated(self, X, Y):
+        """``(X, Y)`` as 3-D float arrays (a 2-D X read as T = 1, a 1-D Y as one output); records Y's ndim."""
         if Y is not None and not hasattr(Y, "ndim"):
             Y = np.asarray(Y)
         if X is not None and not hasattr(X, "ndim"):
@@ -223,51 +393,77 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         if y_ndim == 1 and np.asarray(X).ndim == 2:
             Y = np.asarray(Y)[:, None]
         X, Y = check_X_Y(X, Y)
+        self._last_y_ndim = 3 if y_ndim == 3 else y_ndim
+        return X, Y
+
+    def _start(self, X, Y):
+        """Set up from the first batch: dimensions, internal units, the frozen configuration and the inversion."""
+        if not isinstance(X, np.ndarray) or X.ndim != 3:
+            X, Y = self._validated(X, Y)
         n, T, d = X.shape
         d_v = Y.shape[2]
-        first = not hasattr(self, "_stats")
-        if first:
-            self.n_features_in_ = d
-            self._dims = (T, d, d_v)
-            self._y_ndim = 3 if y_ndim == 3 else y_ndim
-            self._x_scale = _rms(X)
-            self._y_scale = _rms(Y)
-            # what defines the inversion is frozen at the first batch (set_params between batches cannot change it)
-            self._config = config = self._inversion_config(self._dims, self._x_scale, self._y_scale)
-            self._value_map_internal = config["value_map"]
-            self._budget = CostBudget(*config["budget"])
-            self._seed = _resolve_seed(self.random_state)
-            self._inv = make_inversion(config["operator"], config["value_map"], shape=(T, d, d_v),
-                                       method=config["method"], clip=config["clip"], budget=self._budget,
-                                       seed=self._seed, n_null_draws=config["n_null_draws"],
-                                       predict_sums=config["predict_sums"])
-            self._stats = self._inv.new_stats(T, d, d_v)
-            self._shared_statistic = False
+        self.n_features_in_ = d
+        self._dims = (T, d, d_v)
+        self._y_ndim = getattr(self, "_last_y_ndim", 3)
+        self._x_scale = _rms(X)
+        self._y_scale = _rms(Y)
+        # what defines the inversion is frozen at the first batch (set_params between batches cannot change it)
+        self._config = config = self._inversion_config(self._dims, self._x_scale, self._y_scale)
+        self._value_map_internal = config["value_map"]
+        self._budget = CostBudget(*config["budget"])
+        self._seed = _resolve_seed(self.random_state)
+        self._inv = make_inversion(config["operator"], config["value_map"], shape=(T, d, d_v),
+                                   method=config["method"], clip=config["clip"], budget=self._budget,
+                                   seed=self._seed, n_null_draws=config["n_null_draws"],
+                                   predict_sums=config["predict_sums"])
+        self._stats = self._inv.new_stats(T, d, d_v)
+        self._shared_statistic = False
+        self._samples_read_in_passes = False
+
+    def _check_next(self, X, Y):
+        """A later batch must match the first one's shape and the configuration frozen then."""
+        n, T, d = X.shape
+        d_v = Y.shape[2]
+        T0, d0, dv0 = self._dims
+        if d != d0:
+            raise ValueError(f"X has {d} features, but {type(self).__name__} is expecting {d0} features "
+                             "as input (from the first partial_fit batch).")
+        if d_v != dv0:
+            raise ValueError(f"Y has {d_v} output features, but earlier batches had d_v={dv0}.")
+        if T != T0:
+            raise ValueError(f"X has T={T} tokens, but earlier batches had T={T0}; partial_fit batches "
+                             "must share the sequence length.")
+        if not _same_config(self._inversion_config(self._dims, self._x_scale, self._y_scale), self._config):
+            raise ValueError("a parameter that defines the inversion (operator, method, value_map, budgets, "
+                             "random_state, n_null_draws, predict_sums) changed since the first partial_fit "
+                             "batch: call fit to start again with the new parameters.")
+
+    def _check_enough_samples(self):
+        n_total = self._stats["n"]
+        need = self._inv.min_samples(*self._dims)
+        if n_total < need:
+            raise ValueError(f"Found {n_total} sample(s) so far, but {type(self).__name__} needs at least {need} "
+                             f"samples for this inversion at T={self._dims[0]}, d={self._dims[1]} (got {n_total} "
+                             "sample(s)).")
+
+    def _fit_batch(self, X, Y):
+        self._validate_params_()
+        X, Y = self._validated(X, Y)
+        if not hasattr(self, "_stats"):
+            self._start(X, Y)
         else:
-            T0, d0, dv0 = self._dims
-            if d != d0:
-                raise ValueError(f"X has {d} features, but {type(self).__name__} is expecting {d0} features "
-                                 "as input (from the first partial_fit batch).")
-            if d_v != dv0:
-                raise ValueError(f"Y has {d_v} output features, but earlier batches had d_v={dv0}.")
-            if T != T0:
-                raise ValueError(f"X has T={T} tokens, but earlier batches had T={T0}; partial_fit batches "
-                                 "must share the sequence length.")
-            if not _same_config(self._inversion_config(self._dims, self._x_scale, self._y_scale), self._config):
-                raise ValueError("a parameter that defines the inversion (operator, method, value_map, budgets, "
-                                 "random_state, n_null_draws, predict_sums) changed since the first partial_fit "
-                                 "batch: call fit to start again with the new parameters.")
+            self._check_next(X, Y)
+            if getattr(self, "_samples_read_in_passes", False):
+                raise ValueError("this estimator read its samples in passes (fit_batches or dask arrays) and did "
+                                 "not keep them, so partial_fit cannot add to its least-squares fit: call "
+                                 "fit_batches again with every batch.")
             if self._shared_statistic:
                 # the sums came from another estimator (fit_from): continue from a copy
                 self._stats = copy.deepcopy(self._stats)
                 self._shared_statistic = False
         self._inv.update(self._stats, X / self._x_scale, Y / self._y_scale)
         self._whitened = None
-        n_total = self._stats["n"]
-        need = self._inv.min_samples(T, d, d_v)
-        if n_total < need:
-            raise ValueError(f"Found {n_total} sample(s) so far, but {type(self).__name__} needs at least {need} "
-                             f"samples for this inversion at T={T}, d={d} (got {n_total} sample(s)).")
+        self._check_enough_samples()
         self._finalize()
         return self
 
@@ -276,24 +472,31 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         config = self._config
         choice = choose_inversion(config["operator"], value_map_known=config["value_map"] is not None,
                                   shape=self._dims, n_samples=self._stats["n"], method=config["method"],
-                                  budget=self._budget)
+                                  budget=self._budget,
+                                  samples_in_memory=not getattr(self, "_samples_read_in_passes", False))
         if choice.name not in self._inv.produces:   # pragma: no cover - a bug, not a user error
             raise RuntimeError(f"{type(self._inv).__name__} cannot produce the {choice.name} statistic.")
         return choice
 
-    def _whiten(self, choice):
+    def _whiten(self, choice, samples=None):
         """The whitened statistic of the chosen inversion, computed once per state of the sums."""
         key = (self._stats["n"], choice.name)
         cached = getattr(self, "_whitened", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        ws = self._inv.whiten(self._stats, choice.name)
+        if getattr(self._inv, "reads_sample_passes", False):
+            if samples is None and getattr(self, "_samples_read_in_passes", False):   # pragma: no cover - kept
+                raise ValueError("the statistic of a fit that read its samples in passes cannot be recomputed "
+                                 "without them: fit again.")
+            ws = self._inv.whiten(self._stats, choice.name, samples=samples, ops=resolve_backend(self.device))
+        else:
+            ws = self._inv.whiten(self._stats, choice.name)
         self._whitened = (key, ws)
         return ws
 
-    def _finalize(self):
+    def _finalize(self, samples=None):
         choice = self._choose()
-        ws = self._whiten(choice)
+        ws = self._whiten(choice, samples)
         notes = [(InversionFallbackWarning, message) for message in choice.messages()]
         log_domain = ws.units == "log-attention"
         unit = 1.0 if log_domain else self._y_scale**2
@@ -346,7 +549,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         # the cached whitened statistic holds the null draws and d^2 x d^2 factors: recomputed on demand
         # (deterministically, from the seed) rather than pickled
         state = super().__getstate__()
-        state.pop("_whitened", None)
+        if not state.get("_samples_read_in_passes", False):
+            # (a fit that read its samples in passes keeps it: it could not be recomputed)
+            state.pop("_whitened", None)
         return state
 
     @property
@@ -363,7 +568,11 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         check_is_fitted(self, "rank_")
         cache = self._operator_cache
         if "operator" not in cache:
-            cache["operator"] = self._inv.fit_operator(self._stats, self.components_)
+            if getattr(self._inv, "reads_sample_passes", False):
+                cache["operator"] = self._inv.fit_operator(self._stats, self.components_,
+                                                           ops=resolve_backend(self.device))
+            else:
+                cache["operator"] = self._inv.fit_operator(self._stats, self.components_)
         return cache["operator"]
 
     # -- prediction -----------------------------------------------------------
@@ -424,6 +633,44 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         return token_r2_score(Y, Y_pred)
 
 
+def _stop_keeping_samples(stats):
+    """Keep no samples in these sums (a pass over a source: they are read again, or materialised, after it)."""
+    if "samples_odd" in stats:
+        stats["samples_odd"] = stats["samples_even"] = None
+
+
+def _block_statistic(inv, X, Y, x_scale, y_scale, start):
+    """The sums of one chunk of samples whose global indices start at ``start`` (the split halves follow the
+    global index), without keeping the samples: ``[stats]`` (a dask bag partition)."""
+    X, Y = check_X_Y(X, Y)
+    stats = inv.new_stats(X.shape[1], X.shape[2], Y.shape[2])
+    _stop_keeping_samples(stats)
+    stats["n"] = int(start)
+    inv.update(stats, X / x_scale, Y / y_scale)
+    stats["n"] -= int(start)
+    return [stats]
+
+
+def _merge_all(parts):
+    parts = list(parts)
+    out = parts[0]
+    for part in parts[1:]:
+        out = merge_stats(out, part)
+    return out
+
+
+def _dask_statistic(inv, samples, x_scale, y_scale, split_every=8):
+    """The sums over every chunk of a :class:`rstar.streaming.DaskSamples`, reduced by ``dask.bag``'s tree
+    reduction (each chunk's sums computed where it lives)."""
+    import dask
+    import dask.bag as db
+
+    starts = np.concatenate([[0], np.cumsum(samples.X.chunks[0])[:-1]])
+    parts = [dask.delayed(_block_statistic)(inv, xb, yb, x_scale, y_scale, int(start))
+             for (xb, yb), start in zip(samples.delayed_blocks(), starts)]
+    return db.from_delayed(parts).reduction(_merge_all, _merge_all, split_every=split_every).compute()
+
+
 def _rms(A):
     top = float(np.max(np.abs(A)))
     if top == 0 or not np.isfinite(top):
@@ -471,11 +718,19 @@ _COMMON_PARAMS_DOC = """
     predict_sums : bool, default=True
         Accumulate the moment sums behind ``predict``'s closed-form operator
         (query–key inversions, ``d^4`` entries). False saves their memory and
-        time; ``rank_`` is unchanged and ``predict`` raises."""
+        time; ``rank_`` is unchanged and ``predict`` raises.
+    device : str or torch.device, default="cpu"
+        Where the heavy numerics run (the least-squares softmax fit and its
+        information, which cost ``O(n T^2 (d + d_v))`` per pass): ``"cpu"``
+        is numpy; ``"auto"`` (CUDA when present), ``"cuda"``, ``"cuda:N"``
+        or any ``torch.device`` (``torch.device("cpu")`` included) is torch
+        in float64, which needs the ``torch`` extra. Results agree with the
+        CPU path to round-off (the optimiser's path can then differ in its
+        last iterations). The one-pass sums stay on numpy."""
 
 
 def _init_common(est, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                 predict_sums):
+                 predict_sums, device="cpu"):
     est.rank = rank
     est.max_rank = max_rank
     est.noise_variance = noise_variance
@@ -484,6 +739,7 @@ def _init_common(est, rank, max_rank, noise_variance, random_state, n_null_draws
     est.memory_budget = memory_budget
     est.compute_budget = compute_budget
     est.predict_sums = predict_sums
+    est.device = device
 
 
 def _same_config(a, b):
@@ -607,12 +863,12 @@ class MPRankEstimator(_RankEstimator):
 
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
                  alpha=0.01, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS, memory_budget=DEFAULT_MEMORY_BUDGET,
-                 compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True):
+                 compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.operator = operator
         self.value_map = value_map
         self.alpha = alpha
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums)
+                     predict_sums, device)
 
     def _validate_rule_params(self):
         check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
@@ -679,13 +935,13 @@ class NumericalRankEstimator(_RankEstimator):
 
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
                  tol=None, rtol=1e-2, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
-                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True):
+                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.operator = operator
         self.value_map = value_map
         self.tol = tol
         self.rtol = rtol
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums)
+                     predict_sums, device)
 
     def _validate_rule_params(self):
         check_positive(self.tol, "tol", strict=False)
@@ -741,13 +997,13 @@ class SoftmaxInversionEstimator(MPRankEstimator):
 
     def __init__(self, *, value_map=None, rank=None, max_rank=None, noise_variance=None, alpha=0.01,
                  method="auto", clip=1e-3, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
-                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True):
+                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.value_map = value_map
         self.alpha = alpha
         self.method = method
         self.clip = clip
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums)
+                     predict_sums, device)
 
     def _get_operator(self):
         return "softmax"
@@ -802,10 +1058,11 @@ class RStarEstimator(MPRankEstimator):
 
     def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
                  alpha=RSTAR_ALPHA, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
-                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True):
+                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, noise_variance=noise_variance,
                          alpha=alpha, random_state=random_state, n_null_draws=n_null_draws,
-                         memory_budget=memory_budget, compute_budget=compute_budget, predict_sums=predict_sums)
+                         memory_budget=memory_budget, compute_budget=compute_budget, predict_sums=predict_sums,
+                         device=device)
 
     def _method(self):
         # softmax: least squares on the model itself (first order beyond its budget)

@@ -7,6 +7,7 @@ import pytest
 
 from rstar import RStarEstimator, SoftmaxInversionEstimator
 from rstar import _softmax_ls as sls
+from rstar import streaming
 from rstar.budgets import CostBudget, information_cost, softmax_fit_cost
 from rstar.datasets import make_attention_task, softmax_attention
 from rstar.exceptions import IllConditionedInversionWarning, InversionFallbackWarning, UnidentifiableRankWarning
@@ -58,9 +59,9 @@ def test_loss_is_the_same_with_and_without_the_weight_cache(monkeypatch):
     m = np.random.default_rng(0).standard_normal(25)
     f1, g1 = sls.SoftmaxLeastSquaresLoss(X, Y)(m)
     monkeypatch.setattr(sls, "MAX_CACHED_WEIGHTS", 0)
-    monkeypatch.setattr(sls, "CHUNK_ENTRIES", 7 * 100)   # several chunks
+    monkeypatch.setattr(streaming, "CHUNK_ENTRIES", 7 * 100)   # several chunks
     loss = sls.SoftmaxLeastSquaresLoss(X, Y)
-    assert len(loss._parts) > 1 and not loss._cache
+    assert len(list(loss.samples.chunks(X.shape[1] ** 2))) > 1 and not loss._cache
     f2, g2 = loss(m)
     assert f1 == pytest.approx(f2, rel=1e-12)
     np.testing.assert_allclose(g1, g2, rtol=1e-10, atol=1e-12)

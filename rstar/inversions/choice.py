@@ -91,7 +91,8 @@ def _check_method(operator, method):
                          "('least_squares' is the softmax inversion).")
 
 
-def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, method="auto", budget=None):
+def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, method="auto", budget=None,
+                     samples_in_memory=True):
     """Decide the inversion for an operator, value map, shape, sample count and budget.
 
     Parameters
@@ -112,6 +113,11 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
         beyond its budgets. ``"exact"``: the exact inversion (needs V).
         ``"first_order"``: the first-order inversion.
     budget : CostBudget or None
+    samples_in_memory : bool, default=True
+        False where the samples are read in passes from their source
+        (:meth:`rstar.RStarEstimator.fit_batches`, ``fit`` on dask arrays)
+        instead of kept: the least-squares softmax fit then needs no memory
+        for them (the other inversions that keep samples still do).
 
     Returns
     -------
@@ -143,7 +149,7 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
     if operator == "linear_qk":
         return _choose_query_key(value_map_known, T, d, d_v, n, method, budget)
     if operator == "softmax":
-        return _choose_softmax(value_map_known, T, d, d_v, n, method, budget)
+        return _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_memory)
     raise ValueError(f"operator must be 'linear_proxy', 'linear_qk' or 'softmax', got {operator!r}.")
 
 
@@ -210,7 +216,7 @@ def _first_order_reason(T, d):
     return "M_i = X_i^+ Y_i, biased towards the projections X_i^+ X_i K since T <= d"
 
 
-def _choose_softmax(value_map_known, T, d, d_v, n, method, budget):
+def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_memory=True):
     first = "softmax_first_order"
     if method == "first_order":
         return InversionChoice(first, "asked for (method='first_order')", first)
@@ -226,7 +232,8 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget):
         return InversionChoice("softmax_exact", "asked for (method='exact')", "softmax_exact")
     if method == "least_squares":
         preferred = "softmax_least_squares"
-        blocker = None if n is None else softmax_fit_blocker(n, T, d, d_v, value_map_known, budget)
+        blocker = None if n is None else softmax_fit_blocker(n, T, d, d_v, value_map_known, budget,
+                                                             samples_in_memory)
         if blocker is not None:
             return InversionChoice(first, "first order in the token-centred data", preferred, blocker)
         return InversionChoice(preferred, "least squares of K on the model itself, tested against draws of its "

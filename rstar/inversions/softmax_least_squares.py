@@ -5,7 +5,9 @@ from scipy import linalg
 from scipy.stats import f as f_dist
 
 from .. import _softmax_ls
+from .._backend import NUMPY
 from .._linalg import solve_psd
+from ..streaming import ArraySamples
 from ..budgets import DEFAULT_BUDGET, information_cost, softmax_fit_cost
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, with_warning
@@ -26,15 +28,16 @@ def residual_dof(n, T, d, d_v, value_map_known=False):
     return n * T * d_v - d * d - (0 if value_map_known else d * d_v)
 
 
-def softmax_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
+def softmax_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
     """Why n samples of this shape cannot be fitted by least squares (None if they can): kept within the memory
-    budget, fitted within the compute budget (:func:`rstar.budgets.softmax_fit_cost`), their information
-    formed within it (:func:`rstar.budgets.information_cost`), and ``MIN_NOISE_DOF`` residual degrees of
-    freedom."""
+    budget (unless ``samples_in_memory=False``: the fit then reads them in passes, e.g.
+    :meth:`rstar.RStarEstimator.fit_batches`), fitted within the compute budget
+    (:func:`rstar.budgets.softmax_fit_cost`), their information formed within it
+    (:func:`rstar.budgets.information_cost`), and ``MIN_NOISE_DOF`` residual degrees of freedom."""
     if residual_dof(n, T, d, d_v, value_map_known) < MIN_NOISE_DOF:
         return (f"{n} samples leave fewer than {MIN_NOISE_DOF} residual degrees of freedom for the least squares "
                 f"at T={T}, d={d}, d_v={d_v}")
-    if not budget.allows_samples(n, T, d, d_v):
+    if samples_in_memory and not budget.allows_samples(n, T, d, d_v):
         return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
     if not budget.allows_kernel_matrix(d):
         return (f"the information of K (d^2 x d^2 at d={d}, {8 * d**4 / 2**20:.4g} MiB) exceeds half the memory "
@@ -46,9 +49,9 @@ def softmax_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDG
     return None
 
 
-def softmax_fit_sizes_fit(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
+def softmax_fit_sizes_fit(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
     """Whether n samples of this shape can be fitted by least squares (:func:`softmax_fit_blocker` is None)."""
-    return softmax_fit_blocker(n, T, d, d_v, value_map_known, budget) is None
+    return softmax_fit_blocker(n, T, d, d_v, value_map_known, budget, samples_in_memory) is None
 
 
 class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
@@ -121,62 +124,81 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
 
     residual_dof = staticmethod(residual_dof)
 
-    def fit_possible(self, stats):
-        """Whether the samples were kept and :func:`softmax_fit_sizes_fit` allows the fit."""
-        return self.samples_kept(stats) and softmax_fit_sizes_fit(
-            stats["n"], *stats["dims"], value_map_known=self.value_map is not None, budget=self.budget)
+    #: whiten and fit_operator can read the samples in passes from a rstar.streaming.Samples source
+    reads_sample_passes = True
 
-    def default_run(self, stats):
+    def fit_possible(self, stats, samples=None):
+        """Whether the samples are kept (or given as a source read in passes) and :func:`softmax_fit_sizes_fit`
+        allows the fit."""
+        if samples is None and not self.samples_kept(stats):
+            return False
+        return softmax_fit_sizes_fit(stats["n"], *stats["dims"], value_map_known=self.value_map is not None,
+                                     budget=self.budget, samples_in_memory=samples is None)
+
+    def default_run(self, stats, samples=None):
         """The least squares where :meth:`fit_possible`, else first order."""
-        return self.name if self.fit_possible(stats) else self.first_order_name
+        return self.name if self.fit_possible(stats, samples) else self.first_order_name
 
     @staticmethod
-    def _samples(stats):
+    def _samples(stats, samples=None):
+        """The samples: the source given, else the kept halves (odd then even) as arrays in memory."""
+        if samples is not None:
+            return samples
         parts = [kept_half(stats, key) for key in ("samples_odd", "samples_even") if stats[key]]
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return ArraySamples(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
     def value_signal_p_value(self, stats, Y):
         """p-value of the F test of ``V = 0`` under uniform attention (``Y_i ~ 1 xbar_i^T V``).
 
         Without a value signal the kernel is not identified: the least
         squares then drives K to hard attention that fits the noise.
+
+        Parameters
+        ----------
+        stats : dict
+        Y : ndarray of shape (n, T, d_v), or float
+            The outputs, or their sum of squares.
         """
         T, d, d_v = stats["dims"]
         gram, cross = T * stats["xbar_xbar"], T * stats["xbar_ybar"]
         explained = float(np.sum(cross * solve_psd(gram, cross)))
         dof = stats["n"] * T * d_v - d * d_v
-        resid = max(float(np.sum(Y**2)) - explained, np.finfo(float).tiny)
+        total = float(np.sum(Y**2)) if isinstance(Y, np.ndarray) else float(Y)
+        resid = max(total - explained, np.finfo(float).tiny)
         return float(f_dist.sf((explained / (d * d_v)) / (resid / dof), d * d_v, dof))
 
-    def _value_signal(self, stats, Y):
+    def _value_signal(self, stats, y_power):
         """Outputs not all zero, and a known V or the F test of ``V = 0`` rejects at ``VALUE_SIGNAL_ALPHA``."""
-        if not np.any(Y):
+        if not y_power > 0:
             return False
-        return self.value_map is not None or self.value_signal_p_value(stats, Y) <= VALUE_SIGNAL_ALPHA
+        return self.value_map is not None or self.value_signal_p_value(stats, y_power) <= VALUE_SIGNAL_ALPHA
 
-    def whiten(self, stats, run=None):
-        run = self._check_run(self.default_run(stats) if run is None else run)
+    def whiten(self, stats, run=None, samples=None, ops=NUMPY):
+        """The statistic of ``run``; the least squares reads the kept samples, or ``samples`` (a
+        :class:`rstar.streaming.Samples` source in internal units) in passes, on the back-end ``ops``."""
+        run = self._check_run(self.default_run(stats, samples) if run is None else run)
         first_order = self._first_order_statistic
         if run != self.name:
             return first_order(stats)
-        if not self.fit_possible(stats):
+        if not self.fit_possible(stats, samples):
             raise ValueError("the least-squares softmax fit needs the samples, which were dropped over the memory "
                              "budget.")
         T, d, d_v = stats["dims"]
-        X, Y = self._samples(stats)
-        if not np.any(Y):
+        source = self._samples(stats, samples)
+        y_power = source.y_sum_of_squares()
+        if not y_power > 0:
             return with_warning(first_order(stats), UnidentifiableRankWarning,
                 "the outputs Y are all zero: there is no signal to fit. Fallback in use: the first-order "
                 "inversion (rank_ 0).")
-        if not self._value_signal(stats, Y):
+        if not self._value_signal(stats, y_power):
             # no value signal: the first-order inversion's null is calibrated without one
             return with_warning(first_order(stats), UnidentifiableRankWarning,
                 f"the outputs show no value signal (the F test of V = 0 under uniform attention does not reject "
                 f"at {VALUE_SIGNAL_ALPHA:g}), so the least squares cannot identify K (it would run off to hard "
                 "attention that fits the noise). Fallback in use: the first-order inversion, whose null holds "
                 "without a value signal; a known value_map or more samples would identify K.")
-        K, V, sigma2, converged = self._fit(X, Y)
-        dof = self.residual_dof(X.shape[0], T, d, d_v, self.value_map is not None)
+        K, V, sigma2, converged = self._fit(source, ops=ops)
+        dof = self.residual_dof(source.n_samples, T, d, d_v, self.value_map is not None)
         if (converged and stats["res_dof"] >= MIN_NOISE_DOF
                 and sigma2 > SOFTMAX_MISFIT * stats["res"] / stats["res_dof"]):
             # softmax data leave at least the noise outside col(P X_i) (plus the higher-order terms), and
@@ -195,7 +217,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
                 f"{_softmax_ls.SOFTMAX_MAX_ITER} L-BFGS iterations before converging (a flat or "
                 "badly conditioned loss, e.g. heavy-tailed tokens with few samples). Fallback in "
                 "use: the first-order inversion.")
-        F = _softmax_ls.softmax_kernel_information_matrix(X, K, V, value_map_fitted=self.value_map is None)
+        F = _softmax_ls.softmax_kernel_information_matrix(source, K, V, value_map_fitted=self.value_map is None,
+                                                          ops=ops)
         F = F + 1e-10 * max(float(np.trace(F)) / F.shape[0], np.finfo(float).tiny) * np.eye(F.shape[0])
         try:
             L = linalg.cholesky(F, lower=True, check_finite=False)
@@ -208,31 +231,30 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         return kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, [], inversion=self.name, seed=self.seed,
                                                 n_draws=self.n_null_draws, noise_source="least-squares residual")
 
-    def _fit(self, X, Y, K0=None, basis=None):
+    def _fit(self, samples, K0=None, basis=None, ops=NUMPY):
         """Least-squares ``(K, V, sigma2, converged)`` on samples scaled to unit RMS (so the optimiser's path does
         not depend on the units, e.g. the first ``partial_fit`` batch's scaling), returned in the units given."""
-        T, d, d_v = X.shape[1], X.shape[2], Y.shape[2]
-        sx = max(float(np.sqrt(np.mean(X**2))), np.finfo(float).tiny)
-        sy = max(float(np.sqrt(np.mean(Y**2))), np.finfo(float).tiny)
+        T, d, d_v = samples.dims
+        mx, my = samples.mean_squares()
+        sx = max(float(np.sqrt(mx)), np.finfo(float).tiny)
+        sy = max(float(np.sqrt(my)), np.finfo(float).tiny)
         V0 = None if self.value_map is None else self.value_map * (sx / sy)
         K, V, rss, converged = _softmax_ls.fit_softmax_least_squares(
-            X / sx, Y / sy, V0, None if K0 is None else K0 * sx**2, basis)
-        sigma2 = rss * sy**2 / self.residual_dof(X.shape[0], T, d, d_v, self.value_map is not None)
+            samples.rescaled(sx, sy), None, V0, None if K0 is None else K0 * sx**2, basis, ops=ops)
+        sigma2 = rss * sy**2 / self.residual_dof(samples.n_samples, T, d, d_v, self.value_map is not None)
         return K / sx**2, V * (sy / sx), sigma2, converged
 
-    def fit_operator(self, stats, basis):
-        if not self.fit_possible(stats):
+    def fit_operator(self, stats, basis, samples=None, ops=NUMPY):
+        if not self.fit_possible(stats, samples):
             return super().fit_operator(stats, basis)
-        X, Y = self._samples(stats)
-        if not self._value_signal(stats, Y):
+        source = self._samples(stats, samples)
+        if not self._value_signal(stats, source.y_sum_of_squares()):
             return super().fit_operator(stats, basis)
         d = stats["dims"][1]
         if basis.shape[0] == 0:
             K = np.zeros((d, d))
-            V, _ = _softmax_ls.SoftmaxLeastSquaresLoss(X, Y, self.value_map).value_map(K)
+            V, _ = _softmax_ls.SoftmaxLeastSquaresLoss(source, None, self.value_map, ops=ops).value_map(K)
             return SoftmaxOperator(K, V)
-        K_full = self._fit(X, Y)[0]
-        K, V, _, _ = self._fit(X, Y, K0=K_full, basis=basis)
+        K_full = self._fit(source, ops=ops)[0]
+        K, V, _, _ = self._fit(source, K0=K_full, basis=basis, ops=ops)
         return SoftmaxOperator(K, V)
-
-

@@ -1,0 +1,63 @@
+"""The torch back-end of the heavy numerics (imported only when an estimator's ``device`` is not ``"cpu"``)."""
+
+import numpy as np
+import torch
+
+__all__ = ["TorchOps", "resolve_torch_device"]
+
+
+def resolve_torch_device(device):
+    """``torch.device`` for ``"auto"`` (CUDA when present, else the CPU), a device string or a ``torch.device``.
+
+    Raises
+    ------
+    ValueError
+        A string torch cannot parse, or CUDA asked for where none is present.
+    """
+    if device is None or (isinstance(device, str) and device == "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu', 'auto', 'cuda' or a torch device, got {device!r}.") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available; use device='auto' or 'cpu'.")
+    return dev
+
+
+class TorchOps:
+    """The operations of the chunk functions (:mod:`rstar._backend`) on float64 torch tensors on one device."""
+
+    name = "torch"
+
+    def __init__(self, device):
+        self.device = resolve_torch_device(device)
+
+    def asarray(self, a):
+        return torch.as_tensor(np.asarray(a, dtype=float), dtype=torch.float64, device=self.device)
+
+    @staticmethod
+    def to_numpy(a):
+        return a.detach().cpu().numpy()
+
+    @staticmethod
+    def transposed(A):
+        return A.transpose(1, 2).contiguous()
+
+    @staticmethod
+    def softmax_rows(S):
+        return torch.softmax(S, dim=-1)
+
+    @staticmethod
+    def einsum(spec, *operands, optimize=None):
+        return torch.einsum(spec, *operands)
+
+    def index(self, idx):
+        return torch.as_tensor(idx, dtype=torch.long, device=self.device)
+
+    def zeros(self, shape):
+        return torch.zeros(shape, dtype=torch.float64, device=self.device)
+
+    @staticmethod
+    def scalar(a):
+        return float(a)

@@ -1,0 +1,247 @@
+"""Scale: fitting over batches in passes, dask arrays (a LocalCluster included), shards merged, the torch back-end."""
+
+import pickle
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+from rstar import MPRankEstimator, RStarEstimator
+from rstar.datasets import make_attention_task, make_linear_proxy
+from rstar.exceptions import InversionFallbackWarning
+from rstar.streaming import ArraySamples, BatchSamples
+
+# 1 MiB: far below what keeping 1000 samples of T = 32, d = 16 takes (8 MiB), far above every sum
+SMALL_BUDGET = 2**20
+
+
+@pytest.fixture(scope="module")
+def softmax_task():
+    return make_attention_task(1000, seq_len=32, n_features=16, rank=3, noise=0.1, random_state=0)
+
+
+def _batches(X, Y, size=250):
+    return lambda: ((X[i:i + size], Y[i:i + size]) for i in range(0, X.shape[0], size))
+
+
+def _same_fit(a, b, rtol=1e-9):
+    assert a.rank_ == b.rank_ and a.inversion_ == b.inversion_ and a.rank_interval_ == b.rank_interval_
+    np.testing.assert_allclose(a.spectrum_, b.spectrum_, rtol=rtol, atol=rtol * a.spectrum_[0])
+    assert a.threshold_ == pytest.approx(b.threshold_, rel=1e-6)
+    assert a.n_samples_seen_ == b.n_samples_seen_
+
+
+def test_fit_batches_within_budget_equals_partial_fit(softmax_task):
+    X, Y = softmax_task
+    ref = RStarEstimator()
+    for i in range(0, 1000, 250):
+        ref.partial_fit(X[i:i + 250], Y[i:i + 250])
+    est = RStarEstimator().fit_batches(_batches(X, Y))
+    _same_fit(est, ref, rtol=1e-12)
+    assert est.rank_ == 3 and est.inversion_ == "softmax_least_squares"
+
+
+def test_fit_batches_over_budget_reads_passes_instead_of_falling_back(softmax_task):
+    X, Y = softmax_task
+    ref = RStarEstimator().fit(X, Y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InversionFallbackWarning)
+        est = RStarEstimator(memory_budget=SMALL_BUDGET).fit_batches(_batches(X, Y))
+    # the same least squares, read in passes: equal to round-off (the attention weights are recomputed)
+    _same_fit(est, ref, rtol=1e-8)
+    assert est.inversion_ == "softmax_least_squares"
+    np.testing.assert_allclose(est.predict(X[:50]), ref.predict(X[:50]), rtol=1e-6, atol=1e-8)
+    # partial_fit under the same budget cannot keep the samples: a warned first-order fallback
+    stream = RStarEstimator(memory_budget=SMALL_BUDGET)
+    with pytest.warns(InversionFallbackWarning, match="memory budget"):
+        for i in range(0, 1000, 250):
+            stream.partial_fit(X[i:i + 250], Y[i:i + 250])
+    assert stream.inversion_ == "softmax_first_order"
+
+
+def test_a_fit_read_in_passes_keeps_no_samples_and_pickles(softmax_task):
+    X, Y = softmax_task
+    sizes = []
+    for n in (500, 1000):
+        est = RStarEstimator(memory_budget=SMALL_BUDGET, predict_sums=False).fit_batches(_batches(X[:n], Y[:n]))
+        sizes.append(len(pickle.dumps(est)))
+    # flat in n: sums, null draws and the whitened statistic, never the samples (8 MiB at n = 1000)
+    assert sizes[1] < 1.05 * sizes[0] and sizes[1] < 4 * 2**20
+    again = pickle.loads(pickle.dumps(est))
+    assert again.rank_ == est.rank_ and again.statistic_.inversion == "softmax_least_squares"
+    with pytest.raises(ValueError, match="read its samples in passes"):
+        est.partial_fit(X[:10], Y[:10])
+    with pytest.raises(ValueError, match="in passes"):
+        est.merge(RStarEstimator().fit(X[:200], Y[:200]))
+
+
+def test_fit_batches_accepts_a_list_and_checks_its_batches():
+    X, Y = make_linear_proxy(400, rank=3, random_state=0)
+    est = MPRankEstimator().fit_batches([(X[:200], Y[:200]), (X[200:], Y[200:])])
+    ref = MPRankEstimator().fit(X, Y)
+    assert est.rank_ == ref.rank_ == 3
+    np.testing.assert_allclose(est.spectrum_, ref.spectrum_, rtol=1e-10)
+    with pytest.raises(TypeError, match="one-shot iterator"):
+        MPRankEstimator().fit_batches(iter([(X, Y)]))
+    with pytest.raises(ValueError, match="no \\(X, Y\\) batch"):
+        MPRankEstimator().fit_batches([])
+    with pytest.raises(ValueError, match="batch 1 must be an \\(X, Y\\) pair"):
+        MPRankEstimator().fit_batches([(X, Y), X])
+    with pytest.raises(ValueError, match="tokens"):
+        MPRankEstimator().fit_batches([(X, Y), (X[:, :8], Y[:, :8])])
+    with pytest.raises(ValueError, match="NaN|infinity"):
+        MPRankEstimator().fit_batches([(X, Y), (np.full_like(X, np.nan), Y)])
+
+
+def test_shards_merged_equal_one_fit():
+    X, Y = make_linear_proxy(900, rank=3, random_state=1)
+    est = MPRankEstimator().partial_fit(X[:300], Y[:300])
+    shards = [est.new_shard().partial_fit(X[a:a + 300], Y[a:a + 300]) for a in (300, 600)]
+    est.merge(*shards)
+    ref = MPRankEstimator().partial_fit(X[:300], Y[:300]).partial_fit(X[300:600], Y[300:600])
+    ref.partial_fit(X[600:], Y[600:])
+    _same_fit(est, ref, rtol=1e-10)
+    # shards in other units (fitted apart from scratch) are refused rather than summed wrongly
+    other = MPRankEstimator().fit(X[300:] * 3, Y[300:])
+    with pytest.raises(ValueError, match="other units"):
+        MPRankEstimator().fit(X[:300], Y[:300]).merge(other)
+
+
+# -- dask --------------------------------------------------------------------------------------------------
+
+dask_array = pytest.importorskip("dask.array")
+
+
+@pytest.mark.parametrize("case", ["linear_proxy", "linear_qk_cross_fit", "softmax_kept", "softmax_passes"])
+def test_dask_fit_equals_the_in_memory_fit(case):
+    import dask
+
+    if case == "linear_proxy":
+        X, Y = make_linear_proxy(600, rank=3, random_state=0)
+        make = lambda: MPRankEstimator()  # noqa: E731
+    elif case == "linear_qk_cross_fit":
+        X, Y = make_attention_task(400, kind="linear_qk", seq_len=6, n_features=8, rank=2, random_state=0)
+        make = lambda: RStarEstimator(operator="linear_qk")  # noqa: E731
+    else:
+        X, Y = make_attention_task(600, seq_len=16, n_features=8, rank=2, noise=0.1, random_state=0)
+        budget = SMALL_BUDGET // 8 if case == "softmax_passes" else RStarEstimator().memory_budget
+        make = lambda: RStarEstimator(memory_budget=budget)  # noqa: E731
+    # the first chunk sets the units, as in the dask fit
+    ref = make().fit_batches(_batches(X, Y, 200))
+    Xd = dask_array.from_array(X, chunks=(200, -1, -1))
+    Yd = dask_array.from_array(Y, chunks=(200, -1, -1))
+    with dask.config.set(scheduler="sync"):
+        est = make().fit(Xd, Yd)
+    _same_fit(est, ref, rtol=1e-8)
+    if case == "linear_qk_cross_fit":
+        assert est.inversion_ == "query_key_cross_fit"
+    if case.startswith("softmax"):
+        assert est.inversion_ == "softmax_least_squares"
+
+
+def test_dask_fit_on_a_local_cluster():
+    distributed = pytest.importorskip("distributed")
+    X, Y = make_attention_task(600, seq_len=16, n_features=8, rank=2, noise=0.1, random_state=3)
+    ref = RStarEstimator(memory_budget=SMALL_BUDGET // 8).fit_batches(_batches(X, Y, 150))
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster):
+        Xd = dask_array.from_array(X, chunks=(150, -1, -1))
+        Yd = dask_array.from_array(Y, chunks=(150, -1, -1))
+        est = RStarEstimator(memory_budget=SMALL_BUDGET // 8).fit(Xd, Yd)
+    _same_fit(est, ref, rtol=1e-8)
+    assert est.rank_ == 2
+
+
+def test_dask_input_errors():
+    X, Y = make_linear_proxy(100, random_state=0)
+    with pytest.raises(ValueError, match="different numbers of samples"):
+        MPRankEstimator().fit(dask_array.from_array(X), dask_array.from_array(Y[:50]))
+    bad = X.copy()
+    bad[70] = np.inf
+    with pytest.raises(ValueError, match="infinity|NaN"):
+        MPRankEstimator().fit(dask_array.from_array(bad, chunks=(50, -1, -1)), dask_array.from_array(Y))
+    with pytest.raises(ValueError, match="dimension"):
+        MPRankEstimator().fit(dask_array.ones((4, 3, 2, 2)), dask_array.from_array(Y))
+
+
+def test_dask_ml_incremental_on_2d_data():
+    """dask-ml's Incremental feeds partial_fit chunk by chunk; its block keys assume a 2-D X (n, d) and a 1-D y
+    (dask_ml/_partial.py), read by rstar as T = 1, one output: ordinary regression."""
+    wrappers = pytest.importorskip("dask_ml.wrappers")
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((600, 6))
+    Y = X @ rng.standard_normal(6) + 0.1 * rng.standard_normal(600)
+    Xd = dask_array.from_array(X, chunks=(200, -1))
+    Yd = dask_array.from_array(Y, chunks=200)
+    inc = wrappers.Incremental(MPRankEstimator(), shuffle_blocks=False).fit(Xd, Yd)
+    ref = MPRankEstimator()
+    for i in range(0, 600, 200):
+        ref.partial_fit(X[i:i + 200], Y[i:i + 200])
+    _same_fit(inc.estimator_, ref, rtol=1e-12)
+
+
+# -- device ------------------------------------------------------------------------------------------------
+
+
+def test_torch_backend_agrees_with_numpy(softmax_task):
+    torch = pytest.importorskip("torch")
+    X, Y = softmax_task
+    ref = RStarEstimator().fit(X, Y)
+    est = RStarEstimator(device=torch.device("cpu")).fit(X, Y)
+    _same_fit(est, ref, rtol=1e-6)
+    np.testing.assert_allclose(est.predict(X[:20]), ref.predict(X[:20]), rtol=1e-5, atol=1e-7)
+    # the passes over batches on torch too
+    passes = RStarEstimator(memory_budget=SMALL_BUDGET, device=torch.device("cpu")).fit_batches(_batches(X, Y))
+    _same_fit(passes, ref, rtol=1e-6)
+
+
+def test_torch_chunk_terms_agree_with_numpy():
+    torch = pytest.importorskip("torch")
+    from rstar import _softmax_ls as sls
+    from rstar._backend import resolve_backend
+
+    X, Y, t = make_attention_task(60, seq_len=7, n_features=5, value_dim=3, rank=2, random_state=2,
+                                  return_teacher=True)
+    ops = resolve_backend(torch.device("cpu"))
+    K = t.kernel + 0.1
+    for value_map in (None, t.value_map):
+        f0, g0 = sls.SoftmaxLeastSquaresLoss(X, Y, value_map)(K.ravel())
+        f1, g1 = sls.SoftmaxLeastSquaresLoss(X, Y, value_map, ops=ops)(K.ravel())
+        assert f1 == pytest.approx(f0, rel=1e-12)
+        np.testing.assert_allclose(g1, g0, rtol=1e-10, atol=1e-12)
+    V = t.value_map
+    for fitted in (False, True):
+        F0 = sls.softmax_kernel_information_matrix(X, K, V, fitted)
+        F1 = sls.softmax_kernel_information_matrix(X, K, V, fitted, ops=ops)
+        np.testing.assert_allclose(F1, F0, rtol=1e-10, atol=1e-12 * np.abs(F0).max())
+
+
+def test_device_is_validated_in_fit():
+    X, Y = make_linear_proxy(100, random_state=0)
+    with pytest.raises(ValueError, match="device"):
+        MPRankEstimator(device="not-a-device").fit(X, Y)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            MPRankEstimator(device="cuda").fit(X, Y)
+    assert MPRankEstimator(device="auto").fit(X, Y).rank_ == MPRankEstimator().fit(X, Y).rank_
+
+
+def test_import_stays_light():
+    code = ("import sys, rstar; from rstar import RStarEstimator; "
+            "print(sorted(m for m in ('torch', 'dask', 'distributed', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_sources_sum_in_chunk_order():
+    X = np.arange(60, dtype=float).reshape(5, 4, 3)
+    Y = np.ones((5, 4, 2))
+    whole = ArraySamples(X, Y).map_sum(lambda x, y: float(np.sum(x)), 4)
+    source = BatchSamples([(X[:2], Y[:2]), (X[2:], Y[2:])]).set_shape(5, (4, 3, 2)).with_scales(2.0, 1.0)
+    assert source.map_sum(lambda x, y: float(np.sum(x)), 4) == whole / 2
+    odd, even = source.halves()
+    assert [x.shape[0] for x, _ in odd] == [1, 1] and [x.shape[0] for x, _ in even] == [1, 2]
+    np.testing.assert_array_equal(odd[1][0], X[3:4] / 2)
