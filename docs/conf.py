@@ -81,6 +81,7 @@ API_MODULES = [
     ("rstar.inversions", "Inversions, the statistic contract and the choice of inversion"),
     ("rstar.rules", "Rank rules"),
     ("rstar.budgets", "Cost budgets"),
+    ("rstar.streaming", "Samples read in passes (batches, dask arrays)"),
     ("rstar.baselines", "Published baselines"),
     ("rstar.datasets", "Task generators"),
     ("rstar.metrics", "Metrics and scorers"),

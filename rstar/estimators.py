@@ -51,6 +51,10 @@ RSTAR_ALPHA = 0.003
 
 _FIRST_ORDER = ("query_key_first_order", "softmax_first_order")
 
+#: A batch is added to the sums in chunks of at most this many entries of (X, Y) (32 MiB): an update's
+#: temporaries (pseudo-inverses, projections) are a few times its chunk, so they do not grow with the batch.
+UPDATE_CHUNK_ENTRIES = 2**22
+
 _SHARED_CONSTRAINTS = {
     "operator": [StrOptions({"linear_proxy", "linear_qk", "softmax"})],
     "value_map": ["array-like", None],
@@ -286,7 +290,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                     _stop_keeping_samples(self._stats)
                 else:
                     self._check_next(X, Y)
-                self._inv.update(self._stats, X / self._x_scale, Y / self._y_scale)
+                self._update(X, Y)
             if not hasattr(self, "_stats"):
                 raise ValueError("batches gave no (X, Y) batch.")
         n, (T, d, d_v) = self._stats["n"], self._dims
@@ -438,6 +442,15 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                              "random_state, n_null_draws, predict_sums) changed since the first partial_fit "
                              "batch: call fit to start again with the new parameters.")
 
+    def _update(self, X, Y):
+        """Add a batch to the sums, ``UPDATE_CHUNK_ENTRIES`` entries of (X, Y) at a time (so an update's
+        temporaries stay bounded whatever the batch size)."""
+        T, d, d_v = self._dims
+        step = max(1, UPDATE_CHUNK_ENTRIES // (T * (d + d_v)))
+        for start in range(0, X.shape[0], step):
+            part = slice(start, start + step)
+            self._inv.update(self._stats, X[part] / self._x_scale, Y[part] / self._y_scale)
+
     def _check_enough_samples(self):
         n_total = self._stats["n"]
         need = self._inv.min_samples(*self._dims)
@@ -461,7 +474,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 # the sums came from another estimator (fit_from): continue from a copy
                 self._stats = copy.deepcopy(self._stats)
                 self._shared_statistic = False
-        self._inv.update(self._stats, X / self._x_scale, Y / self._y_scale)
+        self._update(X, Y)
         self._whitened = None
         self._check_enough_samples()
         self._finalize()

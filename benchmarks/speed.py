@@ -1,0 +1,288 @@
+"""Speed and memory of data-only r* against training, and how the fit scales in n, d and T.
+
+Everything is measured in one run, on this machine, through the public API
+(``fit``, ``fit_batches``, ``partial_fit``; students through
+``rstar.students.AttentionStudent``), so ratios are comparable even on shared,
+noisy cores. Four parts:
+
+1. **Head to head** (n = 2000): ``RStarEstimator().fit``, one
+   over-parameterised student (``rank=None``), a rank sweep of students
+   ``r = 1 ... r* + 1`` (the fewest ranks that locate r*: the smallest rank
+   whose held-out risk is within 5% of the best swept) and its extrapolation
+   to a full sweep ``r = 1 ... d`` (``d`` times the mean student), and the
+   bare one-pass reference ``sum_i M_i M_i^T`` with ``M_i = pinv(X_i) Y_i``
+   (batched numpy, no statistic, no rule).
+2. **Scaling in n, streamed**: batches of 2000 drawn from one fixed teacher
+   and passed to ``fit_batches`` (never all in memory), beside the bare
+   reference over the same batches: the one-pass first-order
+   statistic up to 10^6 samples, and the least-squares fit read in passes
+   (its samples over a 1 MiB budget) up to ``--passes-max-n``; time, peak
+   traced memory (``tracemalloc``: every numpy allocation of the fit, the
+   current batch included) and the rank read at each n.
+3. **Scaling in d and in T** (n = 2000): ``RStarEstimator().fit`` time,
+   peak memory and the inversion that ran (beyond its budgets the least
+   squares falls back, with a warning, to first order).
+4. **Figures**: log–log time and memory against n, d and T.
+
+Usage::
+
+    python benchmarks/speed.py                      # about 12 min on 2 cores
+    python benchmarks/speed.py --full --qk-students # d up to 768, students of the linear-QK task too
+    python benchmarks/speed.py --quick              # about 2 min: smaller n, fewer points, no students
+    python benchmarks/speed.py --out benchmarks/out/speed --docs-figures docs/images
+
+Writes ``speed.json`` (every number) and ``speed.md`` (the tables) under
+``--out``, and ``speed_*.png`` under ``--docs-figures`` when given.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import tracemalloc
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import numpy as np  # noqa: E402
+
+from rstar import RStarEstimator, SoftmaxInversionEstimator  # noqa: E402
+from rstar.datasets import make_attention_task, softmax_attention  # noqa: E402
+
+
+def _timed(fn):
+    """``(result, seconds, peak traced MiB)`` of ``fn()``."""
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = fn()
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
+    return out, seconds, peak
+
+
+def bare_gram(X, Y):
+    """The reference one-pass statistic: ``sum_i M_i M_i^T`` with ``M_i = pinv(X_i) Y_i`` (batched)."""
+    M = np.linalg.pinv(X) @ Y
+    return np.einsum("nij,nkj->ik", M, M)
+
+
+def _mse(est, X, Y):
+    return float(np.mean((est.predict(X) - Y) ** 2))
+
+
+def head_to_head(tasks, n, sweep, seed):
+    from rstar.students import AttentionStudent
+
+    rows = []
+    for kind, T, d, r in tasks:
+        # one teacher: n samples to fit, n / 2 held out for the students' risks
+        X_all, Y_all = make_attention_task(n + n // 2, kind=kind, seq_len=T, n_features=d, rank=r,
+                                           random_state=seed)
+        X, Y, Xt, Yt = X_all[:n], Y_all[:n], X_all[n:], Y_all[n:]
+        operator = "softmax" if kind == "softmax" else "linear_qk"
+        est, t_rstar, m_rstar = _timed(lambda: RStarEstimator(operator=operator).fit(X, Y))
+        _, t_gram, m_gram = _timed(lambda: bare_gram(X, Y))
+        row = dict(task=f"{kind} T={T} d={d} r*={r}", n=n, rstar_seconds=t_rstar, rstar_rank=est.rank_,
+                   rstar_inversion=est.inversion_, rstar_peak_mib=m_rstar, gram_seconds=t_gram,
+                   gram_peak_mib=m_gram)
+        if sweep:
+            student_kind = "softmax" if kind == "softmax" else "linear_qk"
+            over, t_over, _ = _timed(lambda: AttentionStudent(kind=student_kind, device="cpu",
+                                                              random_state=seed).fit(X, Y))
+            risks, times = [], []
+            for rank in range(1, r + 2):
+                s, t_s, _ = _timed(lambda: AttentionStudent(kind=student_kind, rank=rank, device="cpu",
+                                                            random_state=seed).fit(X, Y))
+                risks.append(_mse(s, Xt, Yt))
+                times.append(t_s)
+            best = min(risks)
+            found = 1 + next(i for i, v in enumerate(risks) if v <= 1.05 * best)
+            row.update(student_seconds=t_over, student_rank=over.rank_, sweep_ranks=f"1..{r + 1}",
+                       sweep_seconds=float(sum(times)), sweep_rank=found, sweep_risks=risks,
+                       full_sweep_seconds=float(np.mean(times) * d))
+            row.update(speedup_student=t_over / t_rstar, speedup_sweep=row["sweep_seconds"] / t_rstar,
+                       speedup_full_sweep=row["full_sweep_seconds"] / t_rstar)
+        row["rstar_over_gram"] = t_rstar / t_gram
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "sweep_risks"}, default=float), flush=True)
+    return rows
+
+
+def _teacher_batches(teacher, n, T, d, batch, seed):
+    """A function returning a fresh iterator over n samples of one teacher, drawn batch by batch (the same
+    samples at every pass)."""
+    K, V, sigma = teacher.kernel, teacher.value_map, teacher.noise
+
+    def batches():
+        rng = np.random.default_rng(seed)
+        for start in range(0, n, batch):
+            b = min(batch, n - start)
+            X = rng.standard_normal((b, T, d))
+            Y = softmax_attention(X, K, V) + sigma * rng.standard_normal((b, T, V.shape[1]))
+            yield X, Y
+
+    return batches
+
+
+def scaling_n(T, d, r, ns, passes_max_n, seed, batch=2000):
+    _, _, teacher = make_attention_task(10, seq_len=T, n_features=d, rank=r, random_state=seed,
+                                        return_teacher=True)
+    rows = []
+    for n in ns:
+        batches = _teacher_batches(teacher, n, T, d, batch, seed + 1)
+        # generating the samples is part of every pass: timed alone to subtract it
+        _, t_gen, _ = _timed(lambda: [None for _ in batches()])
+        # the bare one-pass reference over the same batches
+        _, t_ref, m_ref = _timed(lambda: sum(bare_gram(X, Y) for X, Y in batches()))
+        rows.append(dict(T=T, d=d, r=r, n=n, fit="bare pinv Gram (reference)", seconds=t_ref, generation_seconds=t_gen,
+                         peak_mib=m_ref, rank=None, inversion=None))
+        print(json.dumps(rows[-1]), flush=True)
+        fits = [("one pass (first order)", lambda: SoftmaxInversionEstimator(predict_sums=False))]
+        if n <= passes_max_n:
+            fits.append(("least squares in passes",
+                         lambda: RStarEstimator(memory_budget=2**20, predict_sums=False)))
+        for label, make in fits:
+            est, seconds, peak = _timed(lambda: make().fit_batches(batches))
+            rows.append(dict(T=T, d=d, r=r, n=n, fit=label, seconds=seconds, generation_seconds=t_gen,
+                             peak_mib=peak, rank=est.rank_, inversion=est.inversion_))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def scaling_shape(points, n, seed):
+    rows = []
+    for T, d, r in points:
+        X, Y = make_attention_task(n, seq_len=T, n_features=d, rank=r, random_state=seed)
+        est, seconds, peak = _timed(lambda: RStarEstimator(predict_sums=False).fit(X, Y))
+        _, t_gram, _ = _timed(lambda: bare_gram(X, Y))
+        rows.append(dict(T=T, d=d, r=r, n=n, seconds=seconds, peak_mib=peak, data_mib=(X.nbytes + Y.nbytes) / 2**20,
+                         rank=est.rank_, inversion=est.inversion_, gram_seconds=t_gram))
+        print(json.dumps(rows[-1]), flush=True)
+        X = Y = None   # free the data before the next shape
+    return rows
+
+
+def _markdown(res):
+    out = [f"Machine: {res['machine']}; one BLAS thread; {res['date']}.", ""]
+    if res["head_to_head"]:
+        out += ["| task (n = %d) | RStar fit | inversion | r̂ | bare Gram | RStar / Gram | over-param. student "
+                "| its r̂ | sweep | sweep's r̂ | full sweep 1..d (extrap.) | × student | × sweep | × full sweep |"
+                % res["head_to_head"][0]["n"],
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res["head_to_head"]:
+            if "student_seconds" in r:
+                out.append(f"| {r['task']} | {r['rstar_seconds']:.2f} s | {r['rstar_inversion']} | {r['rstar_rank']} "
+                           f"| {r['gram_seconds']:.3f} s | {r['rstar_over_gram']:.1f} | {r['student_seconds']:.1f} s "
+                           f"| {r['student_rank']} | {r['sweep_seconds']:.1f} s ({r['sweep_ranks']}) "
+                           f"| {r['sweep_rank']} | {r['full_sweep_seconds']:.0f} s | {r['speedup_student']:.0f}× "
+                           f"| {r['speedup_sweep']:.0f}× | {r['speedup_full_sweep']:.0f}× |")
+            else:
+                out.append(f"| {r['task']} | {r['rstar_seconds']:.2f} s | {r['rstar_inversion']} | {r['rstar_rank']} "
+                           f"| {r['gram_seconds']:.3f} s | {r['rstar_over_gram']:.1f} | — | | | | | | | |")
+        out.append("")
+    out += ["| T | d | n (streamed) | fit | time | sample generation | peak traced memory | r̂ (r* = %d) |"
+            % res["scaling_n"][0]["r"], "|---|---|---|---|---|---|---|---|"]
+    for r in res["scaling_n"]:
+        out.append(f"| {r['T']} | {r['d']} | {r['n']:,} | {r['fit']} | {r['seconds']:.1f} s "
+                   f"| {r['generation_seconds']:.1f} s | {r['peak_mib']:.1f} MiB | {'—' if r['rank'] is None else r['rank']} |")
+    out += ["", "| T | d | n | RStar fit | bare Gram | peak traced memory | data (X, Y) | inversion | r̂ / r* |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["scaling_shape"]:
+        out.append(f"| {r['T']} | {r['d']} | {r['n']} | {r['seconds']:.2f} s | {r['gram_seconds']:.2f} s "
+                   f"| {r['peak_mib']:.0f} MiB | {r['data_mib']:.0f} MiB | {r['inversion']} | {r['rank']} / {r['r']} |")
+    return "\n".join(out) + "\n"
+
+
+def _figures(res, folder):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for label in sorted({r["fit"] for r in res["scaling_n"]}):
+        rows = [r for r in res["scaling_n"] if r["fit"] == label]
+        n = [r["n"] for r in rows]
+        axes[0].loglog(n, [r["seconds"] for r in rows], "o-", label=label)
+        axes[1].loglog(n, [r["peak_mib"] for r in rows], "o-", label=label)
+    axes[0].set(xlabel="samples n (streamed)", ylabel="fit time (s)", title="fit time against n")
+    axes[1].set(xlabel="samples n (streamed)", ylabel="peak traced memory (MiB)", title="peak memory against n")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "speed_n.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    shape = res["scaling_shape"]
+    T0 = shape[0]["T"]
+    by_d = sorted((r for r in shape if r["T"] == T0), key=lambda r: r["d"])
+    d0 = min(r["d"] for r in shape)
+    by_T = sorted((r for r in shape if r["d"] == d0), key=lambda r: r["T"])
+    for ax, rows, key in ((axes[0], by_d, "d"), (axes[1], by_T, "T")):
+        x = [r[key] for r in rows]
+        ax.loglog(x, [r["seconds"] for r in rows], "o-", label="RStarEstimator().fit")
+        ax.loglog(x, [r["gram_seconds"] for r in rows], "s--", label="bare pinv Gram")
+        for r in rows:
+            ax.annotate(r["inversion"].replace("softmax_", ""), (r[key], r["seconds"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set(xlabel=key, ylabel="seconds (n = %d)" % rows[0]["n"],
+               title=f"fit time against {key} ({'T = %d' % T0 if key == 'd' else 'd = %d' % d0})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "speed_shape.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/out/speed")
+    p.add_argument("--docs-figures", default=None)
+    p.add_argument("--passes-max-n", type=int, default=None,
+                   help="largest n for the least squares read in passes (default 30 000; 10 000 with --quick)")
+    p.add_argument("--no-students", action="store_true")
+    p.add_argument("--qk-students", action="store_true", help="also train the students of the linear-QK task")
+    p.add_argument("--full", action="store_true", help="the shape scan up to d = 768 (X alone is 786 MB)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    seed = args.seed
+    res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+               date=time.strftime("%Y-%m-%d"), quick=quick)
+    students = not (quick or args.no_students)
+    res["head_to_head"] = head_to_head([("softmax", 32, 16, 3)], 1000 if quick else 2000, students, seed)
+    if not quick:
+        # linear QK: the students' sweep there costs about 10 minutes more (--qk-students)
+        res["head_to_head"] += head_to_head([("linear_qk", 64, 32, 3)], 2000, students and args.qk_students, seed)
+    ns = [1000, 10_000, 100_000] if quick else [1000, 10_000, 100_000, 1_000_000]
+    passes_max = args.passes_max_n or (10_000 if quick else 30_000)
+    res["scaling_n"] = scaling_n(32, 16, 3, ns, passes_max, seed)
+    points = ([(64, d, 4) for d in (16, 64, 128)] + [(T, 16, 4) for T in (8, 128)]) if quick else \
+        ([(64, d, 8) for d in (16, 32, 64, 128, 384) + ((768,) if args.full else ())]
+         + [(T, 16, 4) for T in (8, 32, 128, 512)])
+    res["scaling_shape"] = scaling_shape(points, 2000, seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speed.json").write_text(json.dumps(res, indent=1, default=float))
+    table = _markdown(res)
+    (out / "speed.md").write_text(table)
+    print(table)
+    if args.docs_figures:
+        _figures(res, Path(args.docs_figures))
+
+
+if __name__ == "__main__":
+    main()
