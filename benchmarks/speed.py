@@ -204,6 +204,7 @@ def _markdown(res):
 
 def _figures(res, folder):
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -241,6 +242,8 @@ def _figures(res, folder):
                title=f"fit time against {key} ({'T = %d' % T0 if key == 'd' else 'd = %d' % d0})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(x, [str(v) for v in x])
     fig.tight_layout()
     fig.savefig(folder / "speed_shape.png", dpi=110)
     plt.close(fig)
@@ -257,7 +260,11 @@ def main(argv=None):
     p.add_argument("--no-students", action="store_true")
     p.add_argument("--qk-students", action="store_true", help="also train the students of the linear-QK task")
     p.add_argument("--full", action="store_true", help="the shape scan up to d = 768 (X alone is 786 MB)")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the figures from a speed.json")
     args = p.parse_args(argv)
+    if args.replot:
+        _figures(json.loads(Path(args.replot).read_text()), Path(args.docs_figures or args.out))
+        return
     quick = args.quick
     seed = args.seed
     res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
