@@ -29,7 +29,8 @@ Usage::
     python benchmarks/speed.py                      # about 12 min on 2 cores
     python benchmarks/speed.py --full --qk-students # d up to 768, students of the linear-QK task too
     python benchmarks/speed.py --quick              # about 2 min: smaller n, fewer points, no students
-    python benchmarks/speed.py --out benchmarks/out/speed --docs-figures docs/images
+    python benchmarks/speed.py --out benchmarks/out/speed --docs-figures docs/img
+    python benchmarks/speed.py --device auto        # the least-squares fits in torch, on CUDA when present
 
 Writes ``speed.json`` (every number) and ``speed.md`` (the tables) under
 ``--out``, and ``speed_*.png`` under ``--docs-figures`` when given.
@@ -54,6 +55,10 @@ import numpy as np  # noqa: E402
 
 from rstar import RStarEstimator, SoftmaxInversionEstimator  # noqa: E402
 from rstar.datasets import make_attention_task, softmax_attention  # noqa: E402
+
+
+#: ``device`` of the data-only fits (``--device``): "cpu" (numpy), "auto" or "cuda" (torch)
+DEVICE = "cpu"
 
 
 def _timed(fn):
@@ -89,7 +94,7 @@ def head_to_head(tasks, n, sweep, seed):
                                            random_state=seed)
         X, Y, Xt, Yt = X_all[:n], Y_all[:n], X_all[n:], Y_all[n:]
         operator = "softmax" if kind == "softmax" else "linear_qk"
-        est, t_rstar, m_rstar = _timed(lambda: RStarEstimator(operator=operator).fit(X, Y))
+        est, t_rstar, m_rstar = _timed(lambda: RStarEstimator(operator=operator, device=DEVICE).fit(X, Y))
         _, t_gram, m_gram = _timed(lambda: bare_gram(X, Y))
         row = dict(task=f"{kind} T={T} d={d} r*={r}", n=n, rstar_seconds=t_rstar, rstar_rank=est.rank_,
                    rstar_inversion=est.inversion_, rstar_peak_mib=m_rstar, gram_seconds=t_gram,
@@ -149,7 +154,7 @@ def scaling_n(T, d, r, ns, passes_max_n, seed, batch=2000):
         fits = [("one pass (first order)", lambda: SoftmaxInversionEstimator(predict_sums=False))]
         if n <= passes_max_n:
             fits.append(("least squares in passes",
-                         lambda: RStarEstimator(memory_budget=2**20, predict_sums=False)))
+                         lambda: RStarEstimator(memory_budget=2**20, predict_sums=False, device=DEVICE)))
         for label, make in fits:
             est, seconds, peak = _timed(lambda: make().fit_batches(batches))
             rows.append(dict(T=T, d=d, r=r, n=n, fit=label, seconds=seconds, generation_seconds=t_gen,
@@ -162,7 +167,7 @@ def scaling_shape(points, n, seed):
     rows = []
     for T, d, r in points:
         X, Y = make_attention_task(n, seq_len=T, n_features=d, rank=r, random_state=seed)
-        est, seconds, peak = _timed(lambda: RStarEstimator(predict_sums=False).fit(X, Y))
+        est, seconds, peak = _timed(lambda: RStarEstimator(predict_sums=False, device=DEVICE).fit(X, Y))
         _, t_gram, _ = _timed(lambda: bare_gram(X, Y))
         rows.append(dict(T=T, d=d, r=r, n=n, seconds=seconds, peak_mib=peak, data_mib=(X.nbytes + Y.nbytes) / 2**20,
                          rank=est.rank_, inversion=est.inversion_, gram_seconds=t_gram))
@@ -260,15 +265,18 @@ def main(argv=None):
     p.add_argument("--no-students", action="store_true")
     p.add_argument("--qk-students", action="store_true", help="also train the students of the linear-QK task")
     p.add_argument("--full", action="store_true", help="the shape scan up to d = 768 (X alone is 786 MB)")
+    p.add_argument("--device", default="cpu", help="device of the data-only fits: cpu (numpy), auto, cuda")
     p.add_argument("--replot", metavar="JSON", help="only redraw the figures from a speed.json")
     args = p.parse_args(argv)
     if args.replot:
         _figures(json.loads(Path(args.replot).read_text()), Path(args.docs_figures or args.out))
         return
+    global DEVICE
+    DEVICE = args.device
     quick = args.quick
     seed = args.seed
     res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-               date=time.strftime("%Y-%m-%d"), quick=quick)
+               date=time.strftime("%Y-%m-%d"), quick=quick, device=DEVICE)
     students = not (quick or args.no_students)
     res["head_to_head"] = head_to_head([("softmax", 32, 16, 3)], 1000 if quick else 2000, students, seed)
     if not quick:
