@@ -138,6 +138,26 @@ def _teacher_batches(teacher, n, T, d, batch, seed):
     return batches
 
 
+def _stream(est, batches):
+    for X, Y in batches():
+        est.partial_fit(X, Y)
+    return est
+
+
+def recovery_at_n_and_10n(T, d, r, n, teachers, seed, batch=2000):
+    """``rank_`` of the default estimator fed by ``partial_fit`` with n and 10 n samples of the same teachers."""
+    rows = []
+    for k in range(teachers):
+        _, _, teacher = make_attention_task(10, seq_len=T, n_features=d, rank=r, random_state=seed + 100 + k,
+                                            return_teacher=True)
+        for m in (n, 10 * n):
+            batches = _teacher_batches(teacher, m, T, d, batch, seed + 200 + k)
+            est, seconds, _ = _timed(lambda: _stream(RStarEstimator(predict_sums=False, device=DEVICE), batches))
+            rows.append(dict(teacher=k, n=m, rank=est.rank_, r=r, seconds=seconds, inversion=est.inversion_))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def scaling_n(T, d, r, ns, passes_max_n, seed, batch=2000):
     _, _, teacher = make_attention_task(10, seq_len=T, n_features=d, rank=r, random_state=seed,
                                         return_teacher=True)
@@ -157,6 +177,13 @@ def scaling_n(T, d, r, ns, passes_max_n, seed, batch=2000):
                          lambda: RStarEstimator(memory_budget=2**20, predict_sums=False, device=DEVICE)))
         for label, make in fits:
             est, seconds, peak = _timed(lambda: make().fit_batches(batches))
+            rows.append(dict(T=T, d=d, r=r, n=n, fit=label, seconds=seconds, generation_seconds=t_gen,
+                             peak_mib=peak, rank=est.rank_, inversion=est.inversion_))
+            print(json.dumps(rows[-1]), flush=True)
+        if n >= 10_000:
+            # the default estimator fed by partial_fit: the least squares on the samples that fit its budget
+            est, seconds, peak = _timed(lambda: _stream(RStarEstimator(predict_sums=False, device=DEVICE), batches))
+            label = "RStar partial_fit (default budget)"
             rows.append(dict(T=T, d=d, r=r, n=n, fit=label, seconds=seconds, generation_seconds=t_gen,
                              peak_mib=peak, rank=est.rank_, inversion=est.inversion_))
             print(json.dumps(rows[-1]), flush=True)
@@ -199,6 +226,15 @@ def _markdown(res):
     for r in res["scaling_n"]:
         out.append(f"| {r['T']} | {r['d']} | {r['n']:,} | {r['fit']} | {r['seconds']:.1f} s "
                    f"| {r['generation_seconds']:.1f} s | {r['peak_mib']:.1f} MiB | {'—' if r['rank'] is None else r['rank']} |")
+    rec = res.get("recovery_n_10n", [])
+    if rec:
+        ns = sorted({r["n"] for r in rec})
+        out += ["", "| n (partial_fit, default RStarEstimator) | exact r̂ = r* | r̂ per teacher | mean time |",
+                "|---|---|---|---|"]
+        for m in ns:
+            rows = [r for r in rec if r["n"] == m]
+            out.append(f"| {m:,} | {sum(r['rank'] == r['r'] for r in rows)} / {len(rows)} "
+                       f"| {', '.join(str(r['rank']) for r in rows)} | {np.mean([r['seconds'] for r in rows]):.1f} s |")
     out += ["", "| T | d | n | RStar fit | bare Gram | peak traced memory | data (X, Y) | inversion | r̂ / r* |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in res["scaling_shape"]:
@@ -285,6 +321,7 @@ def main(argv=None):
     ns = [1000, 10_000, 100_000] if quick else [1000, 10_000, 100_000, 1_000_000]
     passes_max = args.passes_max_n or (10_000 if quick else 30_000)
     res["scaling_n"] = scaling_n(32, 16, 3, ns, passes_max, seed)
+    res["recovery_n_10n"] = recovery_at_n_and_10n(32, 16, 3, 500 if quick else 2000, 2 if quick else 5, seed)
     points = ([(64, d, 4) for d in (16, 64, 128)] + [(T, 16, 4) for T in (8, 128)]) if quick else \
         ([(64, d, 8) for d in (16, 32, 64, 128, 384) + ((768,) if args.full else ())]
          + [(T, 16, 4) for T in (8, 32, 128, 512)])

@@ -121,6 +121,10 @@ class CostBudget:
         """Whether ``n`` samples can be kept."""
         return sample_bytes(n, T, d, d_v) <= self.memory_bytes
 
+    def max_samples(self, T, d, d_v):
+        """The most samples that can be kept (:meth:`allows_samples`)."""
+        return int(self.memory_bytes // sample_bytes(1, T, d, d_v))
+
     def allows_kernel_matrix(self, d):
         """Whether a ``d^2 x d^2`` matrix fits in half the memory budget."""
         return self.allows_array(d**4)

@@ -300,6 +300,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             if self._budget.allows_samples(n, T, d, d_v):
                 # within the budget: keep them, as partial_fit would
                 self._stats["samples_odd"], self._stats["samples_even"] = samples.halves()
+                if "n_kept" in self._stats:
+                    self._stats["n_kept"] = n
             else:
                 passes = bool(getattr(self._inv, "reads_sample_passes", False))
         self._samples_read_in_passes = passes

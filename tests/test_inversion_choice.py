@@ -33,11 +33,11 @@ from rstar.inversions import (
 from rstar.rules import MarchenkoPasturRule
 
 
-def _fit(est, X, Y):
-    """Fit, returning the warnings raised (category, message)."""
+def _fit(est, X, Y, partial=False):
+    """Fit (or partial_fit), returning the warnings raised (category, message)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est.fit(X, Y)
+        (est.partial_fit if partial else est.fit)(X, Y)
     return [(w.category, str(w.message)) for w in caught]
 
 
@@ -178,10 +178,25 @@ def test_exact_softmax_over_memory_budget():
 
 def test_softmax_least_squares_over_budgets():
     X, Y = make_attention_task(300, seq_len=12, n_features=6, rank=2, noise=0.05, random_state=0)
-    # kept samples: 8 * 300 * 12 * 12 = 338 KiB
+    # kept samples: 8 * 300 * 12 * 12 = 338 KiB; 256 KiB keep the first 227: the least squares is fitted on them,
+    # exactly as fit on them alone, and says so
     est = RStarEstimator(memory_budget=2**18)
     messages = _fallbacks(_fit(est, X, Y))
+    assert est.inversion_ == "softmax_least_squares" and "fitted on the first 227" in messages[0]
+    alone = RStarEstimator(memory_budget=2**18).fit(X[:227], Y[:227])
+    assert est.rank_ == alone.rank_ and est.n_samples_seen_ == 300
+    np.testing.assert_allclose(est.spectrum_, alone.spectrum_, rtol=1e-8, atol=1e-10 * alone.spectrum_[0])
+    np.testing.assert_allclose(est.predict(X[:5]), alone.predict(X[:5]), rtol=1e-8)
+    # so in a stream: partial_fit keeps the first 227 and no more
+    stream = RStarEstimator(memory_budget=2**18)
+    for i in range(0, 300, 70):
+        _fit(stream, X[i:i + 70], Y[i:i + 70], partial=True)
+    np.testing.assert_allclose(stream.spectrum_, alone.spectrum_, rtol=1e-8, atol=1e-10 * alone.spectrum_[0])
+    # too few samples fit the budget for the least squares: first order, and why
+    est = RStarEstimator(memory_budget=2**14)
+    messages = _fallbacks(_fit(est, X, Y))
     assert est.inversion_ == "softmax_first_order" and "memory budget" in messages[0]
+    assert "first 14 that fit it" in messages[0]
     est = RStarEstimator(compute_budget=softmax_fit_cost(300, 12, 6, 6) - 1)
     messages = _fallbacks(_fit(est, X, Y))
     assert est.inversion_ == "softmax_first_order" and "compute budget" in messages[0]

@@ -104,11 +104,16 @@ def with_warning(ws, category, message):
 # -- samples kept for least-squares fits ---------------------------------------------------------------
 
 
-def start_keeping_samples(stats, budget):
-    """Mark ``stats`` as keeping its samples in halves (odd / even global index), within ``budget``."""
+def start_keeping_samples(stats, budget, prefix=False):
+    """Mark ``stats`` as keeping its samples in halves (odd / even global index), within ``budget``.
+
+    With ``prefix=True`` the first samples that fit the budget are kept (``stats["n_kept"]`` of them) once the
+    others no longer do; otherwise all of them are dropped then."""
     stats["samples_odd"] = []
     stats["samples_even"] = []
     stats["sample_budget_bytes"] = int(budget.memory_bytes)
+    if prefix:
+        stats["n_kept"] = 0
 
 
 def keep_half_samples(stats, X, Y, odd):
@@ -117,11 +122,43 @@ def keep_half_samples(stats, X, Y, odd):
     ``stats["n"]`` must already count the batch."""
     if stats.get("samples_odd") is None:
         return
-    if drop_samples_over_budget(stats):
+    if "n_kept" in stats:
+        room = _sample_capacity(stats) - stats["n_kept"]
+        if room <= 0:
+            return
+        X, Y, odd = X[:room], Y[:room], odd[:room]
+        stats["n_kept"] += X.shape[0]
+    elif drop_samples_over_budget(stats):
         return
     for key, mask in (("samples_odd", odd), ("samples_even", ~odd)):
         if mask.any():
             stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
+
+
+def _sample_capacity(stats):
+    """How many samples of these dimensions fit the sample budget."""
+    T, d, d_v = stats["dims"]
+    return int(stats["sample_budget_bytes"] // (8 * T * (d + d_v)))
+
+
+def truncate_kept_samples(stats):
+    """Keep only the leading samples (in list order, each half) that fit the budget (``n_kept`` mode)."""
+    room = _sample_capacity(stats)
+    if stats["n_kept"] <= room:
+        return
+    # split the room between the halves as the samples came, odd and even alternating
+    counts = [sum(x.shape[0] for x, _ in stats[key]) for key in ("samples_odd", "samples_even")]
+    take_odd = min(counts[0], room // 2)
+    take = {"samples_odd": take_odd, "samples_even": min(counts[1], room - take_odd)}
+    for key, left in take.items():
+        kept = []
+        for X, Y in stats[key]:
+            if left <= 0:
+                break
+            kept.append((X[:left], Y[:left]))
+            left -= min(left, X.shape[0])
+        stats[key] = kept
+    stats["n_kept"] = take["samples_odd"] + take["samples_even"]
 
 
 def drop_samples_over_budget(stats):
@@ -182,18 +219,31 @@ def merge_stats(a, b):
             out[key] = a[key] + b[key]
     if out.get("samples_odd") is not None:
         # each shard kept its samples within the budget; together they may not (as in one pass)
-        drop_samples_over_budget(out)
+        if "n_kept" in out:
+            truncate_kept_samples(out)
+        else:
+            drop_samples_over_budget(out)
     return out
 
 
 class KeptSamplesMixin:
     """Mixin for an inversion that also keeps its samples, in halves by the parity of their global index
-    (:func:`keep_half_samples`; beyond the memory budget only the other sums remain)."""
+    (:func:`keep_half_samples`; beyond the memory budget only the other sums remain, or, with
+    ``keeps_sample_prefix``, the first samples that fit it)."""
+
+    #: beyond the memory budget keep the first samples that fit it (True) or none (False)
+    keeps_sample_prefix = False
 
     def new_stats(self, T, d, d_v):
         stats = super().new_stats(T, d, d_v)
-        start_keeping_samples(stats, self.budget)
+        start_keeping_samples(stats, self.budget, prefix=self.keeps_sample_prefix)
         return stats
+
+    def n_samples_kept(self, stats):
+        """How many samples are kept (all of them, a leading part, or 0 once dropped)."""
+        if stats.get("samples_odd") is None:
+            return 0
+        return stats.get("n_kept", stats["n"])
 
     def update(self, stats, X, Y):
         odd = (stats["n"] + np.arange(X.shape[0])) % 2 == 1

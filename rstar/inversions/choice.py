@@ -232,12 +232,24 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
         return InversionChoice("softmax_exact", "asked for (method='exact')", "softmax_exact")
     if method == "least_squares":
         preferred = "softmax_least_squares"
-        blocker = None if n is None else softmax_fit_blocker(n, T, d, d_v, value_map_known, budget,
+        notes = ()
+        fitted_n = n
+        if n is not None and samples_in_memory and not budget.allows_samples(n, T, d, d_v):
+            # only the first samples that fit the memory budget are kept: the least squares is fitted on them
+            fitted_n = budget.max_samples(T, d, d_v)
+            notes = (f"the {n} samples exceed the memory budget ({budget.describe()}), so the least squares is "
+                     f"fitted on the first {fitted_n} of them, exactly as fit on those alone would be (the "
+                     "others are not used); raise memory_budget, or pass re-iterable batches to fit_batches to "
+                     "fit it on all of them",)
+        blocker = None if n is None else softmax_fit_blocker(fitted_n, T, d, d_v, value_map_known, budget,
                                                              samples_in_memory)
         if blocker is not None:
+            if notes:
+                blocker = (f"keeping the {n} samples exceeds the memory budget ({budget.describe()}), and for the "
+                           f"first {fitted_n} that fit it: {blocker}")
             return InversionChoice(first, "first order in the token-centred data", preferred, blocker)
         return InversionChoice(preferred, "least squares of K on the model itself, tested against draws of its "
-                               "first-order noise", preferred)
+                               "first-order noise", preferred, None, notes)
     # auto: the paper's estimators
     if value_map_known and exact_softmax_shape_ok(T, d, d_v) and exact_softmax_well_conditioned(T, d, d_v):
         if exact_softmax_memory_fits(budget, d):

@@ -126,14 +126,34 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
 
     #: whiten and fit_operator can read the samples in passes from a rstar.streaming.Samples source
     reads_sample_passes = True
+    #: beyond the memory budget the first samples that fit it are kept, and the least squares fitted on them
+    keeps_sample_prefix = True
 
     def fit_possible(self, stats, samples=None):
-        """Whether the samples are kept (or given as a source read in passes) and :func:`softmax_fit_sizes_fit`
-        allows the fit."""
-        if samples is None and not self.samples_kept(stats):
-            return False
-        return softmax_fit_sizes_fit(stats["n"], *stats["dims"], value_map_known=self.value_map is not None,
-                                     budget=self.budget, samples_in_memory=samples is None)
+        """Whether the samples are kept (all, or the leading ones that fit the memory budget; or given as a
+        source read in passes) and :func:`softmax_fit_sizes_fit` allows the fit on them."""
+        if samples is not None:
+            return softmax_fit_sizes_fit(stats["n"], *stats["dims"], value_map_known=self.value_map is not None,
+                                         budget=self.budget, samples_in_memory=False)
+        kept = self.n_samples_kept(stats)
+        return kept > 0 and softmax_fit_sizes_fit(kept, *stats["dims"], value_map_known=self.value_map is not None,
+                                                  budget=self.budget)
+
+    def _prefix_statistics(self, stats):
+        """Where only the leading samples are kept: the sums of those samples alone, with them (so the least
+        squares and its tests are exactly those of a fit on them)."""
+        T, d, d_v = stats["dims"]
+        sub = QueryKeyInversion.new_stats(self, T, d, d_v)
+        for key in ("samples_odd", "samples_even"):
+            for X, Y in stats[key]:
+                QueryKeyInversion.update(self, sub, X, Y)
+        sub.update(samples_odd=stats["samples_odd"], samples_even=stats["samples_even"],
+                   sample_budget_bytes=stats["sample_budget_bytes"], n_kept=sub["n"])
+        return sub
+
+    def _on_prefix(self, stats, samples):
+        """Whether the least squares runs on the kept leading samples only."""
+        return samples is None and 0 < self.n_samples_kept(stats) < stats["n"]
 
     def default_run(self, stats, samples=None):
         """The least squares where :meth:`fit_possible`, else first order."""
@@ -180,6 +200,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         first_order = self._first_order_statistic
         if run != self.name:
             return first_order(stats)
+        if self._on_prefix(stats, samples):
+            # over the memory budget: the least squares of the first samples that fit it (choose_inversion notes it)
+            return self.whiten(self._prefix_statistics(stats), run, ops=ops)
         if not self.fit_possible(stats, samples):
             raise ValueError("the least-squares softmax fit needs the samples, which were dropped over the memory "
                              "budget.")
@@ -245,6 +268,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         return K / sx**2, V * (sy / sx), sigma2, converged
 
     def fit_operator(self, stats, basis, samples=None, ops=NUMPY):
+        if self._on_prefix(stats, samples) and self.fit_possible(stats):
+            return self.fit_operator(self._prefix_statistics(stats), basis, ops=ops)
         if not self.fit_possible(stats, samples):
             return super().fit_operator(stats, basis)
         source = self._samples(stats, samples)
