@@ -158,6 +158,21 @@ def recovery_at_n_and_10n(T, d, r, n, teachers, seed, batch=2000):
     return rows
 
 
+def stream_default(T, d, r, ns, seed, batch=2000):
+    """The default ``RStarEstimator`` fed by ``partial_fit``: time, peak traced memory and rank at each n."""
+    _, _, teacher = make_attention_task(10, seq_len=T, n_features=d, rank=r, random_state=seed,
+                                        return_teacher=True)
+    rows = []
+    for n in ns:
+        batches = _teacher_batches(teacher, n, T, d, batch, seed + 1)
+        _, t_gen, _ = _timed(lambda: [None for _ in batches()])
+        est, seconds, peak = _timed(lambda: _stream(RStarEstimator(predict_sums=False, device=DEVICE), batches))
+        rows.append(dict(T=T, d=d, r=r, n=n, fit="RStar partial_fit (default budget)", seconds=seconds,
+                         generation_seconds=t_gen, peak_mib=peak, rank=est.rank_, inversion=est.inversion_))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def scaling_n(T, d, r, ns, passes_max_n, seed, batch=2000):
     _, _, teacher = make_attention_task(10, seq_len=T, n_features=d, rank=r, random_state=seed,
                                         return_teacher=True)
@@ -303,12 +318,23 @@ def main(argv=None):
     p.add_argument("--full", action="store_true", help="the shape scan up to d = 768 (X alone is 786 MB)")
     p.add_argument("--device", default="cpu", help="device of the data-only fits: cpu (numpy), auto, cuda")
     p.add_argument("--replot", metavar="JSON", help="only redraw the figures from a speed.json")
+    p.add_argument("--stream-head", action="store_true",
+                   help="only stream 10^4, 10^5 and 10^6 samples of T = d = 64 through partial_fit (about 30 min)")
     args = p.parse_args(argv)
     if args.replot:
         _figures(json.loads(Path(args.replot).read_text()), Path(args.docs_figures or args.out))
         return
     global DEVICE
     DEVICE = args.device
+    if args.stream_head:
+        rows = stream_default(64, 64, 8, [10_000, 100_000, 1_000_000], args.seed)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stream_head.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            print(f"| {r['T']} | {r['d']} | {r['n']:,} | {r['fit']} | {r['seconds']:.0f} s | "
+                  f"{r['generation_seconds']:.0f} s | {r['peak_mib']:.0f} MiB | {r['rank']} ({r['inversion']}) |")
+        return
     quick = args.quick
     seed = args.seed
     res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",

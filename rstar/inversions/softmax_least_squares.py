@@ -75,7 +75,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     product (with heavy-tailed tokens it is far from one).
 
     The samples are kept (lists, so ``partial_fit`` and :func:`merge_stats`
-    concatenate) within the memory budget, and the fit runs while its cost
+    concatenate) within the memory budget; beyond it the first samples that
+    fit it are kept and the fit runs on them alone (``choose_inversion``
+    notes it), or on all of them read in passes from a
+    :class:`rstar.streaming.Samples` source. The fit runs while its cost
     and that of its information are within the compute budget and the
     residual has at least ``MIN_NOISE_DOF`` degrees of freedom
     (:func:`softmax_fit_sizes_fit`); otherwise this is the first-order inversion
