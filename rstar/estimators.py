@@ -31,6 +31,7 @@ from ._validation import check_positive, check_rank_param, check_tokens, check_v
 from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
 from .exceptions import InversionFallbackWarning
 from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
+from .inversions._base import sample_capacity
 from .metrics import token_r2_score
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
 from .streaming import BatchSamples, DaskSamples, is_dask_collection
@@ -50,6 +51,11 @@ __all__ = [
 RSTAR_ALPHA = 0.003
 
 _FIRST_ORDER = ("query_key_first_order", "softmax_first_order")
+
+#: The attributes :meth:`_RankEstimator._finalize` sets, computed on first access after ``partial_fit``.
+_LAZY_FITTED = ("rank_", "effective_rank_", "spectrum_", "threshold_", "noise_variance_", "spike_strengths_",
+                "p_values_", "rank_interval_", "n_columns_", "components_", "inversion_", "inversion_reason_",
+                "null_model_", "noise_source_", "_operator_cache")
 
 #: A batch is added to the sums in chunks of at most this many entries of (X, Y) (32 MiB): an update's
 #: temporaries (pseudo-inverses, projections) are a few times its chunk, so they do not grow with the batch.
@@ -293,17 +299,25 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 self._update(X, Y)
             if not hasattr(self, "_stats"):
                 raise ValueError("batches gave no (X, Y) batch.")
-        n, (T, d, d_v) = self._stats["n"], self._dims
+        n = self._stats["n"]
         samples.set_shape(n, self._dims).with_scales(self._x_scale, self._y_scale)
         passes = False
-        if "samples_odd" in self._stats:
-            if self._budget.allows_samples(n, T, d, d_v):
+        stats = self._stats
+        if "samples_odd" in stats:
+            capacity = (sample_capacity(stats) if "sample_budget_bytes" in stats
+                        else self._budget.max_samples(*self._dims))
+            reads_passes = bool(getattr(self._inv, "reads_sample_passes", False))
+            if n <= capacity:
                 # within the budget: keep them, as partial_fit would
-                self._stats["samples_odd"], self._stats["samples_even"] = samples.halves()
-                if "n_kept" in self._stats:
-                    self._stats["n_kept"] = n
-            else:
-                passes = bool(getattr(self._inv, "reads_sample_passes", False))
+                stats["samples_odd"], stats["samples_even"] = samples.halves()
+                if "n_kept" in stats:
+                    stats["n_kept"] = n
+            elif reads_passes and self._inv.fit_possible(stats, samples):
+                passes = True   # over the memory budget only: the least squares reads them in passes
+            elif "n_kept" in stats:
+                # over the compute budget: the first samples within it, as partial_fit would keep
+                stats["samples_odd"], stats["samples_even"] = samples.halves(capacity)
+                stats["n_kept"] = capacity
         self._samples_read_in_passes = passes
         self._check_enough_samples()
         self._finalize(samples if passes else None)
@@ -325,8 +339,27 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         Returns
         -------
         self
+
+        Notes
+        -----
+        The fitted attributes (``rank_``, ``spectrum_``, ``inversion_`` …)
+        are computed when first read after a batch, not at every batch: a
+        stream of many batches then costs one inversion and rule, not one per
+        batch (the least-squares softmax fit on all samples so far would
+        otherwise run again at each). The warnings of that computation are
+        issued then. ``n_samples_seen_`` is updated at once, and errors about
+        the data (shapes, values, too few samples, a ``rank`` or ``max_rank``
+        beyond the statistic's dimension) are raised by ``partial_fit``
+        itself.
         """
-        return self._fit_batch(X, Y)
+        return self._fit_batch(X, Y, lazy=True)
+
+    def __getattr__(self, name):
+        # after partial_fit the fitted attributes are computed on first access (see partial_fit)
+        if name in _LAZY_FITTED and self.__dict__.get("_pending_finalize", False):
+            self._finalize()
+            return getattr(self, name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def fit_from(self, fitted):
         """Fit this estimator's rule on the statistic another estimator has accumulated.
@@ -461,7 +494,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                              f"samples for this inversion at T={self._dims[0]}, d={self._dims[1]} (got {n_total} "
                              "sample(s)).")
 
-    def _fit_batch(self, X, Y):
+    def _fit_batch(self, X, Y, lazy=False):
         self._validate_params_()
         X, Y = self._validated(X, Y)
         if not hasattr(self, "_stats"):
@@ -479,7 +512,14 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self._update(X, Y)
         self._whitened = None
         self._check_enough_samples()
-        self._finalize()
+        if lazy:
+            self._check_rank_params(self._inv.statistic_dim(*self._dims[:2]))
+            for attr in _LAZY_FITTED:
+                self.__dict__.pop(attr, None)
+            self.n_samples_seen_ = int(self._stats["n"])
+            self._pending_finalize = True
+        else:
+            self._finalize()
         return self
 
     def _choose(self):
@@ -509,7 +549,15 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self._whitened = (key, ws)
         return ws
 
+    def _check_rank_params(self, p):
+        if self.max_rank is not None and self.max_rank > p:
+            raise ValueError(f"max_rank must be <= {p} (the dimension of the statistic), got {self.max_rank}.")
+        if self.rank is not None and self.rank > p:
+            raise ValueError(f"rank must be <= {p} (the dimension of the statistic: "
+                             f"{'T' if self._inv.space == 'tokens' else 'd'}), got {self.rank}.")
+
     def _finalize(self, samples=None):
+        self._pending_finalize = False
         choice = self._choose()
         ws = self._whiten(choice, samples)
         notes = [(InversionFallbackWarning, message) for message in choice.messages()]
@@ -527,12 +575,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             notes.append((UserWarning, f"the known value_map is not used by the {ws.inversion} inversion's statistic "
                           "(only by predict): the rank is estimated as with V unknown. The least-squares inversions "
                           "use it (see inversion_reason_ and the fallback warning, if any)."))
-        p = ws.dim
-        if self.max_rank is not None and self.max_rank > p:
-            raise ValueError(f"max_rank must be <= {p} (the dimension of the statistic), got {self.max_rank}.")
-        if self.rank is not None and self.rank > p:
-            raise ValueError(f"rank must be <= {p} (the dimension of the statistic: "
-                             f"{'T' if self._inv.space == 'tokens' else 'd'}), got {self.rank}.")
+        self._check_rank_params(ws.dim)
         res = self._make_rule(unit)(ws, user_noise, self.max_rank)
         for category, message in notes + list(ws.warnings) + list(res.warnings):
             warnings.warn(message, category, stacklevel=4)

@@ -118,10 +118,15 @@ class Samples:
         out.x_scale, out.y_scale = self.x_scale * float(fx), self.y_scale * float(fy)
         return out
 
-    def halves(self):
-        """``(odd, even)``: lists of ``(X, Y)`` of the samples with odd / even global index (materialised)."""
+    def halves(self, n_first=None):
+        """``(odd, even)``: lists of ``(X, Y)`` of the samples with odd / even global index (materialised), of
+        the first ``n_first`` samples only if given."""
         odd_parts, even_parts, start = [], [], 0
         for X, Y in self._scaled_batches():
+            if n_first is not None:
+                if start >= n_first:
+                    break
+                X, Y = X[:n_first - start], Y[:n_first - start]
             odd = (start + np.arange(X.shape[0])) % 2 == 1
             start += X.shape[0]
             for parts, mask in ((odd_parts, odd), (even_parts, ~odd)):

@@ -196,10 +196,15 @@ def test_softmax_least_squares_over_budgets():
     est = RStarEstimator(memory_budget=2**14)
     messages = _fallbacks(_fit(est, X, Y))
     assert est.inversion_ == "softmax_first_order" and "memory budget" in messages[0]
-    assert "first 14 that fit it" in messages[0]
+    assert "on the first 14 within it" in messages[0]
+    # over the compute budget likewise: the first 299 samples are within it
     est = RStarEstimator(compute_budget=softmax_fit_cost(300, 12, 6, 6) - 1)
     messages = _fallbacks(_fit(est, X, Y))
-    assert est.inversion_ == "softmax_first_order" and "compute budget" in messages[0]
+    assert est.inversion_ == "softmax_least_squares" and "compute budget" in messages[0]
+    assert "fitted on the first 299" in messages[0]
+    est = RStarEstimator(compute_budget=softmax_fit_cost(1, 12, 6, 6))
+    messages = _fallbacks(_fit(est, X, Y))
+    assert est.inversion_ == "softmax_first_order" and "exceeds the compute budget" in messages[0]
 
 
 def test_no_value_signal_falls_back_with_a_warning():

@@ -55,9 +55,11 @@ def test_fit_batches_over_budget_reads_passes_instead_of_falling_back(softmax_ta
     np.testing.assert_allclose(est.predict(X[:50]), ref.predict(X[:50]), rtol=1e-6, atol=1e-8)
     # partial_fit under the same budget keeps the first 128 samples only, fits the least squares on them, and says so
     stream = RStarEstimator(memory_budget=SMALL_BUDGET)
+    for i in range(0, 1000, 250):
+        stream.partial_fit(X[i:i + 250], Y[i:i + 250])
+    assert stream.n_samples_seen_ == 1000 and "rank_" not in vars(stream)   # computed when first read
     with pytest.warns(InversionFallbackWarning, match="fitted on the first 128"):
-        for i in range(0, 1000, 250):
-            stream.partial_fit(X[i:i + 250], Y[i:i + 250])
+        assert stream.rank_ >= 0
     alone = RStarEstimator().fit(X[:128], Y[:128])
     assert stream.inversion_ == "softmax_least_squares" and stream.rank_ == alone.rank_
     np.testing.assert_allclose(stream.spectrum_, alone.spectrum_, rtol=1e-8, atol=1e-10 * alone.spectrum_[0])

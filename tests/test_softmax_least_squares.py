@@ -179,7 +179,19 @@ def test_over_budget_is_the_first_order_inversion():
     stats = inv.new_stats(16, 6, 6)
     inv.update(stats, X, Y)
     assert inv.fit_possible(stats)
+    # one multiply-add less: the first 299 samples are within the compute budget, and the least squares runs on them
     inv = SoftmaxLeastSquaresInversion(budget=CostBudget(multiply_adds=cost - 1))
+    stats = inv.new_stats(16, 6, 6)
+    inv.update(stats, X, Y)
+    assert inv.n_samples_kept(stats) == 299 and inv.fit_possible(stats)
+    with pytest.warns(InversionFallbackWarning, match="compute budget .* fitted on the first 299"):
+        est = RStarEstimator(operator="softmax", compute_budget=cost - 1).fit(X, Y)
+    alone = RStarEstimator(operator="softmax").fit(X[:299], Y[:299])
+    assert est.inversion_ == "softmax_least_squares" and est.rank_ == alone.rank_ == 2
+    np.testing.assert_allclose(est.spectrum_, alone.spectrum_, rtol=1e-8, atol=1e-10 * alone.spectrum_[0])
+    # within the budget only one sample, too few for the least squares: the first-order inversion
+    small = softmax_fit_cost(1, 16, 6, 6)
+    inv = SoftmaxLeastSquaresInversion(budget=CostBudget(multiply_adds=small))
     stats = inv.new_stats(16, 6, 6)
     inv.update(stats, X, Y)
     assert not inv.fit_possible(stats) and inv.default_run(stats) == "softmax_first_order"
@@ -187,9 +199,9 @@ def test_over_budget_is_the_first_order_inversion():
     ref_stats = ref.new_stats(16, 6, 6)
     ref.update(ref_stats, X, Y)
     np.testing.assert_allclose(inv.whiten(stats).eigenvalues, ref.whiten(ref_stats).eigenvalues)
-    with pytest.warns(InversionFallbackWarning, match="softmax_least_squares inversion not used: the fit on 300 "
-                      "samples exceeds the compute budget"):
-        est = RStarEstimator(operator="softmax", compute_budget=cost - 1).fit(X, Y)
+    with pytest.warns(InversionFallbackWarning, match="softmax_least_squares inversion not used: keeping the 300 "
+                      "samples exceeds the memory budget|softmax_least_squares inversion not used"):
+        est = RStarEstimator(operator="softmax", compute_budget=small).fit(X, Y)
     assert est.rank_ == 2 and est.inversion_ == "softmax_first_order"
 
 

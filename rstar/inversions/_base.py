@@ -123,7 +123,7 @@ def keep_half_samples(stats, X, Y, odd):
     if stats.get("samples_odd") is None:
         return
     if "n_kept" in stats:
-        room = _sample_capacity(stats) - stats["n_kept"]
+        room = sample_capacity(stats) - stats["n_kept"]
         if room <= 0:
             return
         X, Y, odd = X[:room], Y[:room], odd[:room]
@@ -135,15 +135,17 @@ def keep_half_samples(stats, X, Y, odd):
             stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
 
 
-def _sample_capacity(stats):
-    """How many samples of these dimensions fit the sample budget."""
+def sample_capacity(stats):
+    """How many samples of these dimensions are kept at most: those that fit the sample budget, or fewer where
+    the inversion says so (``stats["prefix_capacity"]``)."""
     T, d, d_v = stats["dims"]
-    return int(stats["sample_budget_bytes"] // (8 * T * (d + d_v)))
+    capacity = int(stats["sample_budget_bytes"] // (8 * T * (d + d_v)))
+    return min(capacity, int(stats.get("prefix_capacity", capacity)))
 
 
 def truncate_kept_samples(stats):
     """Keep only the leading samples (in list order, each half) that fit the budget (``n_kept`` mode)."""
-    room = _sample_capacity(stats)
+    room = sample_capacity(stats)
     if stats["n_kept"] <= room:
         return
     # split the room between the halves as the samples came, odd and even alternating
@@ -209,7 +211,7 @@ def merge_stats(a, b):
                          f"{sorted(set(a) ^ set(b))} are in one only.")
     out = {}
     for key in a:
-        if key in ("dims", "sample_budget_bytes"):
+        if key in ("dims", "sample_budget_bytes", "prefix_capacity"):
             if a[key] != b[key]:
                 raise ValueError(f"cannot merge statistics with different {key}: {a[key]} and {b[key]}.")
             out[key] = a[key]

@@ -24,7 +24,7 @@ from ._base import MIN_NOISE_DOF
 from .query_key_cross_fit import cross_fit_blocker
 from .query_key_least_squares import least_squares_sizes_fit
 from .softmax_exact import exact_softmax_memory_fits, exact_softmax_shape_ok, exact_softmax_well_conditioned
-from .softmax_least_squares import softmax_fit_blocker
+from .softmax_least_squares import softmax_fit_blocker, softmax_fit_capacity
 from .token import moment_sums_fit
 
 __all__ = ["InversionChoice", "choose_inversion", "decision_table", "decision_table_markdown", "INVERSIONS", "METHODS"]
@@ -234,19 +234,23 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
         preferred = "softmax_least_squares"
         notes = ()
         fitted_n = n
-        if n is not None and samples_in_memory and not budget.allows_samples(n, T, d, d_v):
-            # only the first samples that fit the memory budget are kept: the least squares is fitted on them
-            fitted_n = budget.max_samples(T, d, d_v)
-            notes = (f"the {n} samples exceed the memory budget ({budget.describe()}), so the least squares is "
+        capacity = softmax_fit_capacity(T, d, d_v, value_map_known, budget, samples_in_memory)
+        if n is not None and n > capacity and samples_in_memory:
+            # only the first samples within the budgets are kept: the least squares is fitted on them
+            fitted_n = capacity
+            why = ("memory budget" if not budget.allows_samples(n, T, d, d_v) else "compute budget")
+            more = ("raise memory_budget, or pass re-iterable batches to fit_batches to fit it on all of them"
+                    if why == "memory budget" else "raise compute_budget to fit it on more of them")
+            notes = (f"the {n} samples exceed the {why} of the least squares ({budget.describe()}), so it is "
                      f"fitted on the first {fitted_n} of them, exactly as fit on those alone would be (the "
-                     "others are not used); raise memory_budget, or pass re-iterable batches to fit_batches to "
-                     "fit it on all of them",)
+                     f"others are not used by it); {more}",)
         blocker = None if n is None else softmax_fit_blocker(fitted_n, T, d, d_v, value_map_known, budget,
                                                              samples_in_memory)
         if blocker is not None:
             if notes:
-                blocker = (f"keeping the {n} samples exceeds the memory budget ({budget.describe()}), and for the "
-                           f"first {fitted_n} that fit it: {blocker}")
+                over = (f"keeping the {n} samples exceeds the memory budget" if why == "memory budget" else
+                        f"the fit on {n} samples exceeds the compute budget")
+                blocker = f"{over} ({budget.describe()}), and on the first {fitted_n} within it: {blocker}"
             return InversionChoice(first, "first order in the token-centred data", preferred, blocker)
         return InversionChoice(preferred, "least squares of K on the model itself, tested against draws of its "
                                "first-order noise", preferred, None, notes)

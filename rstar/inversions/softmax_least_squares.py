@@ -14,7 +14,7 @@ from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, with_warning
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
 from .query_key import QueryKeyInversion
 
-__all__ = ["SoftmaxLeastSquaresInversion", "softmax_fit_sizes_fit", "softmax_fit_blocker"]
+__all__ = ["SoftmaxLeastSquaresInversion", "softmax_fit_sizes_fit", "softmax_fit_blocker", "softmax_fit_capacity"]
 
 #: With V unknown the fit runs only where the F test of ``V = 0`` under uniform attention rejects at this level.
 VALUE_SIGNAL_ALPHA = 1e-3
@@ -47,6 +47,25 @@ def softmax_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDG
     if not budget.allows_compute(information_cost(n, T, d, d_v, not value_map_known)):
         return f"the information of K (d^2 x d^2 at d={d}) exceeds the compute budget ({budget.describe()})"
     return None
+
+
+def softmax_fit_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
+    """The most samples the least squares can be fitted on within the budgets: kept within the memory budget
+    (unless ``samples_in_memory=False``), the fit and its information within the compute budget (the costs grow
+    with n; the degrees-of-freedom condition is not part of it). 0 if none."""
+    def fits(n):
+        if samples_in_memory and not budget.allows_samples(n, T, d, d_v):
+            return False
+        return (budget.allows_compute(softmax_fit_cost(n, T, d, d_v))
+                and budget.allows_compute(information_cost(n, T, d, d_v, not value_map_known)))
+
+    lo, hi = 0, budget.max_samples(T, d, d_v) if samples_in_memory else 2**62
+    if fits(hi):
+        return hi
+    while hi - lo > 1:   # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo if fits(lo) else 0
 
 
 def softmax_fit_sizes_fit(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
@@ -132,6 +151,12 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     #: beyond the memory budget the first samples that fit it are kept, and the least squares fitted on them
     keeps_sample_prefix = True
 
+    def new_stats(self, T, d, d_v):
+        stats = super().new_stats(T, d, d_v)
+        # the prefix kept beyond the budgets: as many samples as the least squares can be fitted on
+        stats["prefix_capacity"] = softmax_fit_capacity(T, d, d_v, self.value_map is not None, self.budget)
+        return stats
+
     def fit_possible(self, stats, samples=None):
         """Whether the samples are kept (all, or the leading ones that fit the memory budget; or given as a
         source read in passes) and :func:`softmax_fit_sizes_fit` allows the fit on them."""
@@ -151,7 +176,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             for X, Y in stats[key]:
                 QueryKeyInversion.update(self, sub, X, Y)
         sub.update(samples_odd=stats["samples_odd"], samples_even=stats["samples_even"],
-                   sample_budget_bytes=stats["sample_budget_bytes"], n_kept=sub["n"])
+                   sample_budget_bytes=stats["sample_budget_bytes"], n_kept=sub["n"],
+                   prefix_capacity=stats["prefix_capacity"])
         return sub
 
     def _on_prefix(self, stats, samples):
