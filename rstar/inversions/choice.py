@@ -238,7 +238,8 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
         if n is not None and n > capacity and samples_in_memory:
             # only the first samples within the budgets are kept: the least squares is fitted on them
             fitted_n = capacity
-            why = ("memory budget" if not budget.allows_samples(n, T, d, d_v) else "compute budget")
+            # the budget that sets how many: the compute budget where it allows fewer than the memory budget keeps
+            why = "memory budget" if capacity >= budget.max_samples(T, d, d_v) else "compute budget"
             more = ("raise memory_budget, or pass re-iterable batches to fit_batches to fit it on all of them"
                     if why == "memory budget" else "raise compute_budget to fit it on more of them")
             notes = (f"the {n} samples exceed the {why} of the least squares ({budget.describe()}), so it is "
