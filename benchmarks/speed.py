@@ -275,9 +275,9 @@ def _figures(res, folder):
         axes[1].loglog(n, [r["peak_mib"] for r in rows], "o-", label=label)
     axes[0].set(xlabel="samples n (streamed)", ylabel="fit time (s)", title="fit time against n")
     axes[1].set(xlabel="samples n (streamed)", ylabel="peak traced memory (MiB)", title="peak memory against n")
-    for ax in axes:
+    for ax, where in zip(axes, ("lower right", "upper left")):
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(loc=where, fontsize=8)
     fig.tight_layout()
     fig.savefig(folder / "speed_n.png", dpi=110)
     plt.close(fig)
