@@ -249,3 +249,24 @@ def test_sources_sum_in_chunk_order():
     odd, even = source.halves()
     assert [x.shape[0] for x, _ in odd] == [1, 1] and [x.shape[0] for x, _ in even] == [1, 2]
     np.testing.assert_array_equal(odd[1][0], X[3:4] / 2)
+
+
+def test_partial_fit_computes_the_fitted_attributes_when_first_read():
+    X, Y = make_linear_proxy(600, rank=3, random_state=4)
+    est = MPRankEstimator()
+    for i in range(0, 600, 200):
+        est.partial_fit(X[i:i + 200], Y[i:i + 200])
+        assert est.n_samples_seen_ == i + 200 and "rank_" not in vars(est)
+    again = pickle.loads(pickle.dumps(est))             # pending: computed after unpickling too
+    ref = MPRankEstimator().fit(X, Y)
+    assert hasattr(est, "rank_") and est.rank_ == again.rank_ == ref.rank_ == 3
+    np.testing.assert_allclose(est.spectrum_, ref.spectrum_, rtol=1e-10)
+    est.partial_fit(X[:50], Y[:50])                     # a new batch: stale attributes are gone
+    assert "spectrum_" not in vars(est) and est.n_samples_seen_ == 650 and est.predict(X[:2]).shape == (2, 16, 12)
+    with pytest.raises(AttributeError):
+        est.not_an_attribute_
+    # errors about the batch or the parameters are still raised by partial_fit itself
+    with pytest.raises(ValueError, match="rank must be <="):
+        MPRankEstimator(rank=17).partial_fit(X, Y)
+    with pytest.raises(ValueError, match="tokens"):
+        est.partial_fit(X[:10, :8], Y[:10, :8])
