@@ -138,6 +138,12 @@ def _teacher_batches(teacher, n, T, d, batch, seed):
     return batches
 
 
+def _record(rows, **row):
+    """Append a row of the streamed tables and print it."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def _stream(est, batches):
     for X, Y in batches():
         est.partial_fit(X, Y)
@@ -154,8 +160,7 @@ def recovery_at_n_and_10n(T, d, r, n, teachers, seed, batch=2000):
         for m in (n, 10 * n):
             batches = _teacher_batches(teacher, m, T, d, batch, seed + 200 + k)
             est, seconds, _ = _timed(lambda: _stream(RStarEstimator(predict_sums=False, device=DEVICE), batches))
-            rows.append(dict(teacher=k, n=m, rank=est.rank_, r=r, seconds=seconds, inversion=est.inversion_))
-            print(json.dumps(rows[-1]), flush=True)
+            _record(rows, teacher=k, n=m, rank=est.rank_, r=r, seconds=seconds, inversion=est.inversion_)
     return rows
 
 
@@ -168,9 +173,8 @@ def stream_default(T, d, r, ns, seed, batch=2000):
         batches = _teacher_batches(teacher, n, T, d, batch, seed + 1)
         _, t_gen, _ = _timed(lambda: [None for _ in batches()])
         est, seconds, peak = _timed(lambda: _stream(RStarEstimator(predict_sums=False, device=DEVICE), batches))
-        rows.append(dict(T=T, d=d, r=r, n=n, fit="RStar partial_fit (default budget)", seconds=seconds,
-                         generation_seconds=t_gen, peak_mib=peak, rank=est.rank_, inversion=est.inversion_))
-        print(json.dumps(rows[-1]), flush=True)
+        _record(rows, T=T, d=d, r=r, n=n, fit="RStar partial_fit (default budget)", seconds=seconds,
+                generation_seconds=t_gen, peak_mib=peak, rank=est.rank_, inversion=est.inversion_)
     return rows
 
 
@@ -184,25 +188,21 @@ def scaling_n(T, d, r, ns, passes_max_n, seed, batch=2000):
         _, t_gen, _ = _timed(lambda: [None for _ in batches()])
         # the bare one-pass reference over the same batches
         _, t_ref, m_ref = _timed(lambda: sum(bare_gram(X, Y) for X, Y in batches()))
-        rows.append(dict(T=T, d=d, r=r, n=n, fit="bare pinv Gram (reference)", seconds=t_ref, generation_seconds=t_gen,
-                         peak_mib=m_ref, rank=None, inversion=None))
-        print(json.dumps(rows[-1]), flush=True)
+        _record(rows, T=T, d=d, r=r, n=n, fit="bare pinv Gram (reference)", seconds=t_ref, generation_seconds=t_gen,
+                peak_mib=m_ref, rank=None, inversion=None)
         fits = [("one pass (first order)", lambda: SoftmaxInversionEstimator(predict_sums=False))]
         if n <= passes_max_n:
             fits.append(("least squares in passes",
                          lambda: RStarEstimator(memory_budget=2**20, predict_sums=False, device=DEVICE)))
-        for label, make in fits:
-            est, seconds, peak = _timed(lambda: make().fit_batches(batches))
-            rows.append(dict(T=T, d=d, r=r, n=n, fit=label, seconds=seconds, generation_seconds=t_gen,
-                             peak_mib=peak, rank=est.rank_, inversion=est.inversion_))
-            print(json.dumps(rows[-1]), flush=True)
+        runs = [(label, lambda make=make: make().fit_batches(batches)) for label, make in fits]
         if n >= 10_000:
-            # the default estimator fed by partial_fit: the least squares on the samples that fit its budget
-            est, seconds, peak = _timed(lambda: _stream(RStarEstimator(predict_sums=False, device=DEVICE), batches))
-            label = "RStar partial_fit (default budget)"
-            rows.append(dict(T=T, d=d, r=r, n=n, fit=label, seconds=seconds, generation_seconds=t_gen,
-                             peak_mib=peak, rank=est.rank_, inversion=est.inversion_))
-            print(json.dumps(rows[-1]), flush=True)
+            # the default estimator fed by partial_fit: the least squares on the samples within its budgets
+            runs.append(("RStar partial_fit (default budget)",
+                         lambda: _stream(RStarEstimator(predict_sums=False, device=DEVICE), batches)))
+        for label, run in runs:
+            est, seconds, peak = _timed(run)
+            _record(rows, T=T, d=d, r=r, n=n, fit=label, seconds=seconds, generation_seconds=t_gen,
+                    peak_mib=peak, rank=est.rank_, inversion=est.inversion_)
     return rows
 
 

@@ -31,7 +31,7 @@ from ._validation import check_positive, check_rank_param, check_tokens, check_v
 from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
 from .exceptions import InversionFallbackWarning
 from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
-from .inversions._base import sample_capacity
+from .inversions._base import sample_capacity, stop_keeping_samples
 from .metrics import token_r2_score
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
 from .streaming import BatchSamples, DaskSamples, is_dask_collection
@@ -285,15 +285,15 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         source read in passes."""
         self._validate_params_()
         if isinstance(samples, DaskSamples):
-            self._start(*samples.block(0))
-            stats = _dask_statistic(self._inv, samples, self._x_scale, self._y_scale)
+            self._start(*self._validated(*samples.block(0)))
+            stats = samples.statistic(self._inv, self._x_scale, self._y_scale)
             self._stats = merge_stats(self._stats, stats)
         else:
             for k, (X, Y) in enumerate(samples.batches()):
-                X, Y = self._validated(X, Y)
+                X, Y, y_ndim = self._validated(X, Y)
                 if k == 0:
-                    self._start(X, Y)
-                    _stop_keeping_samples(self._stats)
+                    self._start(X, Y, y_ndim)
+                    stop_keeping_samples(self._stats)
                 else:
                     self._check_next(X, Y)
                 self._update(X, Y)
@@ -423,7 +423,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                     n_null_draws=int(self.n_null_draws), predict_sums=bool(self.predict_sums))
 
     def _validated(self, X, Y):
-        """``(X, Y)`` as 3-D float arrays (a 2-D X read as T = 1, a 1-D Y as one output); records Y's ndim."""
+        """``(X, Y, y_ndim)``: X and Y as 3-D float arrays (a 2-D X read as T = 1, a 1-D Y as one output) and
+        the number of dimensions of the Y given (what ``predict`` returns)."""
         if Y is not None and not hasattr(Y, "ndim"):
             Y = np.asarray(Y)
         if X is not None and not hasattr(X, "ndim"):
@@ -432,18 +433,16 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         if y_ndim == 1 and np.asarray(X).ndim == 2:
             Y = np.asarray(Y)[:, None]
         X, Y = check_X_Y(X, Y)
-        self._last_y_ndim = 3 if y_ndim == 3 else y_ndim
-        return X, Y
+        return X, Y, 3 if y_ndim == 3 else y_ndim
 
-    def _start(self, X, Y):
-        """Set up from the first batch: dimensions, internal units, the frozen configuration and the inversion."""
-        if not isinstance(X, np.ndarray) or X.ndim != 3:
-            X, Y = self._validated(X, Y)
+    def _start(self, X, Y, y_ndim=3):
+        """Set up from the first (validated) batch: dimensions, internal units, the frozen configuration and the
+        inversion."""
         n, T, d = X.shape
         d_v = Y.shape[2]
         self.n_features_in_ = d
         self._dims = (T, d, d_v)
-        self._y_ndim = getattr(self, "_last_y_ndim", 3)
+        self._y_ndim = y_ndim
         self._x_scale = _rms(X)
         self._y_scale = _rms(Y)
         # what defines the inversion is frozen at the first batch (set_params between batches cannot change it)
@@ -496,9 +495,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
 
     def _fit_batch(self, X, Y, lazy=False):
         self._validate_params_()
-        X, Y = self._validated(X, Y)
+        X, Y, y_ndim = self._validated(X, Y)
         if not hasattr(self, "_stats"):
-            self._start(X, Y)
+            self._start(X, Y, y_ndim)
         else:
             self._check_next(X, Y)
             if getattr(self, "_samples_read_in_passes", False):
@@ -575,6 +574,11 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             notes.append((UserWarning, f"the known value_map is not used by the {ws.inversion} inversion's statistic "
                           "(only by predict): the rank is estimated as with V unknown. The least-squares inversions "
                           "use it (see inversion_reason_ and the fallback warning, if any)."))
+        if not (isinstance(self.device, str) and self.device == "cpu"):
+            on_device = getattr(self._inv, "reads_sample_passes", False) and ws.inversion == self._inv.name
+            if not on_device and resolve_backend(self.device).device.type != "cpu":
+                notes.append((UserWarning, f"device={self.device!r} is used only by the least-squares softmax fit; "
+                              f"the {ws.inversion} inversion ran on numpy on the CPU."))
         self._check_rank_params(ws.dim)
         res = self._make_rule(unit)(ws, user_noise, self.max_rank)
         for category, message in notes + list(ws.warnings) + list(res.warnings):
@@ -691,44 +695,6 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         return token_r2_score(Y, Y_pred)
 
 
-def _stop_keeping_samples(stats):
-    """Keep no samples in these sums (a pass over a source: they are read again, or materialised, after it)."""
-    if "samples_odd" in stats:
-        stats["samples_odd"] = stats["samples_even"] = None
-
-
-def _block_statistic(inv, X, Y, x_scale, y_scale, start):
-    """The sums of one chunk of samples whose global indices start at ``start`` (the split halves follow the
-    global index), without keeping the samples: ``[stats]`` (a dask bag partition)."""
-    X, Y = check_X_Y(X, Y)
-    stats = inv.new_stats(X.shape[1], X.shape[2], Y.shape[2])
-    _stop_keeping_samples(stats)
-    stats["n"] = int(start)
-    inv.update(stats, X / x_scale, Y / y_scale)
-    stats["n"] -= int(start)
-    return [stats]
-
-
-def _merge_all(parts):
-    parts = list(parts)
-    out = parts[0]
-    for part in parts[1:]:
-        out = merge_stats(out, part)
-    return out
-
-
-def _dask_statistic(inv, samples, x_scale, y_scale, split_every=8):
-    """The sums over every chunk of a :class:`rstar.streaming.DaskSamples`, reduced by ``dask.bag``'s tree
-    reduction (each chunk's sums computed where it lives)."""
-    import dask
-    import dask.bag as db
-
-    starts = np.concatenate([[0], np.cumsum(samples.X.chunks[0])[:-1]])
-    parts = [dask.delayed(_block_statistic)(inv, xb, yb, x_scale, y_scale, int(start))
-             for (xb, yb), start in zip(samples.delayed_blocks(), starts)]
-    return db.from_delayed(parts).reduction(_merge_all, _merge_all, split_every=split_every).compute()
-
-
 def _rms(A):
     top = float(np.max(np.abs(A)))
     if top == 0 or not np.isfinite(top):
@@ -784,7 +750,9 @@ _COMMON_PARAMS_DOC = """
         or any ``torch.device`` (``torch.device("cpu")`` included) is torch
         in float64, which needs the ``torch`` extra. Results agree with the
         CPU path to round-off (the optimiser's path can then differ in its
-        last iterations). The one-pass sums stay on numpy."""
+        last iterations). The one-pass sums stay on numpy; a GPU asked for
+        where the inversion that runs does not use it is reported with a
+        ``UserWarning``."""
 
 
 def _init_common(est, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,

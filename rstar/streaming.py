@@ -222,6 +222,30 @@ class BatchSamples(Samples):
             yield X, Y
 
 
+def _block_statistic(inv, X, Y, x_scale, y_scale, start):
+    """The sums of one chunk of samples whose global indices start at ``start`` (the split halves follow the
+    global index), without keeping the samples: ``[stats]`` (a dask bag partition)."""
+    from .inversions._base import stop_keeping_samples
+
+    X, Y = check_X_Y(X, Y)
+    stats = inv.new_stats(X.shape[1], X.shape[2], Y.shape[2])
+    stop_keeping_samples(stats)
+    stats["n"] = int(start)
+    inv.update(stats, X / x_scale, Y / y_scale)
+    stats["n"] -= int(start)
+    return [stats]
+
+
+def _merge_all(parts):
+    from .inversions._base import merge_stats
+
+    parts = list(parts)
+    out = parts[0]
+    for part in parts[1:]:
+        out = merge_stats(out, part)
+    return out
+
+
 def _dask_block_sum(X, Y, fn, per_sample, x_scale, y_scale, args):
     """One dask chunk's share of :meth:`Samples.map_sum` (runs where the chunk lives)."""
     X, Y = check_X_Y(X, Y)
@@ -277,6 +301,17 @@ class DaskSamples(Samples):
     def delayed_blocks(self):
         """``[(X_block, Y_block)]`` as ``dask.delayed`` objects, in order."""
         return list(zip(self.X.to_delayed().ravel(), self.Y.to_delayed().ravel()))
+
+    def statistic(self, inversion, x_scale, y_scale, split_every=8):
+        """An inversion's sums over every chunk (without the samples), each chunk's computed where it lives and
+        reduced by ``dask.bag``'s tree reduction, in units ``X / x_scale``, ``Y / y_scale``."""
+        import dask
+        import dask.bag as db
+
+        starts = np.concatenate([[0], np.cumsum(self.X.chunks[0])[:-1]])
+        parts = [dask.delayed(_block_statistic)(inversion, xb, yb, x_scale, y_scale, int(start))
+                 for (xb, yb), start in zip(self.delayed_blocks(), starts)]
+        return db.from_delayed(parts).reduction(_merge_all, _merge_all, split_every=split_every).compute()
 
     def map_sum(self, fn, per_sample, *args):
         import dask

@@ -233,6 +233,24 @@ def test_device_is_validated_in_fit():
     assert MPRankEstimator(device="auto").fit(X, Y).rank_ == MPRankEstimator().fit(X, Y).rank_
 
 
+def test_a_gpu_device_the_inversion_does_not_use_is_reported(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import types
+
+    import rstar.estimators as estimators
+
+    # a CUDA device without CUDA: resolve to a stand-in whose device is "cuda" (nothing runs on it here)
+    monkeypatch.setattr(estimators, "check_device", lambda device: "torch")
+    monkeypatch.setattr(estimators, "resolve_backend", lambda device: types.SimpleNamespace(device=torch.device("cuda")))
+    X, Y = make_linear_proxy(200, random_state=0)
+    with pytest.warns(UserWarning, match="device='cuda' is used only by the least-squares softmax fit; the token "
+                      "inversion ran on numpy"):
+        MPRankEstimator(device="cuda").fit(X, Y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        MPRankEstimator().fit(X, Y)   # device="cpu": nothing to say
+
+
 def test_import_stays_light():
     code = ("import sys, rstar; from rstar import RStarEstimator; "
             "print(sorted(m for m in ('torch', 'dask', 'distributed', 'matplotlib') if m in sys.modules))")

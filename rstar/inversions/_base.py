@@ -116,6 +116,12 @@ def start_keeping_samples(stats, budget, prefix=False):
         stats["n_kept"] = 0
 
 
+def stop_keeping_samples(stats):
+    """Keep no samples in these sums (a pass over a source: they are read again, or materialised, after it)."""
+    if "samples_odd" in stats:
+        stats["samples_odd"] = stats["samples_even"] = None
+
+
 def keep_half_samples(stats, X, Y, odd):
     """Append a batch's samples to ``stats["samples_odd"]`` / ``stats["samples_even"]`` (lists, so
     :func:`merge_stats` concatenates), or drop both for good once they exceed the memory budget.

@@ -37,18 +37,6 @@ def _import_torch():
     return torch
 
 
-def _resolve_device(device, torch):
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or a torch device string, got {device!r}.") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was requested but CUDA is not available; use device='auto' or 'cpu'.")
-    return dev
-
-
 class AttentionStudent(RegressorMixin, BaseEstimator):
     """A trained attention student (classes B0–B3), fitted by full- or large-batch Adam.
 
@@ -235,9 +223,10 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         d_v = Y.shape[2]
         rank = self._check_params(T, d)
         torch = _import_torch()
+        from .._torch_backend import resolve_torch_device
         from ._modules import build_module
 
-        device = _resolve_device(self.device, torch)
+        device = resolve_torch_device(self.device)
         dtype = getattr(torch, self.dtype)
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         gen = torch.Generator().manual_seed(seed)
@@ -372,7 +361,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
                              f"fixed {self.seq_len_} x {self.seq_len_} matrix A: X must have shape "
                              f"(n_samples, {self.seq_len_}, {self.n_features_in_}).")
         torch = _import_torch()
-        device = _resolve_device(self.device, torch)
+        from .._torch_backend import resolve_torch_device
+        device = resolve_torch_device(self.device)
         module = self.module_
         first = next(module.parameters())
         if first.device != device:
