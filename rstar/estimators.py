@@ -29,12 +29,13 @@ from sklearn.utils.validation import check_is_fitted
 from ._backend import check_device, resolve_backend
 from ._validation import check_positive, check_rank_param, check_tokens, check_value_map, check_X_Y
 from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
-from .exceptions import InversionFallbackWarning
+from .exceptions import InversionFallbackWarning, UnidentifiableRankWarning
 from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
 from .inversions._base import sample_capacity, stop_keeping_samples
 from .metrics import token_r2_score
+from .risk import centred_sums, rank_at_tolerance, relative_excess_risk, total_sum_of_squares
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
-from .streaming import BatchSamples, DaskSamples, is_dask_collection
+from .streaming import ArraySamples, BatchSamples, DaskSamples, is_dask_collection
 
 __all__ = [
     "NumericalRankEstimator",
@@ -55,7 +56,7 @@ _FIRST_ORDER = ("query_key_first_order", "softmax_first_order")
 #: The attributes :meth:`_RankEstimator._finalize` sets, computed on first access after ``partial_fit``.
 _LAZY_FITTED = ("rank_", "effective_rank_", "spectrum_", "threshold_", "noise_variance_", "spike_strengths_",
                 "p_values_", "rank_interval_", "n_columns_", "components_", "inversion_", "inversion_reason_",
-                "null_model_", "noise_source_", "_operator_cache")
+                "null_model_", "noise_source_", "noise_floor_rank_", "noise_floor_interval_", "_operator_cache")
 
 #: A batch is added to the sums in chunks of at most this many entries of (X, Y) (32 MiB): an update's
 #: temporaries (pseudo-inverses, projections) are a few times its chunk, so they do not grow with the batch.
@@ -66,6 +67,7 @@ _SHARED_CONSTRAINTS = {
     "value_map": ["array-like", None],
     "rank": [Interval(Integral, 0, None, closed="left"), None],
     "max_rank": [Interval(Integral, 0, None, closed="left"), None],
+    "tolerance": [Interval(Real, 0, 1, closed="left"), None],
     "noise_variance": [Interval(Real, 0, None, closed="neither"), None],
     "random_state": ["random_state"],
     "n_null_draws": [Interval(Integral, 1, None, closed="left")],
@@ -111,6 +113,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         for name in ("rank", "max_rank"):
             check_rank_param(getattr(self, name), name)   # bools are refused
         check_positive(self.noise_variance, "noise_variance")
+        if self.tolerance is not None and self.rank is not None:
+            raise ValueError(f"rank={self.rank} forces the rank and tolerance={self.tolerance} asks for r*(tolerance): "
+                             "give one of them (the other None).")
         check_device(self.device)
         self._validate_rule_params()
 
@@ -320,7 +325,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 stats["n_kept"] = capacity
         self._samples_read_in_passes = passes
         self._check_enough_samples()
-        self._finalize(samples if passes else None)
+        self._finalize(samples if passes else None, curve_samples=samples)
         if passes and self.predict_sums:
             # the operator needs the samples too: fitted now, while they can be read
             self._operator_cache["operator"] = self._inv.fit_operator(
@@ -397,6 +402,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         if not isinstance(fitted, _RankEstimator):
             raise ValueError(f"fit_from needs a fitted rstar data-only estimator, got {type(fitted).__name__}.")
         self._validate_params_()
+        if self.tolerance is not None:
+            raise ValueError("tolerance needs the samples (its risk curve measures each rank's model on them), "
+                             "which fit_from does not read: fit on the data instead.")
         mine = self._inversion_config(fitted._dims, fitted._x_scale, fitted._y_scale)
         # what fitted's statistic was built with (its parameters may have changed since)
         theirs = fitted._config
@@ -495,6 +503,10 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
 
     def _fit_batch(self, X, Y, lazy=False):
         self._validate_params_()
+        if lazy and self.tolerance is not None:
+            raise ValueError("tolerance needs the samples at the end of the fit (its risk curve measures each rank's "
+                             "model on them), which partial_fit does not keep: use fit, or fit_batches with every "
+                             "batch.")
         X, Y, y_ndim = self._validated(X, Y)
         if not hasattr(self, "_stats"):
             self._start(X, Y, y_ndim)
@@ -518,7 +530,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             self.n_samples_seen_ = int(self._stats["n"])
             self._pending_finalize = True
         else:
-            self._finalize()
+            self._finalize(curve_samples=ArraySamples(X / self._x_scale, Y / self._y_scale))
         return self
 
     def _choose(self):
@@ -555,7 +567,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             raise ValueError(f"rank must be <= {p} (the dimension of the statistic: "
                              f"{'T' if self._inv.space == 'tokens' else 'd'}), got {self.rank}.")
 
-    def _finalize(self, samples=None):
+    def _finalize(self, samples=None, curve_samples=None):
         self._pending_finalize = False
         choice = self._choose()
         ws = self._whiten(choice, samples)
@@ -584,6 +596,16 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         for category, message in notes + list(ws.warnings) + list(res.warnings):
             warnings.warn(message, category, stacklevel=4)
         rank = res.rank if self.rank is None else self.rank
+        interval = (int(res.rank_interval[0]), int(res.rank_interval[1]))
+        if ws.rank_bounds is not None:
+            # the inversion cannot identify r*: the interval covers the range it is known to lie in
+            interval = (min(interval[0], int(ws.rank_bounds[0])), max(interval[1], int(ws.rank_bounds[1])))
+        self.noise_floor_rank_ = int(res.rank)
+        self.noise_floor_interval_ = interval
+        for attr in ("risk_curve_",):
+            self.__dict__.pop(attr, None)
+        if self.tolerance is not None:
+            rank, interval = self._tolerance_rank(ws, res, curve_samples)
         self.rank_ = int(rank)
         self.effective_rank_ = float(res.effective_rank)
         self.spectrum_ = ws.eigenvalues * unit
@@ -591,7 +613,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self.noise_variance_ = float(res.noise_variance * unit)
         self.spike_strengths_ = np.asarray(res.spike_strengths, dtype=float)
         self.p_values_ = np.asarray(res.p_values, dtype=float)
-        self.rank_interval_ = (int(res.rank_interval[0]), int(res.rank_interval[1]))
+        self.rank_interval_ = interval
         self.n_columns_ = float(ws.n_columns)
         self.components_ = ws.components(self.rank_)
         self.n_samples_seen_ = int(self._stats["n"])
@@ -606,6 +628,66 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self.noise_source_ = "user" if user_noise is not None else ws.null.noise_source
         # the closed-form operator costs several times the rank estimate: built on first use
         self._operator_cache = {}
+
+    def _tolerance_rank(self, ws, res, samples):
+        """``(rank, interval)`` at ``tolerance`` from the risk curve on ``samples`` (sets ``risk_curve_``)."""
+        tol = float(self.tolerance)
+        inv = self._inv
+        kw = {"ops": resolve_backend(self.device)} if getattr(inv, "reads_sample_passes", False) else {}
+        full = inv.rank_residuals(self._stats, ws, [None], samples, **kw)
+        if full is None:
+            raise ValueError("tolerance needs the closed-form operators of every rank, whose moment sums were not "
+                             "accumulated (predict_sums=False, or over the memory budget for this T, d and d_v).")
+        tss = total_sum_of_squares(samples.map_sum(centred_sums, 1))
+        top = min(ws.dim, max(int(res.rank_interval[1]), int(res.rank)))
+        rss = inv.rank_residuals(self._stats, ws, range(top + 1), samples, **kw)
+        curve = relative_excess_risk(rss, full[0], tss)
+        # go on until half the tolerance is reached (the interval's upper end), or the full rank
+        while rank_at_tolerance(curve, tol / 2) is None and len(curve) <= ws.dim:
+            more = range(len(curve), min(ws.dim, 2 * len(curve)) + 1)
+            rss = rss + inv.rank_residuals(self._stats, ws, more, samples, **kw)
+            curve = relative_excess_risk(rss, full[0], tss)
+        self.risk_curve_ = curve
+        rank = rank_at_tolerance(curve, tol)
+        rank = ws.dim if rank is None else rank
+        low = rank_at_tolerance(curve, min(2 * tol, 1.0))
+        high = rank_at_tolerance(curve, tol / 2)
+        interval = (min(rank, ws.dim if low is None else low), max(rank, ws.dim if high is None else high))
+        if rank > res.rank_interval[1]:
+            warnings.warn(
+                f"tolerance={tol:g} is finer than the noise resolves: the rank it reads ({rank}) exceeds the "
+                f"noise-floor estimate's upper end ({res.rank_interval[1]}), so the ranks beyond that fit the noise "
+                "of these samples, not the task. More samples, or a larger tolerance, would help.",
+                UnidentifiableRankWarning, stacklevel=5)
+        return rank, interval
+
+    def rank_at_tolerance(self, tolerance):
+        """r*(tolerance) from the fitted ``risk_curve_`` without refitting.
+
+        Parameters
+        ----------
+        tolerance : float in [0, 1)
+
+        Returns
+        -------
+        int
+            The smallest rank whose relative excess risk is at most ``tolerance``.
+
+        Raises
+        ------
+        ValueError
+            If the estimator was fitted without a ``tolerance`` (no curve), or the curve was computed only up to
+            ranks that do not reach this tolerance (fit again with it).
+        """
+        check_is_fitted(self, "rank_")
+        if "risk_curve_" not in self.__dict__:
+            raise ValueError("no risk curve: fit with tolerance=... (any value) to compute risk_curve_.")
+        rank = rank_at_tolerance(self.risk_curve_, tolerance)
+        if rank is None:
+            raise ValueError(f"the risk curve was computed up to rank {len(self.risk_curve_) - 1}, where the excess "
+                             f"risk is still {self.risk_curve_[-1]:.3g} > {tolerance:g}: fit with "
+                             f"tolerance={tolerance:g}.")
+        return rank
 
     def __getstate__(self):
         # the cached whitened statistic holds the null draws and d^2 x d^2 factors: recomputed on demand
@@ -716,6 +798,14 @@ _COMMON_PARAMS_DOC = """
         operator), e.g. for a data-only rank sweep with ``GridSearchCV``.
     max_rank : int or None, default=None
         Upper bound on the estimated rank.
+    tolerance : float in [0, 1) or None, default=None
+        None estimates the noise-floor r*. A float ε asks for r*(ε) (theory
+        §2, paper eq. 4): the smallest rank r whose rank-r model's risk is
+        within ``ε Var(Y)`` of the full-rank model's, read off the data-only
+        curve ``risk_curve_`` (in-sample residuals of the inversion's rank-r
+        operators; :mod:`rstar.risk`). Needs the samples at the end of the
+        fit: ``fit`` and ``fit_batches`` (``partial_fit`` and ``fit_from``
+        raise). Cannot be combined with a forced ``rank``.
     noise_variance : float or None, default=None
         Known variance sigma**2 of the noise entries of Y. None: estimated
         (residual of the model when identifiable, else the MP bulk median).
@@ -756,9 +846,10 @@ _COMMON_PARAMS_DOC = """
 
 
 def _init_common(est, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                 predict_sums, device="cpu"):
+                 predict_sums, device="cpu", tolerance=None):
     est.rank = rank
     est.max_rank = max_rank
+    est.tolerance = tolerance
     est.noise_variance = noise_variance
     est.random_state = random_state
     est.n_null_draws = n_null_draws
@@ -827,6 +918,17 @@ _FITTED_DOC = """
         edge, where r* is only partly identifiable. Under pure noise,
         ``lower > 0`` in about ``alpha / 10`` of data sets and ``upper > 0`` in
         about ``10 alpha``. Not affected by a forced ``rank``.
+    noise_floor_rank_ : int
+        The noise-floor estimate of r* (equal to ``rank_`` unless a
+        ``tolerance`` or a forced ``rank`` is given).
+    noise_floor_interval_ : tuple of two ints
+        Its interval (equal to ``rank_interval_`` without a ``tolerance``).
+    risk_curve_ : ndarray of shape (R + 1,)
+        Only with a ``tolerance``: the relative excess risk of the rank-r
+        model, r = 0 ... R, ``(RSS(r) - RSS(full)) / TSS`` on the samples
+        fitted (:mod:`rstar.risk`); computed up to the rank that reaches half
+        the tolerance. ``rank_at_tolerance(eps)`` reads it at any ε. With a
+        tolerance ``rank_interval_`` is ``(r(2 ε), r(ε / 2))``.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)
@@ -887,14 +989,14 @@ class MPRankEstimator(_RankEstimator):
 
     _parameter_constraints = {**_SHARED_CONSTRAINTS, "alpha": [Interval(Real, 0, 1, closed="neither")]}
 
-    def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
+    def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None, noise_variance=None,
                  alpha=0.01, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS, memory_budget=DEFAULT_MEMORY_BUDGET,
                  compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.operator = operator
         self.value_map = value_map
         self.alpha = alpha
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device)
+                     predict_sums, device, tolerance)
 
     def _validate_rule_params(self):
         check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
@@ -959,7 +1061,7 @@ class NumericalRankEstimator(_RankEstimator):
     _parameter_constraints = {**_SHARED_CONSTRAINTS, "tol": [Interval(Real, 0, None, closed="left"), None],
                               "rtol": [Interval(Real, 0, 1, closed="right")]}
 
-    def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
+    def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None, noise_variance=None,
                  tol=None, rtol=1e-2, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.operator = operator
@@ -967,7 +1069,7 @@ class NumericalRankEstimator(_RankEstimator):
         self.tol = tol
         self.rtol = rtol
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device)
+                     predict_sums, device, tolerance)
 
     def _validate_rule_params(self):
         check_positive(self.tol, "tol", strict=False)
@@ -1021,7 +1123,7 @@ class SoftmaxInversionEstimator(MPRankEstimator):
                               "method": [StrOptions({"auto", "first_order", "exact", "least_squares"})],
                               "clip": [Interval(Real, 0, 1, closed="neither")]}
 
-    def __init__(self, *, value_map=None, rank=None, max_rank=None, noise_variance=None, alpha=0.01,
+    def __init__(self, *, value_map=None, rank=None, max_rank=None, tolerance=None, noise_variance=None, alpha=0.01,
                  method="auto", clip=1e-3, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.value_map = value_map
@@ -1029,7 +1131,7 @@ class SoftmaxInversionEstimator(MPRankEstimator):
         self.method = method
         self.clip = clip
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device)
+                     predict_sums, device, tolerance)
 
     def _get_operator(self):
         return "softmax"
@@ -1082,10 +1184,11 @@ class RStarEstimator(MPRankEstimator):
     (3, 'softmax_least_squares', 'simulated')
     """)
 
-    def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, noise_variance=None,
+    def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, tolerance=None, noise_variance=None,
                  alpha=RSTAR_ALPHA, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
-        super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, noise_variance=noise_variance,
+        super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, tolerance=tolerance,
+                         noise_variance=noise_variance,
                          alpha=alpha, random_state=random_state, n_null_draws=n_null_draws,
                          memory_budget=memory_budget, compute_budget=compute_budget, predict_sums=predict_sums,
                          device=device)

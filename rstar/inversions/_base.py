@@ -12,6 +12,11 @@ MIN_NOISE_DOF = 50
 #: Aspect ratio min(T, d) / max(T, d) above which X_i^+ is ill-conditioned
 #: (hard edge of the MP law at ratio 1).
 ILL_CONDITIONED_ASPECT = 0.9
+#: The first-order softmax statistic identifies r* only while d <= this many times the T - 1 centred tokens:
+#: beyond it the higher-order terms of the expansion fill a bulk its null does not model (measured, r* read by
+#: RStarEstimator's fallback: d = 128, T = 64 exact; d = 384, T = 64 read 10 for 8 on Gaussian tokens; d = 384,
+#: T = 32 read 56 for 3 on MiniLM hidden states; docs/user_guide/real_models.md).
+FIRST_ORDER_MAX_ASPECT = 3.0
 #: Seed of the simulations (null draws, random starts) when the estimator's ``random_state`` is None, so that
 #: ``fit`` is a deterministic function of the data and ``partial_fit`` equals ``fit``.
 DEFAULT_SEED = 20260
@@ -75,11 +80,35 @@ class Inversion:
     def fit_operator(self, stats, basis):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def rank_residuals(self, stats, ws, ranks, samples, ops=None):
+        """Residual sums of squares of the rank-r operators for r in ``ranks`` (None: the full-rank one alone)
+        on ``samples`` (a :class:`rstar.streaming.Samples` source in internal units), a list; None if there are
+        no such operators.
+
+        Here the rank-r operator is :meth:`fit_operator` in the span of ``ws``'s top-r components (None if the
+        moment sums it needs were not accumulated).
+        """
+        return operator_residuals(lambda basis: self.fit_operator(stats, basis), ws, ranks, samples)
+
     def _check_run(self, run):
         run = self.name if run is None else run
         if run not in self.produces:
             raise ValueError(f"{type(self).__name__} produces {self.produces}, not {run!r}.")
         return run
+
+
+def operator_residuals(fit, ws, ranks, samples):
+    """Residual sums of squares of ``fit(basis)`` in the span of ``ws``'s top-r components for r in ``ranks``
+    (None: the whole space), each measured in one pass over ``samples``; None if ``fit`` gives no operator."""
+    from ..risk import operator_residual_sum
+
+    out = []
+    for r in ranks:
+        operator = fit(ws.components(ws.dim if r is None else r))
+        if operator is None:
+            return None
+        out.append(float(samples.map_sum(operator_residual_sum, 1, operator)))
+    return out
 
 
 def eigh_descending(W):

@@ -260,6 +260,10 @@ class WhitenedStatistic:
         Units of the eigenvalues: those of Y squared (after the estimator's
         rescaling), or log-attention units (the exact softmax inversion),
         which do not scale with Y.
+    rank_bounds : tuple of two ints or None
+        Where the inversion cannot identify r* (it says why in ``warnings``):
+        the range r* is known to lie in, which the estimator's
+        ``rank_interval_`` then covers.
     """
 
     eigenvalues: np.ndarray
@@ -271,6 +275,7 @@ class WhitenedStatistic:
     evidence: tuple = ()
     warnings: list = field(default_factory=list)
     units: str = "Y^2"
+    rank_bounds: tuple = None
 
     @property
     def dim(self):

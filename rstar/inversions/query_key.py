@@ -4,8 +4,8 @@ import numpy as np
 
 from .. import _bilinear
 from .._linalg import batched_pseudo_inverse, psd_power, solve_psd, sym
-from ..exceptions import IllConditionedInversionWarning
-from ._base import ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, whiten_pair
+from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
+from ._base import FIRST_ORDER_MAX_ASPECT, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, whiten_pair
 from ._kernel import LinearQKOperator, SoftmaxOperator
 from ._statistic import CoherentEvidence, StructuredBulkNull, WhitenedStatistic, WishartNull
 
@@ -261,6 +261,17 @@ class QueryKeyInversion(Inversion):
                              "law), so X_i^+ amplifies noise. Fallback in use: samples are weighted by "
                              "sigma_min(X_i)^2 and the noise Gram is whitened; the estimate rests on the "
                              "better-conditioned samples and may be unreliable. Use T >= 1.5 d or more samples."))
+        rank_bounds = None
+        if self.centred and d > FIRST_ORDER_MAX_ASPECT * T_eff:
+            rank_bounds = (0, d)
+            warnings.append((UnidentifiableRankWarning,
+                             f"the first-order softmax statistic cannot identify r* at d={d} features with only "
+                             f"T-1={T_eff} centred tokens per sample (d > {FIRST_ORDER_MAX_ASPECT:g} (T-1)): the "
+                             "higher-order terms of its expansion, and any anisotropy of the tokens, fill a bulk "
+                             f"its null does not model, so rank_ may be far off; rank_interval_ is (0, {d}). What "
+                             "would help: longer sequences, fewer features (project the tokens on their leading "
+                             "principal directions, or choose the subspace of interest), or the least-squares fit "
+                             "within its budgets (RStarEstimator, with a larger compute_budget/memory_budget)."))
         noise, dof = None, stats["res_dof"]
         # residual power per dof, each sample weighted as the whitened bulk weights it
         power = stats["res_w"] / stats["wt"] if dof >= MIN_NOISE_DOF and stats["wt"] > 0 else None
@@ -284,7 +295,8 @@ class QueryKeyInversion(Inversion):
         else:
             null = WishartNull(noise, float(dof), source, min_columns, leak)
         evidence = () if coherent is None else (CoherentEvidence(coherent[0], coherent[1]),)
-        return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), null, name, evidence, warnings)
+        return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), null, name, evidence, warnings,
+                                 rank_bounds=rank_bounds)
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:

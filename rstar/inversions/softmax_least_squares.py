@@ -10,7 +10,7 @@ from .._linalg import solve_psd
 from ..streaming import ArraySamples
 from ..budgets import DEFAULT_BUDGET, information_cost, softmax_fit_cost
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
-from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, with_warning
+from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
 from .query_key import QueryKeyInversion
 
@@ -295,6 +295,32 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             samples.rescaled(sx, sy), None, V0, None if K0 is None else K0 * sx**2, basis, ops=ops)
         sigma2 = rss * sy**2 / self.residual_dof(samples.n_samples, T, d, d_v, self.value_map is not None)
         return K / sx**2, V * (sy / sx), sigma2, converged
+
+    def rank_residuals(self, stats, ws, ranks, samples=None, ops=NUMPY):
+        """Residual sums of squares of the rank-r truncations of the fitted kernel, r in ``ranks`` (None: the
+        full-rank kernel), V known or profiled out for each, on the samples the least squares read.
+
+        The truncation keeps the top-r directions of the whitened ``K~ = A^{1/2} K B^{1/2}`` (the statistic's
+        eigenvectors), ``K_r = A^{-1/2} U_r U_r^T K~ B^{-1/2}``: the information's own metric, so directions the
+        data pin down are kept first. It costs one pass per rank (no refit); a refitted rank-r kernel can only
+        do better, so the ranks read off the curve suffice. Where the first-order inversion ran, its
+        closed-form operators are used instead (:meth:`Inversion.rank_residuals`).
+        """
+        if ws.inversion != self.name:
+            return operator_residuals(lambda basis: QueryKeyInversion.fit_operator(self, stats, basis), ws, ranks,
+                                      samples)
+        if self._on_prefix(stats, samples):
+            stats, samples = self._prefix_statistics(stats), None
+        source = self._samples(stats, samples)
+        Kt = ws.null.statistic_matrix
+        A_inv_half, B_inv_half = ws.null.factors[3], ws.null.factors[4]
+        loss = _softmax_ls.SoftmaxLeastSquaresLoss(source, None, self.value_map, ops=ops)
+        out = []
+        for r in ranks:
+            U = ws.eigenvectors if r is None else ws.eigenvectors[:, :r]
+            K = A_inv_half @ (U @ (U.T @ Kt)) @ B_inv_half
+            out.append(float(loss.value_map(K)[1]))
+        return out
 
     def fit_operator(self, stats, basis, samples=None, ops=NUMPY):
         if self._on_prefix(stats, samples) and self.fit_possible(stats):

