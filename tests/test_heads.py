@@ -7,7 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rstar import MPRankEstimator, RStarEstimator, UnidentifiableRankWarning  # noqa: E402
+from rstar import (MPRankEstimator, RStarEstimator, SoftmaxInversionEstimator,  # noqa: E402
+                   UnidentifiableRankWarning)
 from rstar.datasets import softmax_attention  # noqa: E402
 from rstar.heads import (collect_attention, estimate_heads, kernel_truncation_curve, plot_head_ranks,  # noqa: E402
                          stdlib_text, token_windows, truncation_rank)
@@ -189,9 +190,36 @@ def test_minilm_planted_rank_is_not_silently_wrong(minilm_layer):
     K = rng.standard_normal((d, 3)) @ rng.standard_normal((3, d)) / d
     Y = softmax_attention(X, K, minilm_layer.head(0).value_map()[:d])
     Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    V = minilm_layer.head(0).value_map()[:d]
+    for est in (RStarEstimator(), RStarEstimator(value_map=V), MPRankEstimator("softmax", value_map=V),
+                SoftmaxInversionEstimator(value_map=V)):
+        # (the exact inversion's d^2 x d^2 matrices at d = 384 exceed the budget: a fallback, not a MemoryError)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est.fit(X, Y)
+        assert any(issubclass(w.category, UnidentifiableRankWarning) for w in caught)
+        lo, hi = est.rank_interval_
+        assert lo <= 3 <= hi
+
+
+def test_first_order_misfit_on_real_tokens_is_warned(minilm_layer):
+    # real tokens projected to d = 16 (T - 1 = 23 > d): the first-order model misses the attention's structure
+    X = minilm_layer.X
+    _, vecs = np.linalg.eigh(np.einsum("ntd,nte->de", X, X))
+    Z = X @ vecs[:, ::-1][:, :16]
+    Z /= np.sqrt(np.mean(Z**2))
+    rng = np.random.default_rng(2)
+    K = rng.standard_normal((16, 3)) @ rng.standard_normal((3, 16))
+    flat = Z.reshape(-1, 16)[:1000]
+    K *= 2.0 / np.std((flat[:500] @ K @ flat[500:].T) / 4.0)
+    Y = softmax_attention(Z, K, rng.standard_normal((16, 8)) / 4.0)
+    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est = RStarEstimator().fit(X, Y)
-    assert any(issubclass(w.category, UnidentifiableRankWarning) for w in caught)
-    lo, hi = est.rank_interval_
-    assert lo <= 3 <= hi
+        est = MPRankEstimator("softmax").fit(Z, Y)
+    misfit = [w for w in caught if "does not hold" in str(w.message)]
+    assert est.rank_ == 5      # the first order's count here: wrong, so it must not be silent
+    assert misfit and issubclass(misfit[0].category, UnidentifiableRankWarning)
+    assert est.rank_interval_ == (0, 16)
+    # the least-squares fit of the model itself reads it
+    assert RStarEstimator().fit(Z, Y).rank_ == 3

@@ -34,10 +34,12 @@ import warnings
 
 import numpy as np
 
+from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
 from ._collect import AttentionLayer, HeadTask, attention_modules, collect_attention
 from ._text import stdlib_text, token_windows
 
-__all__ = ["AttentionLayer", "HeadTask", "attention_modules", "collect_attention", "estimate_heads",
+__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_modules", "collect_attention",
+           "estimate_heads", "kernel_energy_rank", "weight_mp_spike_count",
            "kernel_truncation_curve", "load_minilm", "plot_head_ranks", "stdlib_text", "token_windows",
            "truncation_rank"]
 
@@ -156,7 +158,10 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     -------
     table : pandas.DataFrame, or list of dict without pandas
         Columns ``layer, head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
-        truncation_rank_at_<ε> ..., kernel_rank, warnings``.
+        kernel_rank, truncation_rank_at_<ε> ..., warnings, note``: ``rank`` and its interval are the
+        noise-floor estimate; ``rank_at_<ε>`` is None where the estimator has no rank-r operators at this size
+        (the first-order inversion over its memory budget for ``d^4`` moment sums), with the reason in
+        ``note``; ``warnings`` names the categories of the warnings the fit issued.
     """
     from sklearn.base import clone
 
@@ -175,14 +180,22 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
             if value_map_known and "value_map" in est.get_params():
                 params["value_map"] = head.value_map()
             est.set_params(**params)
+            note = ""
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                est.fit(head.features(), head.Y)
+                try:
+                    est.fit(head.features(), head.Y)
+                except ValueError as err:
+                    if "tolerance" not in params or "closed-form operators" not in str(err):
+                        raise
+                    # no rank-r operators at this size: the noise-floor estimate alone, and say why
+                    note = f"no r*(tolerance): {err}"
+                    est.set_params(tolerance=None).fit(head.features(), head.Y)
             row = dict(layer=layer.index, head=head.head, rank=int(est.noise_floor_rank_),
                        rank_lower=int(est.noise_floor_interval_[0]), rank_upper=int(est.noise_floor_interval_[1]),
                        effective_rank=float(est.effective_rank_), inversion=est.inversion_)
             for tol in tolerances:
-                row[f"rank_at_{tol:g}"] = est.rank_at_tolerance(tol)
+                row[f"rank_at_{tol:g}"] = None if note else est.rank_at_tolerance(tol)
             sv = head.kernel_singular_values()
             row["kernel_rank"] = int(np.sum(sv > sv[0] * 1e-10)) if sv.size and sv[0] > 0 else 0
             if truncation:
@@ -191,6 +204,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
                     hits = np.flatnonzero(curve <= tol)
                     row[f"truncation_rank_at_{tol:g}"] = int(hits[0]) if hits.size else head.d_head
             row["warnings"] = "; ".join(sorted({w.category.__name__ for w in caught}))
+            row["note"] = note
             rows.append(row)
     try:
         import pandas as pd

@@ -17,6 +17,12 @@ ILL_CONDITIONED_ASPECT = 0.9
 #: RStarEstimator's fallback: d = 128, T = 64 exact; d = 384, T = 64 read 10 for 8 on Gaussian tokens; d = 384,
 #: T = 32 read 56 for 3 on MiniLM hidden states; docs/user_guide/real_models.md).
 FIRST_ORDER_MAX_ASPECT = 3.0
+#: The first-order softmax model does not hold where its operator leaves, per sample, more than this many times the
+#: residual power per degree of freedom outside col(P X_i) (noise plus higher-order terms), on average over samples.
+#: Measured (MPRankEstimator, T = 32, d = 16, logits of standard deviation 2): 0.2-0.3 on Gaussian tokens with a
+#: signal and 1.0 without one (n = 1000); 1.7 and 2.1 on Student-t(3) tokens (r* = 3 read 3, r* = 6 read 7); on
+#: MiniLM hidden states projected to d = 16 (n = 2000), 6.4 and 53 (r* = 8 and 3 read 9 and 8).
+FIRST_ORDER_MISFIT = 3.0
 #: Seed of the simulations (null draws, random starts) when the estimator's ``random_state`` is None, so that
 #: ``fit`` is a deterministic function of the data and ``partial_fit`` equals ``fit``.
 DEFAULT_SEED = 20260

@@ -5,7 +5,7 @@ import numpy as np
 from .. import _bilinear
 from .._linalg import batched_pseudo_inverse, psd_power, solve_psd, sym
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
-from ._base import FIRST_ORDER_MAX_ASPECT, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, whiten_pair
+from ._base import FIRST_ORDER_MAX_ASPECT, FIRST_ORDER_MISFIT, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, whiten_pair
 from ._kernel import LinearQKOperator, SoftmaxOperator
 from ._statistic import CoherentEvidence, StructuredBulkNull, WhitenedStatistic, WishartNull
 
@@ -81,6 +81,23 @@ def coherent_spectrum(M_sum, N_coherent):
     S = W @ W.T / d_v if d <= d_v else W.T @ W / d
     lam = np.clip(np.linalg.eigvalsh(sym(S))[::-1], 0.0, None)
     return lam, float(max(d, d_v))
+
+
+def first_order_misfit_sums(X, Y, operator):
+    """A chunk's ``(sum_i r_i / o_i, number of samples with o_i > 0)``: ``r_i`` the residual power per entry of
+    ``Y_i - operator.predict(X_i)``, ``o_i`` that per degree of freedom of ``P Y_i`` outside ``col(P X_i)``
+    (``P`` the token centring; needs ``T - 1 > d``)."""
+    n, T, d = X.shape
+    d_v = Y.shape[2]
+    R = Y - operator.predict(X)
+    r = np.einsum("ntv,ntv->n", R, R) / (T * d_v)
+    PX = X - X.mean(axis=1, keepdims=True)
+    PY = Y - Y.mean(axis=1, keepdims=True)
+    Q, _ = np.linalg.qr(PX)
+    out = PY - Q @ (np.swapaxes(Q, 1, 2) @ PY)
+    o = np.einsum("ntv,ntv->n", out, out) / ((T - 1 - d) * d_v)
+    ok = o > np.finfo(float).tiny
+    return float(np.sum(r[ok] / o[ok])), int(ok.sum())
 
 
 class QueryKeyInversion(Inversion):
@@ -297,6 +314,38 @@ class QueryKeyInversion(Inversion):
         evidence = () if coherent is None else (CoherentEvidence(coherent[0], coherent[1]),)
         return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), null, name, evidence, warnings,
                                  rank_bounds=rank_bounds)
+
+    def first_order_misfit(self, stats, ws, rank, samples):
+        """``(ratio, message)`` where the first-order softmax model does not hold for ``samples``, else None.
+
+        ``ratio`` is the mean over samples of the first-order operator's residual power per entry of ``Y_i`` (at
+        ``rank``) over the power per degree of freedom of ``P Y_i`` outside ``col(P X_i)``, which softmax data
+        fill with the noise plus the higher-order terms (:func:`first_order_misfit_sums`; per sample, so
+        heavy-tailed tokens, whose large samples are large in both, do not tip it). About 1 without a signal and
+        below it with one where the model holds; above ``FIRST_ORDER_MISFIT`` the operator misses structure the
+        expansion near uniform attention cannot hold, and the statistic's spikes are not the kernel's. None also
+        where there is no yardstick (``T - 1 <= d``), no closed-form operator, or this is not the softmax first
+        order.
+        """
+        T, d, _ = stats["dims"]
+        if not self.centred or T - 1 <= d:
+            return None
+        operator = self.fit_operator(stats, ws.components(rank))
+        if operator is None:
+            return None
+        total, count = samples.map_sum(first_order_misfit_sums, T, operator)
+        if not count > 0:
+            return None
+        ratio = total / count
+        if not ratio > FIRST_ORDER_MISFIT:
+            return None
+        return ratio, (
+            f"the first-order softmax model does not hold for these data: per sample, its operator leaves {ratio:.3g} "
+            "times the residual power per degree of freedom found outside col(P X_i) (noise plus higher-order "
+            f"terms; above {FIRST_ORDER_MISFIT:g} the expansion near uniform attention misses structure, e.g. sharp "
+            "attention on anisotropic tokens), so its spikes are not the kernel's and rank_ may be far off; "
+            f"rank_interval_ is (0, {d}). RStarEstimator (the least-squares fit of the model itself) reads these "
+            "data where its budgets allow.")
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:
