@@ -20,7 +20,7 @@ documentation that ships with Python (:func:`rstar.heads.stdlib_text`), cut into
 Usage::
 
     python benchmarks/real_heads.py [--quick] [--seq-len 32] [--n-samples 2000] [--out benchmarks/out/real_heads]
-                                    [--docs-figures docs/img]
+                                    [--docs-figures docs/img] [--replot benchmarks/out/real_heads/real_heads.json]
 """
 
 import argparse
@@ -44,6 +44,7 @@ def _args():
     p.add_argument("--out", default="benchmarks/out/real_heads")
     p.add_argument("--docs-figures", default=None, help="also write the figures into this folder")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figures from a real_heads.json")
     return p.parse_args()
 
 
@@ -116,9 +117,9 @@ def heads(layers, held_out_layers):
     rows = []
     for layer, test in zip(layers, held_out_layers):
         eva = activation_svd_rank(layer.X, 0.9)
-        for head in layer.heads():
+        for h, head in enumerate(layer.heads()):
             est, secs, caught = _fit(RStarEstimator(value_map=head.value_map()), head.features(), head.Y)
-            curve = kernel_truncation_curve(head, test.X, test.Y[:, :, head.head])
+            curve = kernel_truncation_curve(head, test.X, test.head(h).Y)
             trunc = {f"truncation_rank_at_{e:g}": int(np.flatnonzero(curve <= e)[0]) for e in (0.01, 0.05)}
             sv = head.kernel_singular_values()
             row = dict(layer=layer.index, head=head.head, rank=int(est.rank_), interval=list(est.rank_interval_),
@@ -177,7 +178,7 @@ def figures(planted_rows, head_rows, folders):
     labels, ex, wa, wr = [], [], [], []
     for d, e in groups:
         sel = [r for r in planted_rows if r["d"] == d and r["estimator"] == e]
-        labels.append(f"d={d}\n{e.replace('Estimator', '')}")
+        labels.append(f"d={d}\n{e.replace('Estimator', '').replace('(softmax)', '').replace('Rank', '')}")
         ex.append(sum(r["outcome"] == "exact" for r in sel))
         wa.append(sum(r["outcome"] == "warned" for r in sel))
         wr.append(sum(r["outcome"] == "wrong" for r in sel))
@@ -199,6 +200,11 @@ def figures(planted_rows, head_rows, folders):
 
 def main():
     args = _args()
+    if args.replot:
+        payload = json.loads(Path(args.replot).read_text())
+        figures(payload["planted"], payload["heads"],
+                [Path(args.out)] + ([Path(args.docs_figures)] if args.docs_figures else []))
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from threadpoolctl import threadpool_limits
     import torch
@@ -222,8 +228,8 @@ def main():
         layers = collect_attention(model, w_fit[:n_heads], layers=layers_idx)
         held = collect_attention(model, w_fit[n_heads:], layers=layers_idx)
         if args.quick:
-            for L in layers:
-                L.Y, L.query, L.key, L.value = L.Y[:, :, :3], L.query[:3], L.key[:3], L.value[:3]
+            layers = [L.select_heads(range(3)) for L in layers]
+            held = [L.select_heads(range(3)) for L in held]
         head_rows = heads(layers, held)
     summary, band = summaries(planted_rows, head_rows)
     out = Path(args.out)

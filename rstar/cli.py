@@ -14,8 +14,8 @@ else 1) sets the CPU threads of torch and of numpy/scipy's BLAS.
 [--tolerance EPS] [--json OUT]`` fits a data-only estimator on a user's own arrays (X: (n, T, d), Y: (n, T, d_v))
 and prints its rank, interval, inversion and warnings.
 
-``rstar heads [--model minilm|PATH] [--seq-len T] [--n-samples n] [--layers 0,1] [--tolerance 0.01 0.05]
-[--out DIR]`` collects every self-attention head's inputs and outputs on English text that ships with Python,
+``rstar heads [--model minilm|PATH] [--seq-len T] [--n-samples n] [--layers 0,1] [--heads 0,3]
+[--tolerance 0.01 0.05] [--out DIR]`` collects every self-attention head's inputs and outputs on English text that ships with Python,
 fits each head, prints the table, and writes ``heads.csv``/``heads.json`` and a layer x head heatmap
 (:mod:`rstar.heads`).
 """
@@ -74,6 +74,7 @@ def _parser():
     heads.add_argument("--seq-len", type=int, default=32, help="tokens per window, [CLS]/[SEP] included")
     heads.add_argument("--n-samples", type=int, default=500, help="token windows")
     heads.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
+    heads.add_argument("--heads", default=None, help="comma-separated head indices in each layer (default: all)")
     heads.add_argument("--tolerance", type=float, nargs="*", default=[0.01, 0.05],
                        help="tolerances of the r*(EPS) columns (default: 0.01 0.05)")
     heads.add_argument("--seed", type=int, default=0)
@@ -256,6 +257,8 @@ def _heads(args):
     layers = None if args.layers is None else [int(v) for v in args.layers.split(",")]
     t0 = time.perf_counter()
     collected = collect_attention(model, windows, layers=layers)
+    if args.heads is not None:
+        collected = [layer.select_heads(int(v) for v in args.heads.split(",")) for layer in collected]
     table = estimate_heads(collected, tolerances=tuple(args.tolerance))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -58,8 +58,10 @@ _LAZY_FITTED = ("rank_", "effective_rank_", "spectrum_", "threshold_", "noise_va
                 "p_values_", "rank_interval_", "n_columns_", "components_", "inversion_", "inversion_reason_",
                 "null_model_", "noise_source_", "noise_floor_rank_", "noise_floor_interval_", "_operator_cache")
 
-#: A batch is added to the sums in chunks of at most this many entries of (X, Y) (32 MiB): an update's
-#: temporaries (pseudo-inverses, projections) are a few times its chunk, so they do not grow with the batch.
+#: A batch is added to the sums in chunks of at most this many entries (32 MiB) of (X, Y) or of the per-sample
+#: d x d temporaries (pseudo-inverse Grams), whichever is larger per sample: an update's temporaries are a few times
+#: its chunk, so they do not grow with the batch (d = 768, T = 8: 200 samples peaked at 1.9 GiB when only X and Y
+#: were counted).
 UPDATE_CHUNK_ENTRIES = 2**22
 
 _SHARED_CONSTRAINTS = {
@@ -488,7 +490,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         """Add a batch to the sums, ``UPDATE_CHUNK_ENTRIES`` entries of (X, Y) at a time (so an update's
         temporaries stay bounded whatever the batch size)."""
         T, d, d_v = self._dims
-        step = max(1, UPDATE_CHUNK_ENTRIES // (T * (d + d_v)))
+        step = max(1, UPDATE_CHUNK_ENTRIES // max(T * (d + d_v), d * d))
         for start in range(0, X.shape[0], step):
             part = slice(start, start + step)
             self._inv.update(self._stats, X[part] / self._x_scale, Y[part] / self._y_scale)
@@ -592,6 +594,16 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 notes.append((UserWarning, f"device={self.device!r} is used only by the least-squares softmax fit; "
                               f"the {ws.inversion} inversion ran on numpy on the CPU."))
         self._check_rank_params(ws.dim)
+        if ws.rank_bounds is None and ws.n_columns < ws.dim:
+            # fewer noise columns than dimensions: the statistic's rank is at most n_columns, no bulk of the
+            # full dimension is left to set the noise level, and the rules would read every eigenvalue as signal
+            ws.rank_bounds = (0, ws.dim)
+            notes.append((UnidentifiableRankWarning,
+                          f"the {ws.inversion} statistic has about {ws.n_columns:.0f} independent noise columns for "
+                          f"{ws.dim} dimensions (too few samples: each sample adds about d_v columns), so its noise "
+                          f"bulk cannot be told from signal and rank_ may be far off; rank_interval_ is (0, "
+                          f"{ws.dim}). What would help: more than {ws.dim / max(ws.n_columns / self._stats['n'], 1e-12):.0f} "
+                          "samples."))
         res = self._make_rule(unit)(ws, user_noise, self.max_rank)
         for category, message in notes + list(ws.warnings) + list(res.warnings):
             warnings.warn(message, category, stacklevel=4)

@@ -563,6 +563,15 @@ def estimate_noise_variance(eigenvalues, n_columns, n_spikes=0, quantile=0.5):
     bulk = lam[k:]
     if bulk.size < 1:
         return float("nan")
+    ratio = (p - k) / float(n_columns)
+    if ratio > 1 and _unit_quantile(quantile, ratio) <= 0:
+        # more rows than columns: the law's atom at 0 holds this quantile; the non-zero eigenvalues are those of
+        # the m x m companion, ratio * MP(1 / ratio)
+        nonzero = bulk[:max(1, int(np.floor(float(n_columns))) - k)]
+        level = float(np.median(nonzero)) if quantile == 0.5 else _empirical_quantile(np.sort(nonzero), quantile)
+        if level <= 0:
+            return 0.0
+        return level / (ratio * _unit_quantile(quantile, 1.0 / ratio))
     if quantile == 0.5:
         med = float(np.median(bulk))
         if med <= 0:
@@ -639,7 +648,8 @@ def fit_mp_bulk(eigenvalues, n_columns, n_spikes=0, quantiles=(0.25, 0.75), sigm
         raise ValueError(f"min_columns must be > 0 or None, got {min_columns!r}.")
     max_ratio = 1.0 if min_columns is None else min(1.0, max(ratio_nom, (p - k) / float(min_columns)))
     low, med, high = (float(np.quantile(bulk, q, method="hazen")) for q in (q_lo, 0.5, q_hi))
-    if low <= 0:
+    if low <= 0 or _unit_quantile(q_lo, ratio_nom) <= 0:
+        # (fewer columns than rows: the law's atom at 0 holds the lower quartile, which then says nothing)
         return estimate_noise_variance(lam, n_columns, k), float(n_columns)
     if sigma2 is not None:
         sigma2 = _check_sigma2(sigma2)

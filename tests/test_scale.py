@@ -10,7 +10,7 @@ import pytest
 
 from rstar import MPRankEstimator, RStarEstimator
 from rstar.datasets import make_attention_task, make_linear_proxy
-from rstar.exceptions import InversionFallbackWarning
+from rstar.exceptions import InversionFallbackWarning, UnidentifiableRankWarning
 from rstar.streaming import ArraySamples, BatchSamples
 
 # 1 MiB: far below what keeping 1000 samples of T = 32, d = 16 takes (8 MiB), far above every sum
@@ -288,3 +288,33 @@ def test_partial_fit_computes_the_fitted_attributes_when_first_read():
         MPRankEstimator(rank=17).partial_fit(X, Y)
     with pytest.raises(ValueError, match="tokens"):
         est.partial_fit(X[:10, :8], Y[:10, :8])
+
+
+# -- real sizes: honest answers and bounded temporaries -------------------------------------------------------
+
+
+@pytest.mark.parametrize("operator", ["softmax", "linear_qk", "linear_proxy"])
+def test_fewer_noise_columns_than_dimensions_is_warned(operator):
+    # 6 samples x d_v = 2 columns for a 48- (features) or 64-dimensional (tokens) statistic: every eigenvalue
+    # would read as signal (d = 768, T = 512, n = 30 read 480 of pure noise, unwarned)
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((6, 64, 48)), rng.standard_normal((6, 64, 2))
+    with pytest.warns(UnidentifiableRankWarning, match="independent noise columns"):
+        est = MPRankEstimator(operator).fit(X, Y)
+    dim = 64 if operator == "linear_proxy" else 48
+    assert est.rank_interval_ == (0, dim)
+
+
+def test_update_temporaries_are_bounded_by_the_d_by_d_grams():
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((300, 4, 512)), rng.standard_normal((300, 4, 4))
+    tracemalloc.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        MPRankEstimator("linear_qk", predict_sums=False).fit(X, Y)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    # 300 per-sample 512 x 512 Grams at once would be 600 MiB
+    assert peak < 250 * 2**20

@@ -117,18 +117,32 @@ class AttentionLayer:
     causal: bool
     has_bias: bool
     max_abs_error: float = field(default=0.0)
+    head_indices: tuple = None
 
     @property
     def n_heads(self):
         return self.Y.shape[2]
 
     def head(self, h):
-        """The :class:`HeadTask` of head ``h``."""
-        return HeadTask(self.index, h, self.X, np.ascontiguousarray(self.Y[:, :, h]), self.query[h], self.key[h],
+        """The :class:`HeadTask` of the ``h``-th head held (its index in the layer: ``head_indices[h]``)."""
+        index = h if self.head_indices is None else self.head_indices[h]
+        return HeadTask(self.index, index, self.X, np.ascontiguousarray(self.Y[:, :, h]), self.query[h], self.key[h],
                         self.value[h], self.causal, self.has_bias)
 
     def heads(self):
         return [self.head(h) for h in range(self.n_heads)]
+
+    def select_heads(self, heads):
+        """This layer with only the heads ``heads`` (indices in the layer), which keep their indices."""
+        heads = [int(h) for h in heads]
+        have = list(range(self.n_heads)) if self.head_indices is None else list(self.head_indices)
+        missing = [h for h in heads if h not in have]
+        if missing:
+            raise ValueError(f"layer {self.index} has no head {missing[0]} (it holds heads {have}).")
+        pos = [have.index(h) for h in heads]
+        return AttentionLayer(self.index, self.name, self.style, self.X, self.Y[:, :, pos], self.query[pos],
+                              self.key[pos], self.value[pos], self.causal, self.has_bias, self.max_abs_error,
+                              tuple(heads))
 
 
 # -- the attention styles --------------------------------------------------------------------------------------
