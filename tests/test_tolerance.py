@@ -118,3 +118,20 @@ def test_relative_excess_risk_units():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert rank_at_tolerance([0.5, 0.04], 0.05) == 1
+
+
+def test_every_inversion_has_a_curve():
+    from rstar import SoftmaxInversionEstimator
+
+    X, Y, t = make_attention_task(800, kind="linear_qk", seq_len=12, n_features=16, rank=3, random_state=0,
+                                  return_teacher=True)
+    for est in (RStarEstimator(operator="linear_qk", tolerance=0.05),
+                RStarEstimator(operator="linear_qk", value_map=t.value_map, tolerance=0.05)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est.fit(X, Y)
+        assert est.rank_ == est.noise_floor_rank_ == 3 and est.risk_curve_[2] > 0.1
+    X, Y, t = make_attention_task(800, kind="softmax", seq_len=8, n_features=12, value_dim=12, rank=3,
+                                  random_state=0, return_teacher=True)
+    est = SoftmaxInversionEstimator(value_map=t.value_map, tolerance=0.05).fit(X, Y)
+    assert est.inversion_ == "softmax_exact" and est.rank_ == 3 and est.risk_curve_[2] > 0.1
