@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rstar.experiments import markdown_table
+
 
 def _args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -112,6 +114,7 @@ def planted(X_real, V_real, ranks, dims, seed=0):
 def heads(layers, held_out_layers):
     """One row per real head."""
     from rstar import RStarEstimator
+    from rstar.risk import rank_at_tolerance
     from rstar.heads import activation_svd_rank, kernel_energy_rank, kernel_truncation_curve, weight_mp_spike_count
 
     rows = []
@@ -120,7 +123,7 @@ def heads(layers, held_out_layers):
         for h, head in enumerate(layer.heads()):
             est, secs, caught = _fit(RStarEstimator(value_map=head.value_map()), head.features(), head.Y)
             curve = kernel_truncation_curve(head, test.X, test.head(h).Y)
-            trunc = {f"truncation_rank_at_{e:g}": int(np.flatnonzero(curve <= e)[0]) for e in (0.01, 0.05)}
+            trunc = {f"truncation_rank_at_{e:g}": rank_at_tolerance(curve, e) for e in (0.01, 0.05)}
             sv = head.kernel_singular_values()
             row = dict(layer=layer.index, head=head.head, rank=int(est.rank_), interval=list(est.rank_interval_),
                        inversion=est.inversion_, seconds=round(secs, 2),
@@ -135,13 +138,6 @@ def heads(layers, held_out_layers):
                   f"energy={row['kernel_energy_rank']:2d} EVA={eva:3d} MP spikes={row['weight_mp_spikes']:2d} "
                   f"[{secs:.1f} s]", flush=True)
     return rows
-
-
-def _md(rows, cols):
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        out.append("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    return "\n".join(out)
 
 
 def summaries(planted_rows, head_rows):
@@ -210,21 +206,19 @@ def main():
     import torch
 
     torch.set_num_threads(args.threads)
-    from rstar.heads import collect_attention, load_minilm, stdlib_text, token_windows
+    from rstar.heads import collect_attention, load_minilm, text_windows
 
     t_all = time.perf_counter()
     n = 600 if args.quick else args.n_samples
     n_heads, n_test = (300, 200) if args.quick else (args.head_samples, args.held_out)
     model, tok = load_minilm()
-    ids = tok(stdlib_text(), add_special_tokens=False)["input_ids"]
-    frame = dict(prefix=[tok.cls_token_id], suffix=[tok.sep_token_id])
     with threadpool_limits(limits=args.threads):
-        windows = token_windows(ids, args.seq_len, n, random_state=0, **frame)
+        windows = text_windows(tok, args.seq_len, n, random_state=0)
         layer0 = collect_attention(model, windows, layers=[0])[0]
         planted_rows = planted(layer0.X, layer0.head(0).value_map()[:-1],
                                (0, 3) if args.quick else (0, 3, 8, 16), (384, 16) if args.quick else (384, 16, 32))
         layers_idx = [0, 3] if args.quick else None
-        w_fit = token_windows(ids, args.seq_len, n_heads + n_test, random_state=1, **frame)
+        w_fit = text_windows(tok, args.seq_len, n_heads + n_test, random_state=1)
         layers = collect_attention(model, w_fit[:n_heads], layers=layers_idx)
         held = collect_attention(model, w_fit[n_heads:], layers=layers_idx)
         if args.quick:
@@ -238,17 +232,16 @@ def main():
                    planted=planted_rows, heads=head_rows, summary=summary, truncation_bands=band,
                    elapsed_s=time.perf_counter() - t_all)
     (out / "real_heads.json").write_text(json.dumps(payload, indent=1))
-    md = ["## Planted kernels on real tokens: outcomes", "", _md(summary, ["d", "V", "estimator", "exact", "warned",
-                                                                          "wrong", "total"]),
-          "", "## Planted kernels: every fit", "",
-          _md(planted_rows, ["d", "T", "n", "r", "V", "estimator", "rank", "interval", "inversion", "outcome",
-                             "seconds"]),
+    planted_cols = ["d", "T", "n", "r", "V", "estimator", "rank", "interval", "inversion", "outcome", "seconds"]
+    head_cols = ["layer", "head", "rank", "interval", "inversion", "kernel_rank", "truncation_rank_at_0.01",
+                 "truncation_rank_at_0.05", "kernel_energy_rank", "activation_svd_rank_90", "weight_mp_spikes",
+                 "seconds"]
+    md = ["## Planted kernels on real tokens: outcomes", "",
+          markdown_table(summary, ["d", "V", "estimator", "exact", "warned", "wrong", "total"]),
+          "", "## Planted kernels: every fit", "", markdown_table(planted_rows, planted_cols),
           "", "## Real heads: truncation bands (held-out windows)", "",
-          _md(band, ["tolerance", "min", "median", "max", "at_most_8", "heads"]),
-          "", "## Real heads", "",
-          _md(head_rows, ["layer", "head", "rank", "interval", "inversion", "kernel_rank",
-                          "truncation_rank_at_0.01", "truncation_rank_at_0.05", "kernel_energy_rank",
-                          "activation_svd_rank_90", "weight_mp_spikes", "seconds"])]
+          markdown_table(band, ["tolerance", "min", "median", "max", "at_most_8", "heads"]),
+          "", "## Real heads", "", markdown_table(head_rows, head_cols)]
     (out / "real_heads.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md[:3]) + "\n\n" + "\n".join(md[7:10]))
     folders = [out] + ([Path(args.docs_figures)] if args.docs_figures else [])

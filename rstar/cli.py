@@ -240,7 +240,8 @@ def _estimate(args):
 
 
 def _heads(args):
-    from .heads import collect_attention, estimate_heads, load_minilm, plot_head_ranks, stdlib_text, token_windows
+    from .experiments import markdown_table
+    from .heads import collect_attention, estimate_heads, load_minilm, plot_head_ranks, text_windows
 
     if args.model == "minilm":
         model, tokenizer = load_minilm()
@@ -250,10 +251,7 @@ def _heads(args):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         model = AutoModel.from_pretrained(args.model, attn_implementation="eager")
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids = tokenizer(stdlib_text(), add_special_tokens=False)["input_ids"]
-    prefix = [tokenizer.cls_token_id] if tokenizer.cls_token_id is not None else []
-    suffix = [tokenizer.sep_token_id] if tokenizer.sep_token_id is not None else []
-    windows = token_windows(ids, args.seq_len, args.n_samples, random_state=args.seed, prefix=prefix, suffix=suffix)
+    windows = text_windows(tokenizer, args.seq_len, args.n_samples, random_state=args.seed)
     layers = None if args.layers is None else [int(v) for v in args.layers.split(",")]
     t0 = time.perf_counter()
     collected = collect_attention(model, windows, layers=layers)
@@ -263,10 +261,7 @@ def _heads(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = table.to_dict("records") if hasattr(table, "to_dict") else table
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    print(markdown_table(rows, list(rows[0])))
     (out / "heads.json").write_text(json.dumps({"command": sys.argv, "model": args.model, "seq_len": args.seq_len,
                                                 "n_samples": args.n_samples, "rows": rows,
                                                 "elapsed_s": time.perf_counter() - t0}, indent=1, default=float))

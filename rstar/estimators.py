@@ -594,24 +594,26 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 notes.append((UserWarning, f"device={self.device!r} is used only by the least-squares softmax fit; "
                               f"the {ws.inversion} inversion ran on numpy on the CPU."))
         self._check_rank_params(ws.dim)
-        if ws.rank_bounds is None and ws.n_columns < ws.dim:
+        bounds = ws.rank_bounds
+        if bounds is None and ws.n_columns < ws.dim:
             # fewer noise columns than dimensions: the statistic's rank is at most n_columns, no bulk of the
             # full dimension is left to set the noise level, and the rules would read every eigenvalue as signal
-            ws.rank_bounds = (0, ws.dim)
+            bounds = (0, ws.dim)
+            need = ws.dim / max(ws.n_columns / self._stats["n"], 1e-12)
             notes.append((UnidentifiableRankWarning,
                           f"the {ws.inversion} statistic has about {ws.n_columns:.0f} independent noise columns for "
                           f"{ws.dim} dimensions (too few samples: each sample adds about d_v columns), so its noise "
                           f"bulk cannot be told from signal and rank_ may be far off; rank_interval_ is (0, "
-                          f"{ws.dim}). What would help: more than {ws.dim / max(ws.n_columns / self._stats['n'], 1e-12):.0f} "
+                          f"{ws.dim}). What would help: more than {need:.0f} "
                           "samples."))
         res = self._make_rule(unit)(ws, user_noise, self.max_rank)
         for category, message in notes + list(ws.warnings) + list(res.warnings):
             warnings.warn(message, category, stacklevel=4)
         rank = res.rank if self.rank is None else self.rank
         interval = (int(res.rank_interval[0]), int(res.rank_interval[1]))
-        if ws.rank_bounds is not None:
-            # the inversion cannot identify r*: the interval covers the range it is known to lie in
-            interval = (min(interval[0], int(ws.rank_bounds[0])), max(interval[1], int(ws.rank_bounds[1])))
+        if bounds is not None:
+            # r* is not identified: the interval covers the range it is known to lie in
+            interval = (min(interval[0], int(bounds[0])), max(interval[1], int(bounds[1])))
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
         for attr in ("risk_curve_",):
@@ -640,14 +642,19 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self.noise_source_ = "user" if user_noise is not None else ws.null.noise_source
         # the closed-form operator costs several times the rank estimate: built on first use
         self._operator_cache = {}
-        if curve_samples is not None and ws.inversion == "softmax_first_order" and ws.rank_bounds is None:
+        if curve_samples is not None and ws.inversion == "softmax_first_order" and bounds is None:
             self._check_first_order_fit(ws, res, curve_samples)
 
     def _check_first_order_fit(self, ws, res, samples):
         """Where the samples are at hand: does the first-order softmax model hold
-        (:meth:`rstar.inversions.QueryKeyInversion.first_order_misfit`)? If not, warn and widen the intervals to
-        (0, d)."""
-        misfit = self._inv.first_order_misfit(self._stats, ws, int(res.rank), samples)
+        (:meth:`rstar.inversions.QueryKeyInversion.first_order_misfit`, its operator at the noise-floor rank)? If
+        not, warn and widen the intervals to (0, d)."""
+        operator = self._inv.first_order_operator(self._stats, ws.components(int(res.rank)))
+        if operator is None:   # no moment sums (predict_sums=False or over the memory budget)
+            return
+        if self.rank is None and ws.inversion == self._inv.name:
+            self._operator_cache["operator"] = operator   # the very operator predict uses: fitted once
+        misfit = self._inv.first_order_misfit(self._stats, operator, samples)
         if misfit is None:
             return
         warnings.warn(misfit[1], UnidentifiableRankWarning, stacklevel=5)
@@ -661,19 +668,19 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         tol = float(self.tolerance)
         inv = self._inv
         kw = {"ops": resolve_backend(self.device)} if getattr(inv, "reads_sample_passes", False) else {}
-        full = inv.rank_residuals(self._stats, ws, [None], samples, **kw)
-        if full is None:
+        top = min(ws.dim, max(int(res.rank_interval[1]), int(res.rank)))
+        rss = inv.rank_residuals(self._stats, ws, [None, *range(top + 1)], samples, **kw)
+        if rss is None:
             raise ValueError("tolerance needs the closed-form operators of every rank, whose moment sums were not "
                              "accumulated (predict_sums=False, or over the memory budget for this T, d and d_v).")
+        full, rss = rss[0], rss[1:]
         tss = total_sum_of_squares(samples.map_sum(centred_sums, 1))
-        top = min(ws.dim, max(int(res.rank_interval[1]), int(res.rank)))
-        rss = inv.rank_residuals(self._stats, ws, range(top + 1), samples, **kw)
-        curve = relative_excess_risk(rss, full[0], tss)
+        curve = relative_excess_risk(rss, full, tss)
         # go on until half the tolerance is reached (the interval's upper end), or the full rank
         while rank_at_tolerance(curve, tol / 2) is None and len(curve) <= ws.dim:
             more = range(len(curve), min(ws.dim, 2 * len(curve)) + 1)
             rss = rss + inv.rank_residuals(self._stats, ws, more, samples, **kw)
-            curve = relative_excess_risk(rss, full[0], tss)
+            curve = relative_excess_risk(rss, full, tss)
         self.risk_curve_ = curve
         rank = rank_at_tolerance(curve, tol)
         rank = ws.dim if rank is None else rank

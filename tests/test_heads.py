@@ -11,7 +11,7 @@ from rstar import (MPRankEstimator, RStarEstimator, SoftmaxInversionEstimator,  
                    UnidentifiableRankWarning)
 from rstar.datasets import softmax_attention  # noqa: E402
 from rstar.heads import (collect_attention, estimate_heads, kernel_truncation_curve, plot_head_ranks,  # noqa: E402
-                         stdlib_text, token_windows, truncation_rank)
+                         stdlib_text, text_windows, token_windows, truncation_rank)
 
 
 class _Block(torch.nn.Module):
@@ -175,8 +175,8 @@ def minilm_layer():
 
     torch.set_num_threads(1)
     model, tok = load_minilm()
-    ids = tok(stdlib_text(), add_special_tokens=False)["input_ids"]
-    w = token_windows(ids, 24, 300, random_state=0, prefix=[tok.cls_token_id], suffix=[tok.sep_token_id])
+    w = text_windows(tok, 24, 300, random_state=0)
+    assert (w[:, 0] == tok.cls_token_id).all() and (w[:, -1] == tok.sep_token_id).all()
     return collect_attention(model, w, layers=[0])[0]
 
 
@@ -234,3 +234,15 @@ def test_first_order_misfit_on_real_tokens_is_warned(minilm_layer):
     assert est.rank_interval_ == (0, 16)
     # the least-squares fit of the model itself reads it
     assert RStarEstimator().fit(Z, Y).rank_ == 3
+
+
+def test_table_without_rank_r_operators_keeps_the_noise_floor(ids):
+    torch.manual_seed(0)
+    layer = collect_attention(_Block(d=6, heads=2), ids)[0]
+    table = estimate_heads([layer], MPRankEstimator("softmax", predict_sums=False), tolerances=(0.05,))
+    rows = table.to_dict("records") if hasattr(table, "to_dict") else table
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rank_at_0.05"] is None or np.isnan(r["rank_at_0.05"])
+        assert r["note"].startswith("no r*(tolerance)") and "closed-form operators" in r["note"]
+        assert r["rank_lower"] <= r["rank"] <= r["rank_upper"]

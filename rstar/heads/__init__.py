@@ -35,13 +35,14 @@ import warnings
 import numpy as np
 
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
-from ._collect import AttentionLayer, HeadTask, attention_modules, collect_attention
-from ._text import stdlib_text, token_windows
+from ..risk import rank_at_tolerance
+from ._collect import AttentionLayer, HeadTask, attention_modules, attention_rows, collect_attention
+from ._text import stdlib_text, text_windows, token_windows
 
-__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_modules", "collect_attention",
-           "estimate_heads", "kernel_energy_rank", "weight_mp_spike_count",
-           "kernel_truncation_curve", "load_minilm", "plot_head_ranks", "stdlib_text", "token_windows",
-           "truncation_rank"]
+__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_modules", "attention_rows",
+           "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve", "load_minilm",
+           "plot_head_ranks", "stdlib_text", "text_windows", "token_windows", "truncation_rank",
+           "weight_mp_spike_count"]
 
 #: Tolerances of the table's r*(ε) columns by default (relative excess risk: 1% and 5% of Var(Y)).
 DEFAULT_TOLERANCES = (0.01, 0.05)
@@ -97,26 +98,14 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     Y = head.output(X) if Y is None else Y
     Yf = Y.reshape(-1, Y.shape[-1])
     tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
-    rows = slice(None) if head.has_bias else slice(0, -1)
-    q, k = head.query[rows], head.key[rows]
-    Qq, Rq = np.linalg.qr(q)
-    Qk, Rk = np.linalg.qr(k)
-    U, s, Wt = np.linalg.svd(Rq @ Rk.T)
-    scale = np.sqrt(q.shape[0] / head.d_head) / np.sqrt(Xt.shape[-1])
-    left = Xt @ (Qq @ U) * (s * scale)          # logits = left[:, :, :r] @ right[:, :, :r]^T
-    right = Xt @ (Qk @ Wt.T)
+    L, s, R = head.kernel_factors()
+    left = Xt @ L * (s / np.sqrt(Xt.shape[-1]))          # logits of rank r: left[..., :r] @ right[..., :r]^T
+    right = Xt @ R
     values = Xt @ head.value_map()
-    T = Xt.shape[1]
-    mask = np.tril(np.ones((T, T), dtype=bool)) if head.causal else None
     top = head.d_head if max_rank is None else int(max_rank)
     curve = np.empty(top + 1)
     for r in range(top + 1):
-        logits = left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1)
-        if mask is not None:
-            logits = np.where(mask, logits, -np.inf)
-        logits -= logits.max(axis=-1, keepdims=True)
-        S = np.exp(logits)
-        S /= S.sum(axis=-1, keepdims=True)
+        S = attention_rows(left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1), head.causal)
         curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
     return curve
 
@@ -124,15 +113,12 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
 def truncation_rank(head, tolerance, X=None):
     """The smallest rank r at which the head's SVD-truncated kernel reproduces its output within ``tolerance``
     (relative excess risk, :func:`kernel_truncation_curve`): an upper bound on the head's r*(ε)."""
-    curve = kernel_truncation_curve(head, X)
-    hits = np.flatnonzero(curve <= tolerance)
-    return int(hits[0]) if hits.size else head.d_head
+    return _truncation_rank(kernel_truncation_curve(head, X), tolerance, head.d_head)
 
 
-def _default_estimator(head):
-    from ..estimators import RStarEstimator
-
-    return RStarEstimator(value_map=head.value_map())
+def _truncation_rank(curve, tolerance, d_head):
+    rank = rank_at_tolerance(curve, tolerance)
+    return d_head if rank is None else rank
 
 
 def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, value_map_known=True,
@@ -145,7 +131,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         From :func:`collect_attention`.
     estimator : data-only rstar estimator or None
         Cloned for each head, with ``tolerance=min(tolerances)`` (and the head's value map when
-        ``value_map_known``). None: :class:`rstar.RStarEstimator`.
+        ``value_map_known``). None: :class:`rstar.RStarEstimator`. Where it has no rank-r operators at a
+        head's shape, the heads of that shape are fitted for the noise floor alone.
     tolerances : tuple of float
         The r*(ε) columns (``rank_at_<ε>``), read off one fit's ``risk_curve_``; empty: noise floor only.
     value_map_known : bool, default=True
@@ -165,31 +152,34 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     """
     from sklearn.base import clone
 
+    from ..estimators import RStarEstimator
+
     tolerances = tuple(float(t) for t in tolerances)
     rows = []
+    # shapes at which the estimator has no rank-r operators: later heads of that shape skip the tolerance fit
+    no_operators = {}
     for layer in layers:
         for head in layer.heads():
             if head.causal:
                 raise ValueError(f"layer {layer.index} ({layer.name}) is causal: rstar's softmax operator attends "
                                  "to every token, so a causal head is outside its model class (see "
                                  "docs/user_guide/real_models.md).")
-            est = clone(_default_estimator(head) if estimator is None else estimator)
-            params = {}
-            if tolerances:
-                params["tolerance"] = min(tolerances)
+            est = clone(RStarEstimator() if estimator is None else estimator)
+            shape = (head.X.shape, head.Y.shape)
+            note = no_operators.get(shape, "")
+            params = {"tolerance": min(tolerances) if tolerances and not note else None}
             if value_map_known and "value_map" in est.get_params():
                 params["value_map"] = head.value_map()
             est.set_params(**params)
-            note = ""
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
                     est.fit(head.features(), head.Y)
                 except ValueError as err:
-                    if "tolerance" not in params or "closed-form operators" not in str(err):
+                    if params["tolerance"] is None or "closed-form operators" not in str(err):
                         raise
                     # no rank-r operators at this size: the noise-floor estimate alone, and say why
-                    note = f"no r*(tolerance): {err}"
+                    note = no_operators[shape] = f"no r*(tolerance): {err}"
                     est.set_params(tolerance=None).fit(head.features(), head.Y)
             row = dict(layer=layer.index, head=head.head, rank=int(est.noise_floor_rank_),
                        rank_lower=int(est.noise_floor_interval_[0]), rank_upper=int(est.noise_floor_interval_[1]),
@@ -201,8 +191,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
             if truncation:
                 curve = kernel_truncation_curve(head)
                 for tol in tolerances:
-                    hits = np.flatnonzero(curve <= tol)
-                    row[f"truncation_rank_at_{tol:g}"] = int(hits[0]) if hits.size else head.d_head
+                    row[f"truncation_rank_at_{tol:g}"] = _truncation_rank(curve, tol, head.d_head)
             row["warnings"] = "; ".join(sorted({w.category.__name__ for w in caught}))
             row["note"] = note
             rows.append(row)

@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._backend import NUMPY
+
 __all__ = ["AttentionLayer", "HeadTask", "attention_modules", "collect_attention"]
 
 
@@ -61,10 +63,18 @@ class HeadTask:
         """The head's value map ``V`` on :meth:`features`, shape (d~, d_head)."""
         return self.value[self._rows()]
 
+    def kernel_factors(self):
+        """``(L, s, R)`` with ``kernel() = L diag(s) R^T``: its thin SVD through the ``d_head x d_head`` core of
+        ``W~_Q W~_K^T`` (never the d~ x d~ product); ``s`` descending, ``d_head`` entries."""
+        q, k = self.query[self._rows()], self.key[self._rows()]
+        Qq, Rq = np.linalg.qr(q)
+        Qk, Rk = np.linalg.qr(k)
+        U, s, Wt = np.linalg.svd(Rq @ Rk.T)
+        return Qq @ U, np.sqrt(q.shape[0] / self.d_head) * s, Qk @ Wt.T
+
     def kernel_singular_values(self):
         """Singular values of :meth:`kernel` (at most ``d_head`` non-zero)."""
-        q, k = self.query[self._rows()], self.key[self._rows()]
-        return np.sqrt(q.shape[0] / self.d_head) * np.linalg.svd(_thin_product(q, k), compute_uv=False)
+        return self.kernel_factors()[1]
 
     def output(self, X=None, kernel=None, value_map=None):
         """The head's output (or that of another kernel/value map) on inputs ``X``, shape (n, T, d_head)."""
@@ -72,20 +82,15 @@ class HeadTask:
         K = self.kernel() if kernel is None else kernel
         V = self.value_map() if value_map is None else value_map
         logits = (Xt @ (K / np.sqrt(Xt.shape[-1]))) @ Xt.transpose(0, 2, 1)
-        if self.causal:
-            T = logits.shape[-1]
-            logits = np.where(np.tril(np.ones((T, T), dtype=bool)), logits, -np.inf)
-        logits -= logits.max(axis=-1, keepdims=True)
-        S = np.exp(logits)
-        S /= S.sum(axis=-1, keepdims=True)
-        return S @ (Xt @ V)
+        return attention_rows(logits, self.causal) @ (Xt @ V)
 
 
-def _thin_product(q, k):
-    """``q k^T``'s non-zero singular values through the ``d_head x d_head`` core (``q, k`` tall)."""
-    Qq, Rq = np.linalg.qr(q)
-    Qk, Rk = np.linalg.qr(k)
-    return Rq @ Rk.T
+def attention_rows(logits, causal=False):
+    """Row-wise softmax of ``logits`` (n, T, T), in place; with ``causal`` row i attends to keys ``j <= i`` only."""
+    if causal:
+        T = logits.shape[-1]
+        logits[..., ~np.tril(np.ones((T, T), dtype=bool))] = -np.inf
+    return NUMPY.softmax_rows(logits)
 
 
 @dataclass
@@ -215,16 +220,9 @@ def _per_head_outputs(X, query, key, value, causal):
     n, T, _ = X.shape
     H, _, dh = query.shape
     out = np.empty((n, T, H, dh))
-    mask = np.tril(np.ones((T, T), dtype=bool)) if causal else None
     for h in range(H):
         q, k, v = Xt @ query[h], Xt @ key[h], Xt @ value[h]
-        logits = q @ k.transpose(0, 2, 1) / np.sqrt(dh)
-        if mask is not None:
-            logits = np.where(mask, logits, -np.inf)
-        logits -= logits.max(axis=-1, keepdims=True)
-        S = np.exp(logits)
-        S /= S.sum(axis=-1, keepdims=True)
-        out[:, :, h] = S @ v
+        out[:, :, h] = attention_rows(q @ k.transpose(0, 2, 1) / np.sqrt(dh), causal) @ v
     return out
 
 

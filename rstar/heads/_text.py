@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 
-__all__ = ["stdlib_text", "token_windows"]
+__all__ = ["stdlib_text", "text_windows", "token_windows"]
 
 #: Standard-library modules whose documentation is the default text (prose-heavy, stable across versions).
 TEXT_MODULES = ("argparse", "asyncio", "collections", "csv", "datetime", "decimal", "difflib", "email", "enum",
@@ -61,3 +61,12 @@ def token_windows(token_ids, seq_len, n_samples, *, random_state=None, prefix=()
     cols = [np.broadcast_to(np.asarray(prefix, dtype=np.int64), (n_samples, len(prefix))), win,
             np.broadcast_to(np.asarray(suffix, dtype=np.int64), (n_samples, len(suffix)))]
     return np.ascontiguousarray(np.concatenate(cols, axis=1))
+
+
+def text_windows(tokenizer, seq_len, n_samples, *, text=None, random_state=None):
+    """:func:`token_windows` over ``text`` (default :func:`stdlib_text`) tokenised by a Hugging Face
+    ``tokenizer``, framed by its ``[CLS]`` and ``[SEP]`` tokens where it has them, shape (n_samples, seq_len)."""
+    ids = tokenizer(stdlib_text() if text is None else text, add_special_tokens=False)["input_ids"]
+    frame = {key: [] if tok is None else [tok] for key, tok in (("prefix", tokenizer.cls_token_id),
+                                                                 ("suffix", tokenizer.sep_token_id))}
+    return token_windows(ids, seq_len, n_samples, random_state=random_state, **frame)

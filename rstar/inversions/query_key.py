@@ -5,7 +5,8 @@ import numpy as np
 from .. import _bilinear
 from .._linalg import batched_pseudo_inverse, psd_power, solve_psd, sym
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
-from ._base import FIRST_ORDER_MAX_ASPECT, FIRST_ORDER_MISFIT, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, whiten_pair
+from ._base import (FIRST_ORDER_MAX_ASPECT, FIRST_ORDER_MISFIT, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion,
+                    whiten_pair)
 from ._kernel import LinearQKOperator, SoftmaxOperator
 from ._statistic import CoherentEvidence, StructuredBulkNull, WhitenedStatistic, WishartNull
 
@@ -83,21 +84,37 @@ def coherent_spectrum(M_sum, N_coherent):
     return lam, float(max(d, d_v))
 
 
+def pseudo_inverse_fit(Xc, Yc, tokens_eff):
+    """Per sample, from one SVD of ``X_i`` (``batched_pseudo_inverse``): ``M_i = X_i^+ Y_i``, the SVD factors, and
+    the residual power of ``Y_i`` outside ``col(X_i)`` with its degrees of freedom ``(tokens_eff - rank) d_v``.
+
+    Returns
+    -------
+    M : ndarray of shape (n, d, d_v)
+    svd : tuple ``(U, inv_s, Wt, smallest, rank)``
+    y_sq, res, dof : ndarray of shape (n,)
+    """
+    svd = batched_pseudo_inverse(Xc)
+    U, inv_s, Wt, _, rank = svd
+    M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Yc, optimize=True)
+    fitted = np.einsum("nta,nav->ntv", Xc, M, optimize=True)
+    y_sq = np.sum(Yc**2, axis=(1, 2))
+    res = np.maximum(y_sq - np.sum(fitted**2, axis=(1, 2)), 0.0)
+    dof = np.maximum(tokens_eff - rank, 0) * Yc.shape[2]
+    return M, svd, y_sq, res, dof
+
+
 def first_order_misfit_sums(X, Y, operator):
     """A chunk's ``(sum_i r_i / o_i, number of samples with o_i > 0)``: ``r_i`` the residual power per entry of
     ``Y_i - operator.predict(X_i)``, ``o_i`` that per degree of freedom of ``P Y_i`` outside ``col(P X_i)``
-    (``P`` the token centring; needs ``T - 1 > d``)."""
-    n, T, d = X.shape
-    d_v = Y.shape[2]
+    (``P`` the token centring), as the first-order sums measure it (:func:`pseudo_inverse_fit`)."""
+    T, d_v = X.shape[1], Y.shape[2]
     R = Y - operator.predict(X)
     r = np.einsum("ntv,ntv->n", R, R) / (T * d_v)
-    PX = X - X.mean(axis=1, keepdims=True)
-    PY = Y - Y.mean(axis=1, keepdims=True)
-    Q, _ = np.linalg.qr(PX)
-    out = PY - Q @ (np.swapaxes(Q, 1, 2) @ PY)
-    o = np.einsum("ntv,ntv->n", out, out) / ((T - 1 - d) * d_v)
-    ok = o > np.finfo(float).tiny
-    return float(np.sum(r[ok] / o[ok])), int(ok.sum())
+    _, _, _, res, dof = pseudo_inverse_fit(X - X.mean(axis=1, keepdims=True), Y - Y.mean(axis=1, keepdims=True),
+                                           T - 1)
+    ok = (dof > 0) & (res > np.finfo(float).tiny)
+    return float(np.sum(r[ok] / (res[ok] / dof[ok]))), int(ok.sum())
 
 
 class QueryKeyInversion(Inversion):
@@ -207,14 +224,9 @@ class QueryKeyInversion(Inversion):
         else:
             Xc, Yc = X, Y
         G = np.einsum("nta,ntb->nab", Xc, Xc, optimize=True)
-        U, inv_s, Wt, smallest, rank = batched_pseudo_inverse(Xc)
         # M_i = X_i^+ Y_i and (X_i^T X_i)^+ from one SVD per sample
-        M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Yc, optimize=True)
+        M, (U, inv_s, Wt, smallest, rank), y_sq, res_i, dof_i = pseudo_inverse_fit(Xc, Yc, self._tokens_eff(T))
         G_pinv = np.einsum("nka,nk,nkb->nab", Wt, inv_s**2, Wt, optimize=True)
-        fitted = np.einsum("nta,nav->ntv", Xc, M, optimize=True)
-        y_sq = np.sum(Yc**2, axis=(1, 2))
-        res_i = np.maximum(y_sq - np.sum(fitted**2, axis=(1, 2)), 0.0)
-        dof_i = np.maximum(self._tokens_eff(T) - rank, 0) * d_v
         w = smallest
         if self._reweighted(T, d, d_v):
             power = y_sq / (T * d_v)
@@ -315,23 +327,24 @@ class QueryKeyInversion(Inversion):
         return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), null, name, evidence, warnings,
                                  rank_bounds=rank_bounds)
 
-    def first_order_misfit(self, stats, ws, rank, samples):
+    def first_order_operator(self, stats, basis):
+        """The first-order closed-form operator in the span of ``basis`` (:meth:`fit_operator` of this class, also
+        for subclasses whose own operator is another fit); None without its moment sums."""
+        return QueryKeyInversion.fit_operator(self, stats, basis)
+
+    def first_order_misfit(self, stats, operator, samples):
         """``(ratio, message)`` where the first-order softmax model does not hold for ``samples``, else None.
 
-        ``ratio`` is the mean over samples of the first-order operator's residual power per entry of ``Y_i`` (at
-        ``rank``) over the power per degree of freedom of ``P Y_i`` outside ``col(P X_i)``, which softmax data
-        fill with the noise plus the higher-order terms (:func:`first_order_misfit_sums`; per sample, so
-        heavy-tailed tokens, whose large samples are large in both, do not tip it). About 1 without a signal and
-        below it with one where the model holds; above ``FIRST_ORDER_MISFIT`` the operator misses structure the
-        expansion near uniform attention cannot hold, and the statistic's spikes are not the kernel's. None also
-        where there is no yardstick (``T - 1 <= d``), no closed-form operator, or this is not the softmax first
-        order.
+        ``ratio`` is the mean over samples of the first-order ``operator``'s residual power per entry of ``Y_i``
+        over the power per degree of freedom of ``P Y_i`` outside ``col(P X_i)``, which softmax data fill with
+        the noise plus the higher-order terms (:func:`first_order_misfit_sums`; per sample, so heavy-tailed
+        tokens, whose large samples are large in both, do not tip it). About 1 without a signal and below it with
+        one where the model holds; above ``FIRST_ORDER_MISFIT`` the operator misses structure the expansion near
+        uniform attention cannot hold, and the statistic's spikes are not the kernel's. None also where there is
+        no yardstick (``T - 1 <= d``) or this is not the softmax first order.
         """
         T, d, _ = stats["dims"]
         if not self.centred or T - 1 <= d:
-            return None
-        operator = self.fit_operator(stats, ws.components(rank))
-        if operator is None:
             return None
         total, count = samples.map_sum(first_order_misfit_sums, T, operator)
         if not count > 0:

@@ -307,8 +307,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         closed-form operators are used instead (:meth:`Inversion.rank_residuals`).
         """
         if ws.inversion != self.name:
-            return operator_residuals(lambda basis: QueryKeyInversion.fit_operator(self, stats, basis), ws, ranks,
-                                      samples)
+            return operator_residuals(lambda basis: self.first_order_operator(stats, basis), ws, ranks, samples)
         if self._on_prefix(stats, samples):
             stats, samples = self._prefix_statistics(stats), None
         source = self._samples(stats, samples)
