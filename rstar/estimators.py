@@ -574,13 +574,13 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         choice = self._choose()
         ws = self._whiten(choice, samples)
         notes = [(InversionFallbackWarning, message) for message in choice.messages()]
-        log_domain = ws.units == "log-attention"
+        log_domain = ws.units in ("log-attention", "logit")
         unit = 1.0 if log_domain else self._y_scale**2
         user_noise = None
         if self.noise_variance is not None:
             if log_domain:
-                notes.append((UserWarning, "noise_variance is in units of Y**2 and does not apply to the exact softmax "
-                              "inversion, whose spectrum is in log-attention units: it is ignored (the split-half "
+                notes.append((UserWarning, f"noise_variance is in units of Y**2 and does not apply to the {ws.inversion} "
+                              f"inversion, whose spectrum is in {ws.units} units: it is ignored (the split-half "
                               "noise level is used). Use method='first_order' to test at a given noise level."))
             else:
                 user_noise = self.noise_variance / unit

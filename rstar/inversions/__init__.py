@@ -24,6 +24,9 @@ One module per inversion:
 - :mod:`~rstar.inversions.softmax_exact` — :class:`SoftmaxExactInversion` (softmax, V known).
 - :mod:`~rstar.inversions.softmax_least_squares` —
   :class:`SoftmaxLeastSquaresInversion` (softmax, V known or not).
+- :mod:`~rstar.inversions.softmax_factored` — the factored least squares
+  ``K = A B^T`` with a split-half null, which that inversion runs where the
+  ``d^2 x d^2`` information exceeds the memory budget (real layers).
 """
 
 from ._base import DEFAULT_NULL_DRAWS, DEFAULT_SEED, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, merge_stats
@@ -34,6 +37,7 @@ from ._statistic import (
     NullModel,
     SimulatedNull,
     SplitHalfEvidence,
+    SplitHalfNull,
     StructuredBulkNull,
     UnsupportedNullModelError,
     WhitenedStatistic,
@@ -56,6 +60,7 @@ __all__ = [
     "CrossFitNull",
     "CoherentEvidence",
     "SplitHalfEvidence",
+    "SplitHalfNull",
     "UnsupportedNullModelError",
     "Inversion",
     "TokenInversion",

@@ -24,6 +24,10 @@ Null models
 :class:`CrossFitNull`
     Two simulated nulls, one per half of the samples (the cross-fitted
     query–key inversion), combined by a Bonferroni union.
+:class:`SplitHalfNull`
+    The spectrum of the half-difference of two kernels fitted on the two
+    halves of the samples (the factored softmax least squares): one draw of
+    the half-sum's noise.
 
 Evidence
 --------
@@ -48,6 +52,7 @@ __all__ = [
     "StructuredBulkNull",
     "SimulatedNull",
     "CrossFitNull",
+    "SplitHalfNull",
     "CoherentEvidence",
     "SplitHalfEvidence",
     "UnsupportedNullModelError",
@@ -296,3 +301,47 @@ class WhitenedStatistic:
     def components(self, k):
         """Orthonormal basis (rows) of the top-``k`` subspace in original coordinates."""
         return orthonormal_rows(self.unwhiten @ self.eigenvectors[:, :k])
+
+
+@dataclass
+class SplitHalfNull(NullModel):
+    """The null of a kernel fitted on each half of the samples: the half-difference's spectrum.
+
+    The two halves' kernels ``K_1, K_2`` share the signal and carry independent noise of one law, so the
+    half-difference ``(K_1 - K_2) / 2`` is a draw of the noise of the half-sum ``(K_1 + K_2) / 2`` (the
+    statistic): a direction of the half-sum counts as signal where it exceeds the half-difference's largest by
+    a margin (:func:`rstar.rules.split_half_result`).
+
+    Attributes
+    ----------
+    null_eigenvalues : ndarray of shape (p,)
+        Descending eigenvalues of ``D~ D~^T / p``, ``D~`` the whitened half-difference (the statistic's units).
+    margin : float
+        A spike must exceed ``margin**2`` times the largest null eigenvalue (singular values: ``margin`` times).
+    noise_variance : float
+        Residual variance of the fits (reported; the test does not use it).
+    noise_dof : float
+    fitted_rank : int
+        Columns q of each half's factors: the statistic holds at most 2q directions, r* >= q cannot be read.
+    rank_cap : int
+        The largest q the budget allowed; a count that fills ``fitted_rank == rank_cap`` is warned.
+    kernel, value_map : ndarray
+        The half-sum kernel ``(d, d)`` and the value map (known, or the mean of the halves' fits), internal units.
+    metric : tuple of ndarray
+        ``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})`` (:func:`rstar._softmax_factored.token_metric_roots`).
+    singular_vectors : tuple of ndarray
+        ``(U, S, W)``: the thin SVD of the whitened half-sum ``M_q^{1/2} K M_k^{1/2}``.
+    """
+
+    null_eigenvalues: np.ndarray = None
+    margin: float = 1.5
+    noise_variance: float = None
+    noise_dof: float = 0.0
+    noise_source: str = "split-half difference"
+    fitted_rank: int = 0
+    rank_cap: int = 0
+    kernel: np.ndarray = None
+    value_map: np.ndarray = None
+    metric: tuple = None
+    singular_vectors: tuple = None
+    kind = "split_half"

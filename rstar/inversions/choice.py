@@ -24,6 +24,7 @@ from ._base import MIN_NOISE_DOF
 from .query_key_cross_fit import cross_fit_blocker
 from .query_key_least_squares import least_squares_sizes_fit
 from .softmax_exact import exact_softmax_memory_fits, exact_softmax_shape_ok, exact_softmax_well_conditioned
+from .softmax_factored import FACTORED_NAME, factored_capacity, factored_fit_blocker
 from .softmax_least_squares import softmax_fit_blocker, softmax_fit_capacity
 from .token import moment_sums_fit
 
@@ -38,6 +39,7 @@ INVERSIONS = {
     "softmax_first_order": ("softmax", "the query-key inversion of the token-centred (P X, P Y)"),
     "softmax_exact": ("softmax", "weighted least squares on log S_i, S_i = Y_i (X_i V)^+, V known"),
     "softmax_least_squares": ("softmax", "least squares of K (full rank) on the softmax model itself"),
+    FACTORED_NAME: ("softmax", "least squares of K = A B^T (rank q) on each half, tested against their difference"),
 }
 #: The methods an estimator can ask for.
 METHODS = ("auto", "first_order", "exact", "least_squares")
@@ -230,6 +232,8 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
                              f"{2 * 8 * d**4 / 2**30:.3g} GiB, over the memory budget ({budget.describe()}); raise "
                              "memory_budget or use method='first_order'.")
         return InversionChoice("softmax_exact", "asked for (method='exact')", "softmax_exact")
+    if method == "least_squares" and not budget.allows_kernel_matrix(d):
+        return _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory)
     if method == "least_squares":
         preferred = "softmax_least_squares"
         notes = ()
@@ -267,6 +271,29 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
         return InversionChoice(first, "X_i V is ill-conditioned or rank-deficient (T > 0.9 min(d, d_v)), so the "
                                "exact inversion would amplify noise: first order in the token-centred data", first)
     return InversionChoice(first, "V unknown: first order in the token-centred data (the paper's inversion)", first)
+
+
+def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory):
+    """The least squares at a d whose ``d^2 x d^2`` information exceeds the memory budget: the factored fit."""
+    preferred = FACTORED_NAME
+    why_shape = (f"the full-rank least squares' d^2 x d^2 information at d={d} ({8 * d**4 / 2**30:.3g} GiB) exceeds "
+                 f"half the memory budget ({budget.describe()})")
+    notes = ()
+    fitted_n = n
+    if n is not None and samples_in_memory:
+        capacity = factored_capacity(T, d, d_v, value_map_known, budget)
+        if n > capacity > 0:
+            fitted_n = capacity
+            why = "memory budget" if capacity >= budget.max_samples(T, d, d_v) else "compute budget"
+            notes = (f"the {n} samples exceed the {why} of the factored least squares ({budget.describe()}), so it "
+                     f"is fitted on the first {fitted_n} of them, exactly as fit on those alone would be; raise "
+                     f"{'memory_budget' if why == 'memory budget' else 'compute_budget'} to fit it on more",)
+    blocker = None if n is None else factored_fit_blocker(fitted_n, T, d, d_v, value_map_known, budget,
+                                                          samples_in_memory)
+    if blocker is not None:
+        return InversionChoice("softmax_first_order", "first order in the token-centred data", preferred, blocker)
+    return InversionChoice(preferred, f"{why_shape}: K = A B^T of rank q is fitted by least squares on each half of "
+                           "the samples and tested against the half-difference", preferred, None, notes)
 
 
 #: Representative cases of the decision table: (operator, value map known, (T, d, d_v), the shape condition).

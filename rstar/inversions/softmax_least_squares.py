@@ -13,6 +13,14 @@ from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarni
 from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
 from .query_key import QueryKeyInversion
+from .softmax_factored import (
+    FACTORED_NAME,
+    factored_capacity,
+    factored_fit_blocker,
+    factored_operator,
+    factored_rank_residuals,
+    factored_statistic,
+)
 
 __all__ = ["SoftmaxLeastSquaresInversion", "softmax_fit_sizes_fit", "softmax_fit_blocker", "softmax_fit_capacity"]
 
@@ -140,9 +148,17 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
                          n_null_draws=n_null_draws, predict_sums=predict_sums)
 
+    #: where the d^2 x d^2 information exceeds the memory budget, the factored least squares runs instead
+    factored_name = FACTORED_NAME
+
     @property
     def produces(self):
-        return (self.name, self.first_order_name)
+        return (self.name, self.factored_name, self.first_order_name)
+
+    def _factored_shape(self, d):
+        """Whether this d rules the full-rank least squares out (its information over the memory budget), so that
+        the factored one (:mod:`rstar.inversions.softmax_factored`) runs instead."""
+        return not self.budget.allows_kernel_matrix(d)
 
     residual_dof = staticmethod(residual_dof)
 
@@ -154,7 +170,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     def new_stats(self, T, d, d_v):
         stats = super().new_stats(T, d, d_v)
         # the prefix kept beyond the budgets: as many samples as the least squares can be fitted on
-        stats["prefix_capacity"] = softmax_fit_capacity(T, d, d_v, self.value_map is not None, self.budget)
+        known = self.value_map is not None
+        stats["prefix_capacity"] = (factored_capacity(T, d, d_v, known, self.budget) if self._factored_shape(d)
+                                    else softmax_fit_capacity(T, d, d_v, known, self.budget))
         return stats
 
     def fit_possible(self, stats, samples=None):
@@ -184,8 +202,18 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """Whether the least squares runs on the kept leading samples only."""
         return samples is None and 0 < self.n_samples_kept(stats) < stats["n"]
 
+    def factored_possible(self, stats, samples=None):
+        """Whether the factored least squares can run: the samples kept in memory (all, or the leading ones)
+        and :func:`rstar.inversions.softmax_factored.factored_fit_blocker` None for them."""
+        kept = self.n_samples_kept(stats)
+        return (samples is None and kept > 0
+                and factored_fit_blocker(kept, *stats["dims"], self.value_map is not None, self.budget) is None)
+
     def default_run(self, stats, samples=None):
-        """The least squares where :meth:`fit_possible`, else first order."""
+        """The least squares where :meth:`fit_possible` (the factored one at a d whose information exceeds the
+        memory budget, where it is possible), else first order."""
+        if self._factored_shape(stats["dims"][1]):
+            return self.factored_name if self.factored_possible(stats, samples) else self.first_order_name
         return self.name if self.fit_possible(stats, samples) else self.first_order_name
 
     @staticmethod
@@ -227,12 +255,16 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         :class:`rstar.streaming.Samples` source in internal units) in passes, on the back-end ``ops``."""
         run = self._check_run(self.default_run(stats, samples) if run is None else run)
         first_order = self._first_order_statistic
-        if run != self.name:
+        if run == self.first_order_name:
             return first_order(stats)
         if self._on_prefix(stats, samples):
             # over the memory budget: the least squares of the first samples that fit it (choose_inversion notes it)
             return self.whiten(self._prefix_statistics(stats), run, ops=ops)
-        if not self.fit_possible(stats, samples):
+        if run == self.factored_name:
+            if not self.factored_possible(stats, samples):
+                raise ValueError("the factored least-squares softmax fit needs the samples in memory, which were "
+                                 "dropped over the memory budget or read in passes.")
+        elif not self.fit_possible(stats, samples):
             raise ValueError("the least-squares softmax fit needs the samples, which were dropped over the memory "
                              "budget.")
         T, d, d_v = stats["dims"]
@@ -249,6 +281,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
                 f"at {VALUE_SIGNAL_ALPHA:g}), so the least squares cannot identify K (it would run off to hard "
                 "attention that fits the noise). Fallback in use: the first-order inversion, whose null holds "
                 "without a value signal; a known value_map or more samples would identify K.")
+        if run == self.factored_name:
+            ws = factored_statistic(self._halves(stats), self.value_map, self.budget)
+            self._factored_cache = (self._stats_key(stats), ws)   # for predict's operator: fitted once
+            return ws
         K, V, sigma2, converged = self._fit(source, ops=ops)
         dof = self.residual_dof(source.n_samples, T, d, d_v, self.value_map is not None)
         if (converged and stats["res_dof"] >= MIN_NOISE_DOF
@@ -306,6 +342,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         do better, so the ranks read off the curve suffice. Where the first-order inversion ran, its
         closed-form operators are used instead (:meth:`Inversion.rank_residuals`).
         """
+        if ws.inversion == self.factored_name:
+            return factored_rank_residuals(ws, self._in_memory(stats), self.value_map, ranks)
         if ws.inversion != self.name:
             return operator_residuals(lambda basis: self.first_order_operator(stats, basis), ws, ranks, samples)
         if self._on_prefix(stats, samples):
@@ -321,7 +359,32 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             out.append(float(loss.value_map(K)[1]))
         return out
 
+    def _stats_key(self, stats):
+        """What the factored statistic depends on: the kept samples (their count, and the shape)."""
+        return (self.n_samples_kept(stats), stats["dims"])
+
+    def _halves(self, stats):
+        """The kept samples as ``((X_odd, Y_odd), (X_even, Y_even))``."""
+        return tuple(kept_half(stats, key) for key in ("samples_odd", "samples_even"))
+
+    def _in_memory(self, stats):
+        """The kept samples as one ``(X, Y)``."""
+        (X1, Y1), (X2, Y2) = self._halves(stats)
+        return np.concatenate([X1, X2]), np.concatenate([Y1, Y2])
+
+    def _factored_ws(self, stats):
+        """The factored statistic of these sums (fitted once per state of the sums, then cached)."""
+        cached = getattr(self, "_factored_cache", None)
+        if cached is not None and cached[0] == self._stats_key(stats):
+            return cached[1]
+        return self.whiten(stats, self.factored_name)   # a fallback (e.g. no value signal) is returned as is
+
     def fit_operator(self, stats, basis, samples=None, ops=NUMPY):
+        if samples is None and self.default_run(stats) == self.factored_name:
+            ws = self._factored_ws(stats)
+            if ws.inversion == self.factored_name:
+                K, V = factored_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0])
+                return SoftmaxOperator(K, V)
         if self._on_prefix(stats, samples) and self.fit_possible(stats):
             return self.fit_operator(self._prefix_statistics(stats), basis, ops=ops)
         if not self.fit_possible(stats, samples):

@@ -18,6 +18,7 @@ One module per rule, the tests they share apart:
 - :mod:`~rstar.rules.numerical` — :class:`NumericalRule`.
 - :mod:`~rstar.rules.sequential` — the sequential Tracy–Widom tests on a spectrum.
 - :mod:`~rstar.rules.simulated` — the tests against simulated null draws.
+- :mod:`~rstar.rules.split_half` — the test against a split-half difference.
 """
 
 from ._base import INTERVAL_FACTOR, RankRule, RuleResult, interval_levels
@@ -35,6 +36,7 @@ from .sequential import (
     top_down_p_values,
 )
 from .simulated import simulated_null_p_values
+from .split_half import SPLIT_HALF_MARGIN, split_half_result
 
 __all__ = [
     "RuleResult",
@@ -50,6 +52,8 @@ __all__ = [
     "residual_floor_p_values",
     "coherent_p_values",
     "simulated_null_p_values",
+    "split_half_result",
+    "SPLIT_HALF_MARGIN",
     "INTERVAL_FACTOR",
     "COHERENT_BONFERRONI",
     "RESIDUAL_FLOOR_MARGIN",

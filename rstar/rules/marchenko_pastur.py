@@ -3,7 +3,14 @@
 import numpy as np
 
 from ..exceptions import UnidentifiableRankWarning
-from ..inversions._statistic import CoherentEvidence, CrossFitNull, SimulatedNull, StructuredBulkNull, WishartNull
+from ..inversions._statistic import (
+    CoherentEvidence,
+    CrossFitNull,
+    SimulatedNull,
+    SplitHalfNull,
+    StructuredBulkNull,
+    WishartNull,
+)
 from ..marchenko_pastur import fit_mp_bulk
 from ._base import RankRule
 from .sequential import (
@@ -14,6 +21,7 @@ from .sequential import (
     top_down_p_values,
 )
 from .simulated import cross_fit_union_result, simulated_null_result
+from .split_half import split_half_result
 
 __all__ = ["MarchenkoPasturRule", "leak_is_visible"]
 
@@ -44,6 +52,9 @@ class MarchenkoPasturRule(RankRule):
     - :class:`~rstar.inversions.CrossFitNull`: a spike counts where either
       direction counts it at half the level (a Bonferroni union), leaving
       out a direction whose fitted V is a poor local optimum.
+    - :class:`~rstar.inversions.SplitHalfNull`: directions above the
+      half-difference's largest by ``SPLIT_HALF_MARGIN``
+      (:func:`~rstar.rules.split_half_result`; ``alpha`` does not enter).
 
     A user's noise variance is taken as exact.
 
@@ -53,13 +64,15 @@ class MarchenkoPasturRule(RankRule):
         False-alarm level of each sequential test.
     """
 
-    supported_nulls = (WishartNull, StructuredBulkNull, SimulatedNull, CrossFitNull)
+    supported_nulls = (WishartNull, StructuredBulkNull, SimulatedNull, CrossFitNull, SplitHalfNull)
 
     def __init__(self, alpha=0.01):
         self.alpha = alpha
 
     def _call(self, ws, noise_variance, max_rank):
         null = ws.null
+        if isinstance(null, SplitHalfNull):
+            return split_half_result(ws, max_rank)
         if isinstance(null, CrossFitNull):
             return cross_fit_union_result(null, noise_variance, self.alpha, max_rank)
         if isinstance(null, SimulatedNull):

@@ -1,0 +1,371 @@
+"""Least squares of softmax attention with a factored kernel ``K = A B^T`` (pure functions on arrays).
+
+Model (theory §2, class B2), for samples ``X_i`` (T x d) and ``Y_i`` (T x d_v)::
+
+    Y_i = softmax(X_i A B^T X_i^T / sqrt(d)) X_i V + E_i,    A, B of shape (d, q)
+
+The full-rank least squares (:mod:`rstar._softmax_ls`) needs the ``d^2 x d^2``
+information of K for its null, which is out of reach at the sizes of real
+layers (d = 385: 175 GB). Here K is fitted as rank-``q`` factors, so nothing
+larger than ``d x max(q, d_v)`` per token or ``d x d`` in all is ever formed:
+one loss-and-gradient evaluation costs about ``4 n T d q + n T^2 (2 q + 2 d_v)``
+multiply-adds (the gradient of a factor is ``sum_i X_i^T dL_i (X_i B)``, never
+the ``d x d`` gradient of K). The fit starts from the top-q singular pairs of
+the gradient of K at ``K = 0`` (the first-order statistic) scaled by a line
+search, then runs L-BFGS on ``(A, B)``; with V unknown it alternates L-BFGS
+rounds with the least-squares V given the attention (block coordinate descent
+on the same loss).
+
+The kernel is identified only through the logits it produces on the tokens: a
+direction ``b`` on the key side with ``b^T x_j`` constant within each sequence
+(a key bias, the constant feature of a biased head) moves no attention weight.
+:func:`token_metric_roots` gives the metric in which the fitted kernels are
+compared: the query-side token second moment and the key-side second moment of
+the tokens centred within their sequence.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import linalg, optimize
+
+from ._linalg import solve_psd
+
+__all__ = [
+    "FactoredSoftmaxFit",
+    "factored_loss_terms",
+    "factored_loss",
+    "factored_rss",
+    "kernel_gradient",
+    "extended_start",
+    "value_map_given_kernel",
+    "fit_factored_softmax",
+    "token_metric_roots",
+    "token_metric_cost",
+    "factored_eval_cost",
+    "factored_start_cost",
+    "FACTORED_MAX_ITER",
+    "FACTORED_LOSS_TOL",
+]
+
+#: L-BFGS iterations of one factored fit at most (all rounds together, V unknown).
+FACTORED_MAX_ITER = 400
+#: L-BFGS stops once an iteration lowers the residual sum of squares by less than this many times its value per
+#: observation (as :data:`rstar._softmax_ls.SOFTMAX_LOSS_TOL`).
+FACTORED_LOSS_TOL = 0.01
+#: Samples per chunk of a loss evaluation: bounds the T x T temporaries (a few of ``chunk T^2`` entries).
+_CHUNK_ENTRIES = 2**20
+
+
+def _chunks(n, T, d):
+    step = max(1, _CHUNK_ENTRIES // max(T * T, T * d))
+    return [slice(s, s + step) for s in range(0, n, step)]
+
+
+def _softmax_rows(L):
+    L = L - L.max(axis=-1, keepdims=True)
+    np.exp(L, out=L)
+    L /= L.sum(axis=-1, keepdims=True)
+    return L
+
+
+def _masked(L, mask):
+    if mask is not None:
+        L = np.where(mask, L, -np.inf)
+    return L
+
+
+def factored_loss_terms(X, Z, Y, A, B, mask=None):
+    """A chunk's residual sum of squares and its gradients in the factors.
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, T, d)
+    Z : ndarray of shape (n, T, d_v)
+        The value path ``X_i V``.
+    Y : ndarray of shape (n, T, d_v)
+    A, B : ndarray of shape (d, q)
+    mask : ndarray of bool, shape (T, T), or None
+        Which logits are kept (e.g. causal: ``j <= i``); None keeps all.
+
+    Returns
+    -------
+    f : float
+        ``sum_i ||Y_i - softmax(X_i A B^T X_i^T / sqrt(d)) Z_i||^2``.
+    grad_A, grad_B : ndarray of shape (d, q)
+    """
+    n, T, d = X.shape
+    q = A.shape[1]
+    c = 1.0 / np.sqrt(d)
+    XA = X @ A
+    XB = X @ B
+    P = _softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) * c, mask))
+    R = P @ Z - Y
+    f = float(np.einsum("ntv,ntv->", R, R))
+    dP = 2.0 * (R @ Z.transpose(0, 2, 1))
+    dL = (dP - np.einsum("nts,nts->nt", dP, P)[..., None]) * P * c
+    gA = X.reshape(-1, d).T @ (dL @ XB).reshape(-1, q)
+    gB = X.reshape(-1, d).T @ (dL.transpose(0, 2, 1) @ XA).reshape(-1, q)
+    return f, gA, gB
+
+
+def factored_loss(X, Z, Y, A, B, mask=None):
+    """:func:`factored_loss_terms` summed over all samples, chunk by chunk (bounded temporaries)."""
+    n, T, d = X.shape
+    f, gA, gB = 0.0, np.zeros_like(A), np.zeros_like(B)
+    for part in _chunks(n, T, d):
+        fp, a, b = factored_loss_terms(X[part], Z[part], Y[part], A, B, mask)
+        f += fp
+        gA += a
+        gB += b
+    return f, gA, gB
+
+
+def factored_rss(X, Z, Y, A, B, mask=None):
+    """Residual sum of squares of ``Y_i ~ softmax(X_i A B^T X_i^T / sqrt(d)) Z_i`` (no gradient; q may be 0)."""
+    n, T, d = X.shape
+    f = 0.0
+    for part in _chunks(n, T, d):
+        R = _attention(X[part], A, B, mask) @ Z[part] - Y[part]
+        f += float(np.einsum("ntv,ntv->", R, R))
+    return f
+
+
+def _attention(X, A, B, mask=None):
+    d = X.shape[2]
+    return _softmax_rows(_masked((X @ A) @ (X @ B).transpose(0, 2, 1) / np.sqrt(d), mask))
+
+
+def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=1e-10):
+    """Least-squares V of ``Y_i ~ P_i X_i V`` given the attention ``P_i`` of ``K = A B^T`` (uniform if A is None).
+
+    Costs about ``n T d (T + d)`` multiply-adds; a relative ``ridge`` keeps the ``d x d`` normal matrix
+    invertible where the tokens span fewer than d directions.
+    """
+    n, T, d = X.shape
+    d_v = Y.shape[2]
+    gram, cross = np.zeros((d, d)), np.zeros((d, d_v))
+    for part in _chunks(n, T, d):
+        Xp = X[part]
+        if A is None:
+            P = _softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
+        else:
+            P = _attention(Xp, A, B, mask)
+        W = (P @ Xp).reshape(-1, d)
+        gram += W.T @ W
+        cross += W.T @ Y[part].reshape(-1, d_v)
+    gram = gram + ridge * max(float(np.trace(gram)) / d, np.finfo(float).tiny) * np.eye(d)
+    return solve_psd(gram, cross)
+
+
+def factored_eval_cost(n, T, d, d_v, rank):
+    """Multiply-adds of one loss-and-gradient evaluation on n samples (the line search's extra evaluations
+    included): ``1.1 (4 n T d q + 2 n T^2 (q + d_v))``."""
+    return 1.1 * (4 * n * T * d * rank + 2 * n * T * T * (rank + d_v))
+
+
+def factored_start_cost(n, T, d, d_v, value_map_known=True):
+    """Multiply-adds of a fit's start (the ``d x d`` gradient, ``n T d^2``) and, with V fitted, of about ten
+    least-squares V (``n T d (T + d)`` each)."""
+    return float(n * T * d * d + (0 if value_map_known else 10 * n * T * d * (T + d)))
+
+
+@dataclass
+class FactoredSoftmaxFit:
+    """The outcome of :func:`fit_factored_softmax`.
+
+    Attributes
+    ----------
+    A, B : ndarray of shape (d, q)
+        The factors: ``K = A B^T``.
+    value_map : ndarray of shape (d, d_v)
+        V (the one given, or fitted).
+    rss : float
+        Residual sum of squares.
+    n_iter : int
+        L-BFGS iterations, all rounds.
+    converged : bool
+        Whether the last round stopped on the loss tolerance rather than the iteration limit.
+    """
+
+    A: np.ndarray
+    B: np.ndarray
+    value_map: np.ndarray
+    rss: float
+    n_iter: int
+    converged: bool
+
+    @property
+    def kernel(self):
+        return self.A @ self.B.T
+
+
+def kernel_gradient(X, Z, Y, A=None, B=None, mask=None):
+    """Gradient of the residual sum of squares in K at ``K = A B^T`` (``K = 0`` if A is None), ``d x d``.
+
+    ``sum_i X_i^T dL_i X_i / sqrt(d)`` with ``dL_i`` the logit gradient; at ``K = 0`` it is the first-order
+    statistic of the kernel. Costs about ``n T d^2`` multiply-adds.
+    """
+    n, T, d = X.shape
+    G = np.zeros((d, d))
+    for part in _chunks(n, T, d):
+        Xp, Zp, Yp = X[part], Z[part], Y[part]
+        if A is None:
+            P = _softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
+        else:
+            P = _attention(Xp, A, B, mask)
+        R = P @ Zp - Yp
+        dP = 2.0 * (R @ Zp.transpose(0, 2, 1))
+        dL = (dP - np.einsum("nts,nts->nt", dP, P)[..., None]) * P
+        G += Xp.reshape(-1, d).T @ (dL @ Xp).reshape(-1, d)
+    return G / np.sqrt(d)
+
+
+def _line_start(X, Z, Y, A0, B0, G, k, mask):
+    """``(A0, B0)`` extended by the top-``k`` singular pairs of ``-G`` at the scale that lowers the loss most."""
+    U, s, Wt = linalg.svd(-G, full_matrices=False, check_finite=False)
+    U, s, W = U[:, :k], s[:k], Wt[:k].T
+    if not s.size or not s[0] > 0:
+        pad = np.zeros((X.shape[2], k))
+        return np.hstack([A0, pad]), np.hstack([B0, pad])
+    d = X.shape[2]
+    Xs = X[: min(X.shape[0], 256)]
+    logits = (Xs @ (U * s)) @ (Xs @ W).transpose(0, 2, 1) / np.sqrt(d)
+    # a scale at which the new directions' logits are of order one, then the best of a geometric grid
+    t0 = 1.0 / max(float(np.std(logits)), np.finfo(float).tiny)
+    best = (np.inf, 0.0)
+    for t in t0 * 2.0 ** np.arange(-6, 5):
+        root = np.sqrt(t * s)
+        f = factored_loss(X, Z, Y, np.hstack([A0, U * root]), np.hstack([B0, W * root]), mask)[0]
+        best = min(best, (f, t))
+    root = np.sqrt(best[1] * s)
+    return np.hstack([A0, U * root]), np.hstack([B0, W * root])
+
+
+def _start(X, Z, Y, rank, mask):
+    """Factors from the top-``rank`` singular pairs of ``-grad K(0)``, scaled by a line search on the loss."""
+    d = X.shape[2]
+    empty = np.zeros((d, 0))
+    return _line_start(X, Z, Y, empty, empty, kernel_gradient(X, Z, Y, mask=mask), rank, mask)
+
+
+def extended_start(X, Y, fit, rank, mask=None):
+    """Starting factors of rank ``rank`` from a smaller fit: its factors and the top singular pairs of the
+    gradient of K at its kernel (the directions it leaves most to gain on), scaled by a line search."""
+    Z = X @ fit.value_map
+    k = rank - fit.A.shape[1]
+    if k <= 0:
+        return fit.A[:, :rank], fit.B[:, :rank]
+    G = kernel_gradient(X, Z, Y, fit.A, fit.B, mask)
+    return _line_start(X, Z, Y, fit.A, fit.B, G, k, mask)
+
+
+def _lbfgs(X, Z, Y, A, B, mask, max_iter, tol):
+    """L-BFGS on the factors at fixed value path Z; returns (A, B, f, n_iter, converged)."""
+    d, q = A.shape
+    n, T, d_v = Y.shape
+
+    def fun(theta):
+        f, gA, gB = factored_loss(X, Z, Y, theta[: d * q].reshape(d, q), theta[d * q:].reshape(d, q), mask)
+        return f, np.concatenate([gA.ravel(), gB.ravel()])
+
+    theta0 = np.concatenate([A.ravel(), B.ravel()])
+    f0 = fun(theta0)[0]
+    # stop once an iteration gains less than tol times the loss per observation (f <= f0 throughout)
+    ftol = tol / (n * T * d_v) * max(f0, 1e-300) / max(f0, 1.0)
+    res = optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
+                            options={"maxiter": int(max_iter), "ftol": ftol, "gtol": 0.0, "maxcor": 20})
+    th = res.x
+    converged = bool(res.nit < max_iter)
+    return th[: d * q].reshape(d, q), th[d * q:].reshape(d, q), float(res.fun), int(res.nit), converged
+
+
+def fit_factored_softmax(X, Y, rank, value_map=None, mask=None, max_iter=FACTORED_MAX_ITER, tol=FACTORED_LOSS_TOL,
+                         start=None, max_rounds=8):
+    """Least squares of ``Y_i ~ softmax(X_i A B^T X_i^T / sqrt(d)) X_i V`` over rank-``rank`` factors.
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, T, d)
+    Y : ndarray of shape (n, T, d_v)
+    rank : int
+        Number of columns q of the factors.
+    value_map : ndarray of shape (d, d_v) or None
+        Known V; None fits it (alternating with the factors).
+    mask : ndarray of bool, shape (T, T), or None
+        Logits kept (causal attention: the lower triangle); None keeps all.
+    max_iter : int, default=FACTORED_MAX_ITER
+        L-BFGS iterations in all.
+    tol : float, default=FACTORED_LOSS_TOL
+        Stop when an iteration gains less than ``tol`` times the loss per observation.
+    start : tuple (A, B) or None
+        Starting factors (e.g. a smaller rank's fit padded); None starts from the gradient at ``K = 0``.
+    max_rounds : int, default=8
+        With V fitted: the most alternations of L-BFGS on the factors and least squares for V.
+
+    Returns
+    -------
+    FactoredSoftmaxFit
+    """
+    X = np.asarray(X, dtype=float)
+    Y = np.asarray(Y, dtype=float)
+    fitted_v = value_map is None
+    if not fitted_v:
+        V = np.asarray(value_map, dtype=float)
+    elif start is None:
+        V = value_map_given_kernel(X, Y, mask=mask)
+    else:
+        V = value_map_given_kernel(X, Y, start[0], start[1], mask)
+    Z = X @ V
+    A, B = _start(X, Z, Y, rank, mask) if start is None else (np.asarray(start[0]), np.asarray(start[1]))
+    if not fitted_v:
+        A, B, f, nit, converged = _lbfgs(X, Z, Y, A, B, mask, max_iter, tol)
+        return FactoredSoftmaxFit(A, B, V, f, nit, converged)
+    n, T, d_v = Y.shape
+    total, f_prev, converged = 0, np.inf, False
+    per_round = max(1, int(max_iter) // max_rounds)
+    for _ in range(max_rounds):
+        A, B, f, nit, round_converged = _lbfgs(X, Z, Y, A, B, mask, per_round, tol)
+        total += nit
+        V = value_map_given_kernel(X, Y, A, B, mask)
+        Z = X @ V
+        f = factored_loss(X, Z, Y, A, B, mask)[0]
+        gain = f_prev - f
+        f_prev = f
+        if round_converged and gain <= tol * f / (n * T * d_v) * 10:
+            converged = True
+            break
+    return FactoredSoftmaxFit(A, B, V, f, total, converged)
+
+
+def token_metric_cost(n, T, d):
+    """Multiply-adds of :func:`token_metric_roots`: two ``d x d`` Grams and two eigen-decompositions."""
+    return float(2 * n * T * d * d + 20 * d**3)
+
+
+def token_metric_roots(X, ridge=1e-12):
+    """Square roots and pseudo-inverse square roots of the query- and key-side token metrics.
+
+    ``M_q = sum_i X_i^T X_i / (n T)`` (the tokens) and
+    ``M_k = sum_i (X_i - 1 xbar_i^T)^T (X_i - 1 xbar_i^T) / (n T)`` (the tokens centred within their sequence:
+    what moves attention weights). The kernel's action on the data is ``M_q^{1/2} K M_k^{1/2}``.
+
+    Returns
+    -------
+    (Mq_half, Mq_inv_half, Mk_half, Mk_inv_half) : tuple of ndarray of shape (d, d)
+    """
+    n, T, d = X.shape
+    Mq, Mk = np.zeros((d, d)), np.zeros((d, d))
+    for part in _chunks(n, T, d):
+        Xp = X[part].reshape(-1, d)
+        Mq += Xp.T @ Xp
+        Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
+        Mk += Xc.T @ Xc
+    out = []
+    for M in (Mq / (n * T), Mk / (n * T)):
+        w, Q = np.linalg.eigh((M + M.T) / 2)
+        keep = w > ridge * max(float(w.max()), np.finfo(float).tiny)
+        root = np.where(keep, np.sqrt(np.maximum(w, 0.0)), 0.0)
+        inv = np.where(keep, 1.0 / np.where(keep, root, 1.0), 0.0)
+        out += [(Q * root) @ Q.T, (Q * inv) @ Q.T]
+    return tuple(out)

@@ -1,0 +1,222 @@
+"""Factored least-squares inversion of softmax attention at the sizes of real layers (d in the hundreds, T << d).
+
+The full-rank least squares (:mod:`rstar.inversions.softmax_least_squares`)
+tests its kernel against draws from the ``d^2 x d^2`` information, out of
+reach at d = 385 (175 GB). Here each half of the samples (odd and even global
+index, as the least squares keeps them) is fitted with a rank-q kernel
+``K = A B^T`` (:func:`rstar._softmax_factored.fit_factored_softmax`), V known
+or fitted, and the statistic is the whitened half-sum
+``M_q^{1/2} (K_1 + K_2) / 2 M_k^{1/2}`` in the token metric
+(:func:`rstar._softmax_factored.token_metric_roots`), tested against the
+whitened half-difference ``(K_1 - K_2) / 2`` — one draw of the half-sum's
+noise, since the halves share the signal and carry independent noise of one
+law (:class:`SplitHalfNull`, :func:`rstar.rules.split_half_result`).
+
+q starts at ``FACTORED_START_RANK`` and doubles, from the previous fit, while
+nearly all of its directions stand above the null (r* could exceed q) and the
+compute budget allows; the statistic records the q it stopped at.
+"""
+
+import numpy as np
+
+from .. import _softmax_factored as sf
+from ..budgets import DEFAULT_BUDGET
+from ._base import MIN_NOISE_DOF
+from ._statistic import SplitHalfNull, WhitenedStatistic
+
+__all__ = ["FACTORED_NAME", "FACTORED_START_RANK", "factored_fit_blocker", "factored_capacity",
+           "factored_statistic", "factored_rank_residuals", "factored_operator", "truncated_kernel"]
+
+#: The name of this inversion (``inversion_``).
+FACTORED_NAME = "softmax_factored_least_squares"
+#: First rank q of the factors; it doubles while the fit fills it.
+FACTORED_START_RANK = 8
+#: The L-BFGS iterations of each half's fit run in segments of this many; after each the split-half count is
+#: read, and the fit stops once a segment leaves it unchanged (or the iterations, or the compute budget, run out).
+FACTORED_SEGMENT_ITER = 50
+#: "Unchanged": the same counts, and the singular values counted within this relative change.
+FACTORED_STABLE_RTOL = 0.01
+
+
+def _residual_dof(n, T, d, d_v, q, value_map_known):
+    """Residual degrees of freedom of one half's fit: ``n/2 T d_v - 2 d q`` (``- d d_v`` with V fitted)."""
+    return (n // 2) * T * d_v - 2 * d * q - (0 if value_map_known else d * d_v)
+
+
+def _segment_cost(n, T, d, d_v, q):
+    """Multiply-adds of one segment of L-BFGS iterations on both halves (n samples in all)."""
+    return FACTORED_SEGMENT_ITER * sf.factored_eval_cost(n, T, d, d_v, q)
+
+
+def _stage_cost(n, T, d, d_v, q, value_map_known):
+    """What a rank-q stage needs before its count can settle: its start and two segments."""
+    return sf.factored_start_cost(n, T, d, d_v, value_map_known) + 2 * _segment_cost(n, T, d, d_v, q)
+
+
+def factored_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
+    """Why n samples of this shape cannot be fitted by the factored least squares (None if they can): the
+    samples kept in memory within the memory budget (not read in passes), the first rank's start and two
+    segments of iterations within the compute budget, and ``MIN_NOISE_DOF`` residual degrees of freedom per
+    half."""
+    q = min(FACTORED_START_RANK, d)
+    if not samples_in_memory:
+        return "the factored least squares fits the samples in memory, and these are read in passes"
+    if _residual_dof(n, T, d, d_v, q, value_map_known) < MIN_NOISE_DOF:
+        return (f"{n} samples leave fewer than {MIN_NOISE_DOF} residual degrees of freedom per half for rank-{q} "
+                f"factors at T={T}, d={d}, d_v={d_v}")
+    if not budget.allows_samples(n, T, d, d_v):
+        return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
+    if not budget.allows_compute(_stage_cost(n, T, d, d_v, q, value_map_known)):
+        return (f"two segments of {FACTORED_SEGMENT_ITER} iterations of the rank-{q} factored fits on {n} samples "
+                f"exceed the compute budget ({budget.describe()})")
+    return None
+
+
+def factored_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
+    """The most samples the factored least squares keeps and fits within the budgets (0 if none)."""
+    def fits(n):
+        return (budget.allows_samples(n, T, d, d_v)
+                and budget.allows_compute(_stage_cost(n, T, d, d_v, min(FACTORED_START_RANK, d), value_map_known)))
+
+    lo, hi = 0, budget.max_samples(T, d, d_v)
+    if fits(hi):
+        return hi
+    while hi - lo > 1:   # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo if fits(lo) else 0
+
+
+def _split_half(K1, K2, metric):
+    Mq, _, Mk, _ = metric
+    Ssum = Mq @ ((K1 + K2) / 2) @ Mk
+    Sdiff = Mq @ ((K1 - K2) / 2) @ Mk
+    U, s, Wt = np.linalg.svd(Ssum)
+    sd = np.linalg.svd(Sdiff, compute_uv=False)
+    return U, s, Wt.T, sd
+
+
+def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FACTORED_MAX_ITER,
+                       margin=None):
+    """The split-half statistic of the factored least squares.
+
+    Parameters
+    ----------
+    halves : tuple of two (X, Y)
+        The samples with odd and with even global index (internal units).
+    value_map : ndarray of shape (d, d_v) or None
+    budget : CostBudget
+    max_iter : int
+        L-BFGS iterations of each fit.
+    margin : float or None
+        The test's margin (None: :data:`rstar.rules.SPLIT_HALF_MARGIN`).
+
+    Returns
+    -------
+    WhitenedStatistic
+        ``units="logit"``: eigenvalues of ``K~ K~^T / d`` for the whitened half-sum ``K~``.
+    """
+    from ..rules.split_half import SPLIT_HALF_MARGIN
+
+    (X1, Y1), (X2, Y2) = halves
+    n = X1.shape[0] + X2.shape[0]
+    _, T, d = X1.shape
+    d_v = Y1.shape[2]
+    known = value_map is not None
+    metric = sf.token_metric_roots(np.concatenate([X1, X2]))
+    q = min(FACTORED_START_RANK, d)
+    margin = SPLIT_HALF_MARGIN if margin is None else float(margin)
+    seg = FACTORED_SEGMENT_ITER
+    spent = float(sf.token_metric_cost(n, T, d))
+
+    def fit(start=None):
+        nonlocal spent
+        spent += _segment_cost(n, T, d, d_v, q) + (0.0 if start is not None else
+                                                    sf.factored_start_cost(n, T, d, d_v, known))
+        return [sf.fit_factored_softmax(X, Y, q, value_map=value_map, max_iter=seg,
+                                        start=None if start is None else start(X, Y, f))
+                for (X, Y), f in zip(halves, fits if start is not None else (None, None))]
+
+    fits = fit()
+    iters, previous, stable, capped, budget_out = seg, None, False, False, False
+    while True:
+        U, s, W, sd = _split_half(fits[0].kernel, fits[1].kernel, metric)
+        edge = sd[0] if sd[0] > 0 else 0.0
+        count = (int(np.sum(s > margin * edge)), int(np.sum(s > edge)))
+        if count[1] >= q - 1 and not capped:
+            # nearly every direction stands above the null: r* may exceed q, so double it from the fits at hand,
+            # where d, the residual degrees of freedom and the compute budget (its start and two segments) allow
+            nxt = min(2 * q, d)
+            if (nxt > q and _residual_dof(n, T, d, d_v, nxt, known) >= MIN_NOISE_DOF
+                    and budget.allows_compute(spent + _stage_cost(n, T, d, d_v, nxt, known))):
+                q = nxt
+                spent += sf.factored_start_cost(n, T, d, d_v, known)
+                fits = fit(lambda X, Y, f: sf.extended_start(X, Y, f, q))
+                iters, previous = seg, None
+                continue
+            capped = True
+        # the count is settled once a further segment of iterations leaves it, and its directions, as they were
+        stable = (previous is not None and previous[0] == count
+                  and np.allclose(s[:count[1]], previous[1][:count[1]], rtol=FACTORED_STABLE_RTOL, atol=0.0))
+        if stable or all(f.converged for f in fits) or iters >= max_iter:
+            break
+        if not budget.allows_compute(spent + _segment_cost(n, T, d, d_v, q)):
+            budget_out = True
+            break
+        previous = (count, s)
+        fits = fit(lambda X, Y, f: (f.A, f.B))
+        iters += seg
+    rss = sum(f.rss for f in fits)
+    dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
+    sigma2 = rss / max(dof, 1)
+    warnings = []
+    if not (stable or all(f.converged for f in fits)):
+        from ..exceptions import UnidentifiableRankWarning
+
+        warnings.append((UnidentifiableRankWarning,
+                         f"the factored least squares ran {iters} L-BFGS iterations per half at rank q = {q} "
+                         f"{'(the compute budget ran out) ' if budget_out else ''}and the split-half count was "
+                         f"still changing ({count[0]} above the margin, {count[1]} above the null): rank_ may be "
+                         f"off; rank_interval_ is widened to (0, {q}). A larger compute_budget, more samples or "
+                         "fewer features would help."))
+    K = (fits[0].kernel + fits[1].kernel) / 2
+    V = value_map if known else (fits[0].value_map + fits[1].value_map) / 2
+    lam = s**2 / d
+    null = SplitHalfNull(null_eigenvalues=sd**2 / d, margin=margin, noise_variance=float(sigma2),
+                         noise_dof=float(dof), fitted_rank=int(q), rank_cap=int(q if capped else d), kernel=K,
+                         value_map=V, metric=metric, singular_vectors=(U, s, W))
+    ws = WhitenedStatistic(lam, U, metric[1], float(n * d_v), null, FACTORED_NAME, (), warnings, "logit")
+    if warnings:
+        ws.rank_bounds = (0, int(q))
+    return ws
+
+
+def truncated_kernel(ws, r):
+    """The rank-r truncation of the whitened half-sum mapped back: ``M_q^{-1/2} U_r S_r W_r^T M_k^{-1/2}``,
+    as factors ``(A, B)`` of shape (d, r)."""
+    U, s, W = ws.null.singular_vectors
+    _, Mq_inv, _, Mk_inv = ws.null.metric
+    return Mq_inv @ (U[:, :r] * s[:r]), Mk_inv @ W[:, :r]
+
+
+def factored_rank_residuals(ws, samples, value_map, ranks):
+    """Residual sums of squares of the rank-r truncations (:func:`truncated_kernel`) for r in ``ranks`` (None:
+    the half-sum kernel itself), V known or re-fitted for each, on ``samples`` ``(X, Y)`` (internal units)."""
+    X, Y = samples
+    out = []
+    for r in ranks:
+        if r is None:
+            A, B = ws.null.kernel, np.eye(X.shape[2])
+        else:
+            A, B = truncated_kernel(ws, r)
+        V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B)
+        out.append(sf.factored_rss(X, X @ V, Y, A, B))
+    return out
+
+
+def factored_operator(ws, samples, value_map, rank):
+    """``(K, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` (for ``predict``)."""
+    X, Y = samples
+    A, B = truncated_kernel(ws, rank)
+    V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B)
+    return A @ B.T, V

@@ -1,0 +1,138 @@
+"""The factored least-squares softmax inversion: its gradients, its split-half test, its choice and its estimates."""
+
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+
+from rstar import RStarEstimator, UnidentifiableRankWarning
+from rstar import _softmax_factored as sf
+from rstar.budgets import CostBudget
+from rstar.datasets import make_attention_task
+from rstar.inversions import SplitHalfNull, WhitenedStatistic, choose_inversion
+from rstar.inversions.softmax_factored import FACTORED_NAME, factored_fit_blocker
+from rstar.rules import MarchenkoPasturRule, split_half_result
+
+# d = 96: the full least squares' information (8 d^4 bytes = 0.63 GiB) exceeds half the default memory budget
+SHAPE = dict(seq_len=8, n_features=96, value_dim=8, noise=0.05)
+
+
+def _task(rank, seed=0, n=600, **kw):
+    return make_attention_task(n, rank=rank, random_state=seed, return_teacher=True, **{**SHAPE, **kw})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_factor_gradients_match_finite_differences(causal):
+    rng = np.random.default_rng(0)
+    n, T, d, d_v, q = 4, 5, 6, 3, 2
+    X, Z, Y = rng.standard_normal((n, T, d)), rng.standard_normal((n, T, d_v)), rng.standard_normal((n, T, d_v))
+    A, B = rng.standard_normal((d, q)), rng.standard_normal((d, q))
+    mask = np.tril(np.ones((T, T), bool)) if causal else None
+    f, gA, gB = sf.factored_loss(X, Z, Y, A, B, mask)
+    assert f == pytest.approx(sf.factored_rss(X, Z, Y, A, B, mask))
+    eps = 1e-6
+    for grad, which in ((gA, 0), (gB, 1)):
+        num = np.zeros_like(grad)
+        for idx in np.ndindex(*grad.shape):
+            E = np.zeros_like(A)
+            E[idx] = eps
+            args_p = (A + E, B) if which == 0 else (A, B + E)
+            args_m = (A - E, B) if which == 0 else (A, B - E)
+            num[idx] = (sf.factored_rss(X, Z, Y, *args_p, mask) - sf.factored_rss(X, Z, Y, *args_m, mask)) / (2 * eps)
+        np.testing.assert_allclose(grad, num, rtol=1e-5, atol=1e-7)
+    # the d x d gradient of K at K = A B^T, against the factor gradients (grad_A = G B, grad_B = G^T A)
+    G = sf.kernel_gradient(X, Z, Y, A, B, mask)
+    np.testing.assert_allclose(G @ B, gA, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(G.T @ A, gB, rtol=1e-8, atol=1e-10)
+
+
+def test_choice_at_a_d_whose_information_exceeds_the_budget():
+    c = choose_inversion("softmax", shape=(8, 96, 8), n_samples=600, method="least_squares")
+    assert c.name == FACTORED_NAME and not c.is_fallback and "d^2 x d^2 information" in c.reason
+    # below its degrees of freedom, or over the compute budget: first order, and why
+    few = choose_inversion("softmax", shape=(8, 96, 8), n_samples=20, method="least_squares")
+    assert few.name == "softmax_first_order" and few.preferred == FACTORED_NAME and "degrees of freedom" in \
+        few.fallback_reason
+    tiny = CostBudget(multiply_adds=1e6)
+    over = choose_inversion("softmax", shape=(8, 96, 8), n_samples=600, method="least_squares", budget=tiny)
+    assert over.name == "softmax_first_order" and "compute budget" in over.fallback_reason
+    # read in passes: the factored fit needs the samples in memory
+    assert "in passes" in factored_fit_blocker(600, 8, 96, 8, samples_in_memory=False)
+    # a d whose information fits: the full-rank least squares as before
+    assert choose_inversion("softmax", shape=(32, 16, 16), n_samples=2000, method="least_squares").name == \
+        "softmax_least_squares"
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_planted_rank_read_exactly_with_a_settled_count(known):
+    X, Y, teacher = _task(3)
+    est = RStarEstimator(value_map=teacher.value_map if known else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnidentifiableRankWarning)
+        est.fit(X, Y)
+    assert est.inversion_ == FACTORED_NAME and est.null_model_ == "split_half"
+    assert est.rank_ == 3 and est.rank_interval_ == (3, 3)
+    null = est.statistic_.null
+    # the planted directions stand orders of magnitude above the half-difference; the fourth does not
+    assert est.spectrum_[2] > 100 * null.null_eigenvalues[0] > 0
+    assert est.spectrum_[3] < est.threshold_
+    assert est.score(X, Y) > 0.98
+
+
+def test_pure_noise_reads_zero():
+    for seed in (0, 1):
+        X, Y, _ = _task(0, seed=seed)
+        est = RStarEstimator().fit(X, Y)
+        assert est.inversion_ == FACTORED_NAME
+        assert est.rank_ == 0 and est.rank_interval_[0] == 0 and est.rank_interval_[1] <= 1
+
+
+def test_rank_beyond_the_first_factors_doubles_them():
+    X, Y, teacher = _task(10, n=800)
+    est = RStarEstimator(value_map=teacher.value_map).fit(X, Y)
+    assert est.statistic_.null.fitted_rank == 16
+    assert est.rank_ == 10
+
+
+def test_factors_capped_by_the_budget_are_warned_with_an_interval_to_d():
+    X, Y, teacher = _task(10, n=800)
+    # enough for the first rank's start and two segments, not for a doubling
+    budget = 1.3 * (sf.factored_start_cost(800, 8, 96, 8) + 2 * 50 * sf.factored_eval_cost(800, 8, 96, 8, 8)
+                    + sf.token_metric_cost(800, 8, 96))
+    est = RStarEstimator(value_map=teacher.value_map, compute_budget=budget)
+    with pytest.warns(UnidentifiableRankWarning, match="largest rank q = 8"):
+        est.fit(X, Y)
+    assert est.inversion_ == FACTORED_NAME
+    assert est.rank_interval_[1] == 96 and est.rank_interval_[0] <= 10
+
+
+def test_tolerance_curve_and_predict_survive_pickle():
+    X, Y, teacher = _task(3, seed=2)
+    est = RStarEstimator(value_map=teacher.value_map, tolerance=0.05).fit(X, Y)
+    curve = est.risk_curve_
+    assert curve[0] > curve[1] > curve[2] > curve[3] >= -1e-6
+    assert est.rank_ <= 3 and est.noise_floor_rank_ == 3
+    again = pickle.loads(pickle.dumps(est))
+    np.testing.assert_allclose(again.predict(X[:5]), est.predict(X[:5]), rtol=1e-10)
+
+
+def _statistic(signal, null_top, fitted_rank, rank_cap, p=20):
+    lam = np.concatenate([signal, np.full(p - len(signal), 0.5 * null_top)])
+    null = SplitHalfNull(null_eigenvalues=np.full(p, null_top) * np.linspace(1, 0.1, p), fitted_rank=fitted_rank,
+                         rank_cap=rank_cap)
+    return WhitenedStatistic(lam, np.eye(p), np.eye(p), 1000.0, null, FACTORED_NAME, (), [], "logit")
+
+
+def test_split_half_rule_counts_above_the_margin():
+    ws = _statistic([100.0, 9.0, 1.5], 1.0, fitted_rank=8, rank_cap=20)
+    res = split_half_result(ws)
+    # margin 1.5 on singular values: 2.25 on eigenvalues; 1.5 lies between the null's top and the margin
+    assert res.rank == 2 and res.rank_interval == (2, 3) and not res.warnings
+    assert MarchenkoPasturRule()(ws).rank == 2
+    assert split_half_result(ws, max_rank=1).rank == 1
+    # every fitted direction above the null at the largest rank the budget allowed: warned, up to d
+    full = _statistic([9.0] * 8, 1.0, fitted_rank=8, rank_cap=8)
+    res = split_half_result(full)
+    assert res.rank == 8 and res.rank_interval == (8, 20)
+    assert res.warnings and res.warnings[0][0] is UnidentifiableRankWarning
