@@ -46,6 +46,10 @@ def _args():
     p.add_argument("--out", default="benchmarks/out/real_heads")
     p.add_argument("--docs-figures", default=None, help="also write the figures into this folder")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--layers", default=None, help="comma-separated layers of the real heads (default: all)")
+    p.add_argument("--head-budget", type=float, default=2**41,
+                   help="compute_budget of the head fits (noise-free heads fill rank 32: q = 64 factors)")
+    p.add_argument("--skip-planted", action="store_true", help="only the real heads")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figures from a real_heads.json")
     return p.parse_args()
 
@@ -111,8 +115,27 @@ def planted(X_real, V_real, ranks, dims, seed=0):
     return rows
 
 
-def heads(layers, held_out_layers):
-    """One row per real head."""
+def _held_out_excess(est, head, test_head, rank, budget):
+    """Held-out relative excess risk of the rank-``rank`` model fitted from the data (the estimator's truncation
+    of its kernel, V known) over its full-rank one, and its risk over the head's output (noise free)."""
+    from rstar import RStarEstimator
+    from rstar.risk import centred_sums, total_sum_of_squares
+
+    Xt, Yt = head.features(test_head.X), test_head.Y
+    tss = total_sum_of_squares(centred_sums(Xt, Yt))
+    kw = dict(value_map=head.value_map(), compute_budget=budget)
+    rss = []
+    for r in (rank, Xt.shape[-1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = RStarEstimator(rank=r, **kw).fit_from(est)
+        rss.append(float(np.sum((Yt - model.predict(Xt)) ** 2)))
+    return (rss[0] - rss[1]) / tss, rss[0] / tss
+
+
+def heads(layers, held_out_layers, budget, tolerances=(0.01, 0.05)):
+    """One row per real head: rstar's r*(eps) with V known, checked on held-out windows, beside the truncation
+    ranks of the real kernel and the baselines."""
     from rstar import RStarEstimator
     from rstar.risk import rank_at_tolerance
     from rstar.heads import activation_svd_rank, kernel_energy_rank, kernel_truncation_curve, weight_mp_spike_count
@@ -121,21 +144,41 @@ def heads(layers, held_out_layers):
     for layer, test in zip(layers, held_out_layers):
         eva = activation_svd_rank(layer.X, 0.9)
         for h, head in enumerate(layer.heads()):
-            est, secs, caught = _fit(RStarEstimator(value_map=head.value_map()), head.features(), head.Y)
+            est = RStarEstimator(value_map=head.value_map(), tolerance=tolerances[0], compute_budget=budget)
+            est, secs, caught = _fit(est, head.features(), head.Y)
             curve = kernel_truncation_curve(head, test.X, test.head(h).Y)
-            trunc = {f"truncation_rank_at_{e:g}": rank_at_tolerance(curve, e) for e in (0.01, 0.05)}
             sv = head.kernel_singular_values()
-            row = dict(layer=layer.index, head=head.head, rank=int(est.rank_), interval=list(est.rank_interval_),
-                       inversion=est.inversion_, seconds=round(secs, 2),
+            row = dict(layer=layer.index, head=head.head, noise_floor_rank=int(est.noise_floor_rank_),
+                       interval=list(est.noise_floor_interval_), inversion=est.inversion_, seconds=round(secs, 2),
+                       fitted_rank=getattr(est.statistic_.null, "fitted_rank", None),
                        unidentified=any("Unidentifiable" in w.category.__name__ for w in caught),
-                       kernel_rank=int(np.sum(sv > sv[0] * 1e-10)), **trunc,
-                       kernel_energy_rank=kernel_energy_rank(head), activation_svd_rank_90=eva,
+                       kernel_rank=int(np.sum(sv > sv[0] * 1e-10)))
+            for e in tolerances:
+                trunc = rank_at_tolerance(curve, e)
+                try:
+                    r = est.rank_at_tolerance(e)
+                except ValueError:
+                    r = None
+                row[f"truncation_rank_at_{e:g}"] = trunc
+                row[f"rank_at_{e:g}"] = r
+                if r is None:
+                    row[f"held_out_excess_at_{e:g}"] = row[f"sufficient_at_{e:g}"] = None
+                    row[f"within_truncation_at_{e:g}"] = False
+                    continue
+                excess, risk = _held_out_excess(est, head, test.head(h), r, budget)
+                row[f"held_out_excess_at_{e:g}"] = round(excess, 4)
+                row[f"held_out_risk_at_{e:g}"] = round(risk, 4)
+                row[f"sufficient_at_{e:g}"] = bool(excess <= e)
+                row[f"within_truncation_at_{e:g}"] = bool(r <= trunc)
+            row.update(kernel_energy_rank=kernel_energy_rank(head), activation_svd_rank_90=eva,
                        weight_mp_spikes=max(weight_mp_spike_count(head.query[:-1]),
                                             weight_mp_spike_count(head.key[:-1])))
             rows.append(row)
-            print(f"L{row['layer']} h{row['head']:2d}: r_hat={row['rank']:3d} {tuple(row['interval'])!s:10s} "
-                  f"trunc 1%={trunc['truncation_rank_at_0.01']:2d} 5%={trunc['truncation_rank_at_0.05']:2d} "
-                  f"energy={row['kernel_energy_rank']:2d} EVA={eva:3d} MP spikes={row['weight_mp_spikes']:2d} "
+            print(f"L{row['layer']} h{row['head']:2d}: noise floor {row['noise_floor_rank']:3d} "
+                  f"{tuple(row['interval'])!s:10s} q={row['fitted_rank']} "
+                  + " ".join(f"eps={e:g}: r={row[f'rank_at_{e:g}']} (excess {row[f'held_out_excess_at_{e:g}']}, "
+                             f"trunc {row[f'truncation_rank_at_{e:g}']})" for e in tolerances)
+                  + f" energy={row['kernel_energy_rank']:2d} EVA={eva:3d} MP spikes={row['weight_mp_spikes']:2d} "
                   f"[{secs:.1f} s]", flush=True)
     return rows
 
@@ -150,8 +193,15 @@ def summaries(planted_rows, head_rows):
     band = []
     for e in (0.01, 0.05):
         vals = [h[f"truncation_rank_at_{e:g}"] for h in head_rows]
-        band.append(dict(tolerance=e, min=min(vals), median=float(np.median(vals)), max=max(vals),
-                         at_most_8=sum(v <= 8 for v in vals), heads=len(vals)))
+        est = [h[f"rank_at_{e:g}"] for h in head_rows if h[f"rank_at_{e:g}"] is not None]
+        ok = [bool(h[f"sufficient_at_{e:g}"]) and bool(h[f"within_truncation_at_{e:g}"]) for h in head_rows]
+        band.append(dict(tolerance=e, truncation_min=min(vals), truncation_median=float(np.median(vals)),
+                         truncation_max=max(vals),
+                         rstar_min=min(est) if est else None, rstar_median=float(np.median(est)) if est else None,
+                         rstar_max=max(est) if est else None,
+                         sufficient=sum(bool(h[f"sufficient_at_{e:g}"]) for h in head_rows),
+                         within_truncation=sum(bool(h[f"within_truncation_at_{e:g}"]) for h in head_rows),
+                         both=sum(ok), heads=len(vals)))
     return summary, band
 
 
@@ -163,10 +213,13 @@ def figures(planted_rows, head_rows, folders):
 
     from rstar.heads import plot_head_ranks
 
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    for ax, col in zip(axes, ("truncation_rank_at_0.01", "truncation_rank_at_0.05", "kernel_energy_rank",
-                              "weight_mp_spikes")):
-        plot_head_ranks(head_rows, col, ax=ax)
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, col in zip(axes.ravel(), ("rank_at_0.01", "truncation_rank_at_0.01", "kernel_energy_rank",
+                                      "rank_at_0.05", "truncation_rank_at_0.05", "weight_mp_spikes")):
+        if all(h.get(col) is not None for h in head_rows):
+            plot_head_ranks(head_rows, col, ax=ax)
+        else:
+            ax.set_axis_off()
     fig.suptitle("all-MiniLM-L6-v2: per-head ranks (d_head = 32)")
     fig.tight_layout()
     fig2, ax = plt.subplots(figsize=(9, 3.8))
@@ -215,16 +268,18 @@ def main():
     with threadpool_limits(limits=args.threads):
         windows = text_windows(tok, args.seq_len, n, random_state=0)
         layer0 = collect_attention(model, windows, layers=[0])[0]
-        planted_rows = planted(layer0.X, layer0.head(0).value_map()[:-1],
-                               (0, 3) if args.quick else (0, 3, 8, 16), (384, 16) if args.quick else (384, 16, 32))
-        layers_idx = [0, 3] if args.quick else None
+        planted_rows = [] if args.skip_planted else planted(
+            layer0.X, layer0.head(0).value_map()[:-1], (0, 3) if args.quick else (0, 3, 8, 16),
+            (384, 16) if args.quick else (384, 16, 32))
+        layers_idx = [0, 3] if args.quick else (None if args.layers is None else
+                                                [int(v) for v in args.layers.split(",")])
         w_fit = text_windows(tok, args.seq_len, n_heads + n_test, random_state=1)
         layers = collect_attention(model, w_fit[:n_heads], layers=layers_idx)
         held = collect_attention(model, w_fit[n_heads:], layers=layers_idx)
         if args.quick:
             layers = [L.select_heads(range(3)) for L in layers]
             held = [L.select_heads(range(3)) for L in held]
-        head_rows = heads(layers, held)
+        head_rows = heads(layers, held, args.head_budget)
     summary, band = summaries(planted_rows, head_rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,14 +288,17 @@ def main():
                    elapsed_s=time.perf_counter() - t_all)
     (out / "real_heads.json").write_text(json.dumps(payload, indent=1))
     planted_cols = ["d", "T", "n", "r", "V", "estimator", "rank", "interval", "inversion", "outcome", "seconds"]
-    head_cols = ["layer", "head", "rank", "interval", "inversion", "kernel_rank", "truncation_rank_at_0.01",
+    head_cols = ["layer", "head", "noise_floor_rank", "interval", "fitted_rank", "kernel_rank", "rank_at_0.01",
+                 "held_out_excess_at_0.01", "truncation_rank_at_0.01", "rank_at_0.05", "held_out_excess_at_0.05",
                  "truncation_rank_at_0.05", "kernel_energy_rank", "activation_svd_rank_90", "weight_mp_spikes",
                  "seconds"]
     md = ["## Planted kernels on real tokens: outcomes", "",
           markdown_table(summary, ["d", "V", "estimator", "exact", "warned", "wrong", "total"]),
           "", "## Planted kernels: every fit", "", markdown_table(planted_rows, planted_cols),
-          "", "## Real heads: truncation bands (held-out windows)", "",
-          markdown_table(band, ["tolerance", "min", "median", "max", "at_most_8", "heads"]),
+          "", "## Real heads: r*(eps) against the truncation bands (held-out windows)", "",
+          markdown_table(band, ["tolerance", "rstar_min", "rstar_median", "rstar_max", "truncation_min",
+                                "truncation_median", "truncation_max", "sufficient", "within_truncation", "both",
+                                "heads"]),
           "", "## Real heads", "", markdown_table(head_rows, head_cols)]
     (out / "real_heads.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md[:3]) + "\n\n" + "\n".join(md[7:10]))

@@ -38,6 +38,7 @@ __all__ = [
     "factored_rss",
     "kernel_gradient",
     "extended_start",
+    "gradient_start",
     "value_map_given_kernel",
     "fit_factored_softmax",
     "token_metric_roots",
@@ -247,6 +248,14 @@ def _start(X, Z, Y, rank, mask):
     d = X.shape[2]
     empty = np.zeros((d, 0))
     return _line_start(X, Z, Y, empty, empty, kernel_gradient(X, Z, Y, mask=mask), rank, mask)
+
+
+def gradient_start(X, Y, G, rank, value_map=None, mask=None):
+    """Starting factors of rank ``rank`` from a given gradient of K at ``K = 0`` (:func:`kernel_gradient`),
+    V known or the uniform-attention least squares, scaled by a line search."""
+    V = value_map_given_kernel(X, Y, mask=mask) if value_map is None else value_map
+    empty = np.zeros((X.shape[2], 0))
+    return _line_start(X, X @ V, Y, empty, empty, G, rank, mask)
 
 
 def extended_start(X, Y, fit, rank, mask=None):

@@ -192,11 +192,16 @@ def test_softmax_least_squares_over_budgets():
     for i in range(0, 300, 70):
         _fit(stream, X[i:i + 70], Y[i:i + 70], partial=True)
     np.testing.assert_allclose(stream.spectrum_, alone.spectrum_, rtol=1e-8, atol=1e-10 * alone.spectrum_[0])
-    # too few samples fit the budget for the least squares: first order, and why
+    # a budget below the d^2 x d^2 information (8 d^4 = 10 KiB > 8 KiB): the factored least squares, on the
+    # first 14 samples that fit it
     est = RStarEstimator(memory_budget=2**14)
     messages = _fallbacks(_fit(est, X, Y))
-    assert est.inversion_ == "softmax_first_order" and "memory budget" in messages[0]
-    assert "on the first 14 within it" in messages[0]
+    assert est.inversion_ == "softmax_factored_least_squares" and "fitted on the first 14" in messages[0]
+    assert est.rank_ == 2
+    # too few samples fit the budget for it: first order, and why
+    est = RStarEstimator(memory_budget=2**11)
+    messages = _fallbacks(_fit(est, X, Y))
+    assert est.inversion_ == "softmax_first_order" and "degrees of freedom" in messages[0]
     # over the compute budget likewise: the first 299 samples are within it
     est = RStarEstimator(compute_budget=softmax_fit_cost(300, 12, 6, 6) - 1)
     messages = _fallbacks(_fit(est, X, Y))

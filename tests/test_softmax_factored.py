@@ -11,7 +11,7 @@ from rstar import _softmax_factored as sf
 from rstar.budgets import CostBudget
 from rstar.datasets import make_attention_task
 from rstar.inversions import SplitHalfNull, WhitenedStatistic, choose_inversion
-from rstar.inversions.softmax_factored import FACTORED_NAME, factored_fit_blocker
+from rstar.inversions.softmax_factored import FACTORED_NAME, factored_fit_blocker, factored_statistic
 from rstar.rules import MarchenkoPasturRule, split_half_result
 
 # d = 96: the full least squares' information (8 d^4 bytes = 0.63 GiB) exceeds half the default memory budget
@@ -85,14 +85,20 @@ def test_pure_noise_reads_zero():
         X, Y, _ = _task(0, seed=seed)
         est = RStarEstimator().fit(X, Y)
         assert est.inversion_ == FACTORED_NAME
-        assert est.rank_ == 0 and est.rank_interval_[0] == 0 and est.rank_interval_[1] <= 1
+        assert est.rank_ == 0 and est.rank_interval_ == (0, 0)
 
 
 def test_rank_beyond_the_first_factors_doubles_them():
     X, Y, teacher = _task(10, n=800)
     est = RStarEstimator(value_map=teacher.value_map).fit(X, Y)
-    assert est.statistic_.null.fitted_rank == 16
-    assert est.rank_ == 10
+    # the first rank comes from the first-order split-half count: 10 directions, so q = 16 at once
+    assert est.statistic_.null.fitted_rank == 16 and est.rank_ == 10
+    # from q = 4 the fit fills it and doubles (4 -> 8 -> 16), each time from the fit at hand
+    sx, sy = np.sqrt(np.mean(X**2)), np.sqrt(np.mean(Y**2))
+    Xs, Ys, V = X / sx, Y / sy, teacher.value_map * (sx / sy)
+    ws = factored_statistic(((Xs[1::2], Ys[1::2]), (Xs[::2], Ys[::2])), V, start_rank=4)
+    assert ws.null.fitted_rank == 16
+    assert split_half_result(ws).rank == 10
 
 
 def test_factors_capped_by_the_budget_are_warned_with_an_interval_to_d():
@@ -125,10 +131,14 @@ def _statistic(signal, null_top, fitted_rank, rank_cap, p=20):
 
 
 def test_split_half_rule_counts_above_the_margin():
-    ws = _statistic([100.0, 9.0, 1.5], 1.0, fitted_rank=8, rank_cap=20)
+    ws = _statistic([100.0, 9.0, 1.2], 1.0, fitted_rank=8, rank_cap=20)
     res = split_half_result(ws)
-    # margin 1.5 on singular values: 2.25 on eigenvalues; 1.5 lies between the null's top and the margin
-    assert res.rank == 2 and res.rank_interval == (2, 3) and not res.warnings
+    # margin 1.5 on singular values: 2.25 on eigenvalues; 1.2 lies below the noise edge 1.25**2
+    assert res.rank == 2 and res.rank_interval == (2, 2) and not res.warnings
+    # one between the noise edge and the margin: counted in the interval, and warned
+    res = split_half_result(_statistic([100.0, 9.0, 2.0], 1.0, fitted_rank=8, rank_cap=20))
+    assert res.rank == 2 and res.rank_interval == (2, 3)
+    assert res.warnings[0][0] is UnidentifiableRankWarning and "not told from noise" in res.warnings[0][1]
     assert MarchenkoPasturRule()(ws).rank == 2
     assert split_half_result(ws, max_rank=1).rank == 1
     # every fitted direction above the null at the largest rank the budget allowed: warned, up to d

@@ -1,7 +1,10 @@
 """English text that ships with Python (module docstrings), cut into token windows: no download."""
 
 import importlib
+import importlib.util
 import inspect
+import os
+import sysconfig
 import warnings
 
 import numpy as np
@@ -21,6 +24,20 @@ TEXT_MODULES = ("argparse", "asyncio", "collections", "csv", "datetime", "decima
                 "types", "weakref", "wave", "xml.dom.minidom", "zipimport")
 
 
+def _is_standard_library(name):
+    """Whether ``name`` resolves to the standard library's own module (built in, frozen, or under its folder)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or spec.origin is None:
+        return False
+    if spec.origin in ("built-in", "frozen"):
+        return True
+    root = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    return os.path.realpath(spec.origin).startswith(root + os.sep)
+
+
 def stdlib_text(modules=TEXT_MODULES):
     """The docstrings of the given standard-library modules and of their public classes and functions, as one
     string of English prose (deterministic for a Python version)."""
@@ -28,6 +45,8 @@ def stdlib_text(modules=TEXT_MODULES):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in modules:
+            if not _is_standard_library(name):
+                continue   # missing, or shadowed by a file of the same name on sys.path (a user's trace.py)
             try:
                 mod = importlib.import_module(name)
             except ImportError:

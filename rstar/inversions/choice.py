@@ -306,6 +306,8 @@ _TABLE_CASES = (
     ("softmax", True, (8, 12, 12), "T <= 0.9 min(d, d_v)"),
     ("softmax", True, (16, 12, 12), "T > 0.9 min(d, d_v)"),
     ("softmax", False, (16, 12, 12), "any"),
+    ("softmax", True, (32, 384, 32), "8 d^4 bytes > memory_budget / 2"),
+    ("softmax", False, (32, 384, 32), "8 d^4 bytes > memory_budget / 2"),
 )
 
 

@@ -87,6 +87,17 @@ def factored_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
     return lo if fits(lo) else 0
 
 
+def first_order_start_rank(gradients, metric, margin):
+    """A first rank for the factors: the smallest power of two above the split-half count of the halves'
+    gradients of K at ``K = 0`` (whitened as a gradient, ``M_q^{-1/2} G M_k^{-1/2}``), plus two."""
+    _, Mq_inv, _, Mk_inv = metric
+    G1, G2 = (Mq_inv @ G @ Mk_inv for G in gradients)
+    s = np.linalg.svd((G1 + G2) / 2, compute_uv=False)
+    sd = np.linalg.svd((G1 - G2) / 2, compute_uv=False)
+    count = int(np.sum(s > margin * sd[0])) if sd[0] > 0 else 0
+    return 1 << int(np.ceil(np.log2(count + 2)))
+
+
 def _split_half(K1, K2, metric):
     Mq, _, Mk, _ = metric
     Ssum = Mq @ ((K1 + K2) / 2) @ Mk
@@ -97,7 +108,7 @@ def _split_half(K1, K2, metric):
 
 
 def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FACTORED_MAX_ITER,
-                       margin=None):
+                       margin=None, start_rank=None):
     """The split-half statistic of the factored least squares.
 
     Parameters
@@ -110,6 +121,8 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
         L-BFGS iterations of each fit.
     margin : float or None
         The test's margin (None: :data:`rstar.rules.SPLIT_HALF_MARGIN`).
+    start_rank : int or None
+        The first rank q (None: :func:`first_order_start_rank`, at least ``FACTORED_START_RANK``).
 
     Returns
     -------
@@ -124,20 +137,30 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
     d_v = Y1.shape[2]
     known = value_map is not None
     metric = sf.token_metric_roots(np.concatenate([X1, X2]))
-    q = min(FACTORED_START_RANK, d)
     margin = SPLIT_HALF_MARGIN if margin is None else float(margin)
     seg = FACTORED_SEGMENT_ITER
-    spent = float(sf.token_metric_cost(n, T, d))
+    spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
+    # the first rank: from the split-half count of the gradient of K at K = 0 (the first-order statistic), so
+    # that a large r* does not climb through every doubling; at least FACTORED_START_RANK, within the budget
+    grads, uniform_v = [], []
+    for X, Y in halves:
+        uniform_v.append(sf.value_map_given_kernel(X, Y) if value_map is None else value_map)
+        grads.append(sf.kernel_gradient(X, X @ uniform_v[-1], Y))
+    q = (min(max(FACTORED_START_RANK, first_order_start_rank(grads, metric, margin)), d) if start_rank is None
+         else min(int(start_rank), d))
+    while q > FACTORED_START_RANK and not (budget.allows_compute(spent + 2 * _segment_cost(n, T, d, d_v, q))
+                                           and _residual_dof(n, T, d, d_v, q, known) >= MIN_NOISE_DOF):
+        q //= 2
+    q = min(max(q, FACTORED_START_RANK if start_rank is None else 1), d)
 
-    def fit(start=None):
+    def fit(start):
         nonlocal spent
-        spent += _segment_cost(n, T, d, d_v, q) + (0.0 if start is not None else
-                                                    sf.factored_start_cost(n, T, d, d_v, known))
-        return [sf.fit_factored_softmax(X, Y, q, value_map=value_map, max_iter=seg,
-                                        start=None if start is None else start(X, Y, f))
-                for (X, Y), f in zip(halves, fits if start is not None else (None, None))]
+        spent += _segment_cost(n, T, d, d_v, q)
+        return [sf.fit_factored_softmax(X, Y, q, value_map=value_map, max_iter=seg, start=start(X, Y, f, G, V0))
+                for (X, Y), f, G, V0 in zip(halves, fits, grads, uniform_v)]
 
-    fits = fit()
+    fits = (None, None)
+    fits = fit(lambda X, Y, f, G, V0: sf.gradient_start(X, Y, G, q, V0))
     iters, previous, stable, capped, budget_out = seg, None, False, False, False
     while True:
         U, s, W, sd = _split_half(fits[0].kernel, fits[1].kernel, metric)
@@ -151,7 +174,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
                     and budget.allows_compute(spent + _stage_cost(n, T, d, d_v, nxt, known))):
                 q = nxt
                 spent += sf.factored_start_cost(n, T, d, d_v, known)
-                fits = fit(lambda X, Y, f: sf.extended_start(X, Y, f, q))
+                fits = fit(lambda X, Y, f, G, V0: sf.extended_start(X, Y, f, q))
                 iters, previous = seg, None
                 continue
             capped = True
@@ -164,7 +187,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
             budget_out = True
             break
         previous = (count, s)
-        fits = fit(lambda X, Y, f: (f.A, f.B))
+        fits = fit(lambda X, Y, f, G, V0: (f.A, f.B))
         iters += seg
     rss = sum(f.rss for f in fits)
     dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)

@@ -36,7 +36,7 @@ from .sequential import (
     top_down_p_values,
 )
 from .simulated import simulated_null_p_values
-from .split_half import SPLIT_HALF_MARGIN, split_half_result
+from .split_half import SPLIT_HALF_MARGIN, SPLIT_HALF_NOISE_EDGE, split_half_result
 
 __all__ = [
     "RuleResult",
@@ -54,6 +54,7 @@ __all__ = [
     "simulated_null_p_values",
     "split_half_result",
     "SPLIT_HALF_MARGIN",
+    "SPLIT_HALF_NOISE_EDGE",
     "INTERVAL_FACTOR",
     "COHERENT_BONFERRONI",
     "RESIDUAL_FLOOR_MARGIN",

@@ -6,18 +6,24 @@ from ..exceptions import UnidentifiableRankWarning
 from ..spectral import entropy_effective_rank_from_singular_values
 from ._base import RuleResult
 
-__all__ = ["split_half_result", "SPLIT_HALF_MARGIN"]
+__all__ = ["split_half_result", "SPLIT_HALF_MARGIN", "SPLIT_HALF_NOISE_EDGE"]
 
 #: A direction of the half-sum counts where its singular value exceeds this many times the half-difference's
-#: largest (``rank_``); the upper end of ``rank_interval_`` counts those above the largest itself. Measured on
-#: null directions (``benchmarks/factored_calibration.py``; Gaussian tokens, T = 8 and 16, d = 48 and 96,
-#: n = 600, r* = 0 and 2, V known and unknown, 8 seeds each): the first null direction of the half-sum over the
-#: half-difference's largest ranged 0.85-1.12; planted directions of logit scale 2 stood at 100-150 times it.
+#: largest (``rank_``). Measured on null directions (``benchmarks/factored_calibration.py``; Gaussian tokens,
+#: T = 8 and 16, d = 48 and 96, n = 600, r* = 0 and 2, V known and unknown, 8 seeds each, 64 fits): the first
+#: null direction of the half-sum over the half-difference's largest ranged 0.85-1.12; planted directions of
+#: logit scale 2 stood at 100-150 times it.
 SPLIT_HALF_MARGIN = 1.5
+#: Directions between this many times the half-difference's largest and ``SPLIT_HALF_MARGIN`` times it are not
+#: told from noise: they widen ``rank_interval_`` and are warned (no null direction measured reached 1.12).
+SPLIT_HALF_NOISE_EDGE = 1.25
 
 
 def split_half_result(ws, max_rank=None):
     """The rule's result on a statistic with a :class:`~rstar.inversions.SplitHalfNull`.
+
+    ``rank`` counts the directions above ``margin`` times the null's largest singular value; those between
+    ``SPLIT_HALF_NOISE_EDGE`` and ``margin`` times it make the upper end of ``rank_interval`` and a warning.
 
     Parameters
     ----------
@@ -37,8 +43,15 @@ def split_half_result(ws, max_rank=None):
     cap = lam.size if max_rank is None else min(int(max_rank), lam.size)
     strict = null.margin**2 * edge
     rank = int(min(np.sum(lam > strict), cap)) if edge > 0 else int(min(np.sum(lam > 0), cap))
-    lenient = int(min(np.sum(lam > edge), cap)) if edge > 0 else rank
+    lenient = int(min(np.sum(lam > SPLIT_HALF_NOISE_EDGE**2 * edge), cap)) if edge > 0 else rank
+    lenient = max(lenient, rank)
     warnings = []
+    if lenient > rank:
+        warnings.append((UnidentifiableRankWarning,
+                         f"{lenient - rank} direction(s) of the half-sum kernel stand between "
+                         f"{SPLIT_HALF_NOISE_EDGE:g} and {null.margin:g} times the largest of the half-difference "
+                         f"(the split-half noise): they are not told from noise, so r* lies in ({rank}, {lenient}). "
+                         "More samples (or a known value_map) would separate them."))
     theta = lam[:rank] / edge if edge > 0 else np.full(rank, np.inf)
     if null.fitted_rank and lenient >= null.fitted_rank - 1 and null.fitted_rank >= null.rank_cap:
         warnings.append((UnidentifiableRankWarning,
