@@ -49,6 +49,7 @@ def _args():
     p.add_argument("--layers", default=None, help="comma-separated layers of the real heads (default: all)")
     p.add_argument("--head-budget", type=float, default=2**41,
                    help="compute_budget of the head fits (noise-free heads fill rank 32: q = 64 factors)")
+    p.add_argument("--heads", default=None, help="comma-separated heads of each layer (default: all 12)")
     p.add_argument("--skip-planted", action="store_true", help="only the real heads")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figures from a real_heads.json")
     return p.parse_args()
@@ -276,9 +277,10 @@ def main():
         w_fit = text_windows(tok, args.seq_len, n_heads + n_test, random_state=1)
         layers = collect_attention(model, w_fit[:n_heads], layers=layers_idx)
         held = collect_attention(model, w_fit[n_heads:], layers=layers_idx)
-        if args.quick:
-            layers = [L.select_heads(range(3)) for L in layers]
-            held = [L.select_heads(range(3)) for L in held]
+        pick = range(3) if args.quick else (None if args.heads is None else [int(v) for v in args.heads.split(",")])
+        if pick is not None:
+            layers = [L.select_heads(pick) for L in layers]
+            held = [L.select_heads(pick) for L in held]
         head_rows = heads(layers, held, args.head_budget)
     summary, band = summaries(planted_rows, head_rows)
     out = Path(args.out)

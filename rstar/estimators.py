@@ -674,7 +674,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             raise ValueError("tolerance needs the closed-form operators of every rank, whose moment sums were not "
                              "accumulated (predict_sums=False, or over the memory budget for this T, d and d_v).")
         full, rss = rss[0], rss[1:]
-        tss = total_sum_of_squares(samples.map_sum(centred_sums, 1))
+        tss = total_sum_of_squares(inv.risk_samples(self._stats, ws, samples).map_sum(centred_sums, 1))
         curve = relative_excess_risk(rss, full, tss)
         # go on until half the tolerance is reached (the interval's upper end), or the full rank
         while rank_at_tolerance(curve, tol / 2) is None and len(curve) <= ws.dim:

@@ -96,6 +96,11 @@ class Inversion:
         """
         return operator_residuals(lambda basis: self.fit_operator(stats, basis), ws, ranks, samples)
 
+    def risk_samples(self, stats, ws, samples):
+        """The samples :meth:`rank_residuals` measures its sums on (the total sum of squares must be of the
+        same ones): here ``samples`` itself."""
+        return samples
+
     def _check_run(self, run):
         run = self.name if run is None else run
         if run not in self.produces:

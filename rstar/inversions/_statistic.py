@@ -331,6 +331,8 @@ class SplitHalfNull(NullModel):
         ``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})`` (:func:`rstar._softmax_factored.token_metric_roots`).
     singular_vectors : tuple of ndarray
         ``(U, S, W)``: the thin SVD of the whitened half-sum ``M_q^{1/2} K M_k^{1/2}``.
+    half_kernels : tuple of two (A, B)
+        Each half's factors (odd, then even samples), for the cross-fitted risk curve.
     """
 
     null_eigenvalues: np.ndarray = None
@@ -344,4 +346,5 @@ class SplitHalfNull(NullModel):
     value_map: np.ndarray = None
     metric: tuple = None
     singular_vectors: tuple = None
+    half_kernels: tuple = None
     kind = "split_half"

@@ -207,11 +207,19 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
     lam = s**2 / d
     null = SplitHalfNull(null_eigenvalues=sd**2 / d, margin=margin, noise_variance=float(sigma2),
                          noise_dof=float(dof), fitted_rank=int(q), rank_cap=int(q if capped else d), kernel=K,
-                         value_map=V, metric=metric, singular_vectors=(U, s, W))
+                         value_map=V, metric=metric, singular_vectors=(U, s, W),
+                         half_kernels=tuple((f.A, f.B) for f in fits))
     ws = WhitenedStatistic(lam, U, metric[1], float(n * d_v), null, FACTORED_NAME, (), warnings, "logit")
     if warnings:
         ws.rank_bounds = (0, int(q))
     return ws
+
+
+def _truncation(metric, A, B, r):
+    """Rank-r truncation of ``K = A B^T`` in the token metric, as factors of shape (d, r)."""
+    Mq, Mq_inv, Mk, Mk_inv = metric
+    U, s, Wt = np.linalg.svd((Mq @ A) @ (B.T @ Mk), full_matrices=False)
+    return Mq_inv @ (U[:, :r] * s[:r]), Mk_inv @ Wt[:r].T
 
 
 def truncated_kernel(ws, r):
@@ -222,18 +230,33 @@ def truncated_kernel(ws, r):
     return Mq_inv @ (U[:, :r] * s[:r]), Mk_inv @ W[:, :r]
 
 
-def factored_rank_residuals(ws, samples, value_map, ranks):
-    """Residual sums of squares of the rank-r truncations (:func:`truncated_kernel`) for r in ``ranks`` (None:
-    the half-sum kernel itself), V known or re-fitted for each, on ``samples`` ``(X, Y)`` (internal units)."""
-    X, Y = samples
+def factored_rank_residuals(ws, halves, value_map, ranks):
+    """Cross-fitted residual sums of squares of the rank-r models for r in ``ranks`` (None: the fitted kernels
+    themselves): each half's kernel, truncated to rank r in the token metric (V known, or refitted on that
+    half given the truncation's attention), is measured on the *other* half, and the two sums are added.
+
+    Out of sample, so a rank read off the curve does not take the fit's optimism for accuracy (in sample, a
+    real head's rank at 5% read 17 where the held-out excess was 5.04%); each model is fitted on half the
+    samples, so the curve errs towards larger ranks.
+
+    Parameters
+    ----------
+    ws : WhitenedStatistic
+        From :func:`factored_statistic`.
+    halves : tuple of two (X, Y)
+        The samples the halves were fitted on, in the same order.
+    value_map : ndarray or None
+    ranks : list of int or None
+    """
+    metric = ws.null.metric
     out = []
     for r in ranks:
-        if r is None:
-            A, B = ws.null.kernel, np.eye(X.shape[2])
-        else:
-            A, B = truncated_kernel(ws, r)
-        V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B)
-        out.append(sf.factored_rss(X, X @ V, Y, A, B))
+        total = 0.0
+        for (A_h, B_h), (Xf, Yf), (Xo, Yo) in zip(ws.null.half_kernels, halves, halves[::-1]):
+            A, B = (A_h, B_h) if r is None else _truncation(metric, A_h, B_h, r)
+            V = value_map if value_map is not None else sf.value_map_given_kernel(Xf, Yf, A, B)
+            total += sf.factored_rss(Xo, Xo @ V, Yo, A, B)
+        out.append(total)
     return out
 
 

@@ -216,6 +216,13 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             return self.factored_name if self.factored_possible(stats, samples) else self.first_order_name
         return self.name if self.fit_possible(stats, samples) else self.first_order_name
 
+    def risk_samples(self, stats, ws, samples):
+        """The samples :meth:`rank_residuals` measures on: the kept halves where the factored least squares ran
+        (its curve is cross-fitted on them), else ``samples``."""
+        if ws.inversion == self.factored_name:
+            return ArraySamples(*self._in_memory(stats))
+        return samples
+
     @staticmethod
     def _samples(stats, samples=None):
         """The samples: the source given, else the kept halves (odd then even) as arrays in memory."""
@@ -343,7 +350,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         closed-form operators are used instead (:meth:`Inversion.rank_residuals`).
         """
         if ws.inversion == self.factored_name:
-            return factored_rank_residuals(ws, self._in_memory(stats), self.value_map, ranks)
+            return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks)
         if ws.inversion != self.name:
             return operator_residuals(lambda basis: self.first_order_operator(stats, basis), ws, ranks, samples)
         if self._on_prefix(stats, samples):
