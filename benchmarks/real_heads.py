@@ -51,6 +51,9 @@ def _args():
                    help="compute_budget of the head fits (noise-free heads fill rank 32: q = 64 factors)")
     p.add_argument("--heads", default=None, help="comma-separated heads of each layer (default: all 12)")
     p.add_argument("--skip-planted", action="store_true", help="only the real heads")
+    p.add_argument("--planted-budget", type=float, default=2**41,
+                   help="RStarEstimator's compute_budget on the planted kernels (V unknown at d = 384 needs "
+                        "about 400 iterations per half: over the default 2**39)")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figures from a real_heads.json")
     return p.parse_args()
 
@@ -73,7 +76,7 @@ def _outcome(est, caught, r):
     return "warned" if warned and lo <= r <= hi else "wrong"
 
 
-def planted(X_real, V_real, ranks, dims, seed=0):
+def planted(X_real, V_real, ranks, dims, seed=0, budget=None):
     """Planted kernels on the real tokens; one row per (d, r, V known?, estimator)."""
     from rstar import EnergyRankEstimator, MPRankEstimator, RStarEstimator
     from rstar.datasets import softmax_attention
@@ -101,7 +104,8 @@ def planted(X_real, V_real, ranks, dims, seed=0):
             Y = Y + 0.05 * Y.std() * rng.standard_normal(Y.shape)
             for known in (True, False):
                 kw = {"value_map": V} if known else {}
-                for name, est in (("RStarEstimator", RStarEstimator(**kw)),
+                rkw = {} if budget is None else {"compute_budget": budget}
+                for name, est in (("RStarEstimator", RStarEstimator(**kw, **rkw)),
                                   ("MPRankEstimator(softmax)", MPRankEstimator("softmax", **kw)),
                                   ("EnergyRankEstimator(softmax)", EnergyRankEstimator("softmax", **kw))):
                     est, secs, caught = _fit(est, X, Y)
@@ -271,7 +275,7 @@ def main():
         layer0 = collect_attention(model, windows, layers=[0])[0]
         planted_rows = [] if args.skip_planted else planted(
             layer0.X, layer0.head(0).value_map()[:-1], (0, 3) if args.quick else (0, 3, 8, 16),
-            (384, 16) if args.quick else (384, 16, 32))
+            (384, 16) if args.quick else (384, 16, 32), budget=args.planted_budget)
         layers_idx = [0, 3] if args.quick else (None if args.layers is None else
                                                 [int(v) for v in args.layers.split(",")])
         w_fit = text_windows(tok, args.seq_len, n_heads + n_test, random_state=1)

@@ -12,9 +12,10 @@ one loss-and-gradient evaluation costs about ``4 n T d q + n T^2 (2 q + 2 d_v)``
 multiply-adds (the gradient of a factor is ``sum_i X_i^T dL_i (X_i B)``, never
 the ``d x d`` gradient of K). The fit starts from the top-q singular pairs of
 the gradient of K at ``K = 0`` (the first-order statistic) scaled by a line
-search, then runs L-BFGS on ``(A, B)``; with V unknown it alternates L-BFGS
-rounds with the least-squares V given the attention (block coordinate descent
-on the same loss).
+search, then runs L-BFGS on ``(A, B)``; with V unknown, on ``(A, B, V)``
+together, from the least-squares V given the starting attention (the gradient
+in V is ``2 sum_i X_i^T P_i^T R_i``, at about ``2 n T d d_v`` more per
+evaluation).
 
 The kernel is identified only through the logits it produces on the tokens: a
 direction ``b`` on the key side with ``b^T x_j`` constant within each sequence
@@ -33,14 +34,18 @@ from ._linalg import solve_psd
 
 __all__ = [
     "FactoredSoftmaxFit",
+    "causal_mask",
     "factored_loss_terms",
     "factored_loss",
     "factored_rss",
+    "joint_loss",
+    "joint_loss_terms",
     "kernel_gradient",
     "extended_start",
     "gradient_start",
     "value_map_given_kernel",
     "fit_factored_softmax",
+    "fit_factored_pair",
     "token_metric_roots",
     "token_metric_cost",
     "factored_eval_cost",
@@ -68,6 +73,11 @@ def _softmax_rows(L):
     np.exp(L, out=L)
     L /= L.sum(axis=-1, keepdims=True)
     return L
+
+
+def causal_mask(T):
+    """The logits a causal (decoder) head keeps: token t attends to tokens ``s <= t`` (lower triangle)."""
+    return np.tril(np.ones((T, T), dtype=bool))
 
 
 def _masked(L, mask):
@@ -108,6 +118,46 @@ def factored_loss_terms(X, Z, Y, A, B, mask=None):
     gA = X.reshape(-1, d).T @ (dL @ XB).reshape(-1, q)
     gB = X.reshape(-1, d).T @ (dL.transpose(0, 2, 1) @ XA).reshape(-1, q)
     return f, gA, gB
+
+
+def joint_loss_terms(X, Y, A, B, V, mask=None):
+    """A chunk's residual sum of squares and its gradients in the factors and in V (value path ``X_i V``).
+
+    ``grad_V = 2 sum_i X_i^T P_i^T R_i``, through ``T x d_v`` products (``P_i X_i`` is never formed).
+
+    Returns
+    -------
+    f, grad_A, grad_B, grad_V
+    """
+    n, T, d = X.shape
+    q = A.shape[1]
+    c = 1.0 / np.sqrt(d)
+    Z = X @ V
+    XA = X @ A
+    XB = X @ B
+    P = _softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) * c, mask))
+    R = P @ Z - Y
+    f = float(np.einsum("ntv,ntv->", R, R))
+    dP = 2.0 * (R @ Z.transpose(0, 2, 1))
+    dL = (dP - np.einsum("nts,nts->nt", dP, P)[..., None]) * P * c
+    Xf = X.reshape(-1, d)
+    gA = Xf.T @ (dL @ XB).reshape(-1, q)
+    gB = Xf.T @ (dL.transpose(0, 2, 1) @ XA).reshape(-1, q)
+    gV = 2.0 * (Xf.T @ (P.transpose(0, 2, 1) @ R).reshape(-1, V.shape[1]))
+    return f, gA, gB, gV
+
+
+def joint_loss(X, Y, A, B, V, mask=None):
+    """:func:`joint_loss_terms` summed over all samples, chunk by chunk."""
+    n, T, d = X.shape
+    f, gA, gB, gV = 0.0, np.zeros_like(A), np.zeros_like(B), np.zeros_like(V)
+    for part in _chunks(n, T, d):
+        fp, a, b, v = joint_loss_terms(X[part], Y[part], A, B, V, mask)
+        f += fp
+        gA += a
+        gB += b
+        gV += v
+    return f, gA, gB, gV
 
 
 def factored_loss(X, Z, Y, A, B, mask=None):
@@ -159,16 +209,17 @@ def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=1e-10):
     return solve_psd(gram, cross)
 
 
-def factored_eval_cost(n, T, d, d_v, rank):
+def factored_eval_cost(n, T, d, d_v, rank, value_map_known=True):
     """Multiply-adds of one loss-and-gradient evaluation on n samples (the line search's extra evaluations
-    included): ``1.1 (4 n T d q + 2 n T^2 (q + d_v))``."""
-    return 1.1 * (4 * n * T * d * rank + 2 * n * T * T * (rank + d_v))
+    included): ``1.1 (4 n T d q + 2 n T^2 (q + d_v))``, plus ``2 n T d d_v + n T^2 d_v`` with V fitted."""
+    extra = 0 if value_map_known else 2 * n * T * d * d_v + n * T * T * d_v
+    return 1.1 * (4 * n * T * d * rank + 2 * n * T * T * (rank + d_v) + extra)
 
 
 def factored_start_cost(n, T, d, d_v, value_map_known=True):
-    """Multiply-adds of a fit's start (the ``d x d`` gradient, ``n T d^2``) and, with V fitted, of about ten
-    least-squares V (``n T d (T + d)`` each)."""
-    return float(n * T * d * d + (0 if value_map_known else 10 * n * T * d * (T + d)))
+    """Multiply-adds of a fit's start (the ``d x d`` gradient, ``n T d^2``) and, with V fitted, of the
+    least-squares V given its attention (``n T d (T + d)``)."""
+    return float(n * T * d * d + (0 if value_map_known else n * T * d * (T + d)))
 
 
 @dataclass
@@ -222,13 +273,25 @@ def kernel_gradient(X, Z, Y, A=None, B=None, mask=None):
     return G / np.sqrt(d)
 
 
-def _line_start(X, Z, Y, A0, B0, G, k, mask):
-    """``(A0, B0)`` extended by the top-``k`` singular pairs of ``-G`` at the scale that lowers the loss most."""
-    U, s, Wt = linalg.svd(-G, full_matrices=False, check_finite=False)
+def _line_start(X, Z, Y, A0, B0, G, k, mask, precondition=None, active=None):
+    """``(A0, B0)`` extended by the top-``k`` singular pairs of ``-G`` at the scale that lowers the loss most.
+
+    With ``precondition = (P, P_inv)`` the pairs are those of the whitened gradient ``-P G P``, mapped back
+    (``K = P U S W^T P``). Only the first ``active`` new pairs (all if None) start at that scale; the others
+    start 100 times weaker in their logits, so that directions the gradient does not single out are grown by
+    the fit rather than planted in both halves alike.
+    """
+    P = None if precondition is None else precondition[0]
+    U, s, Wt = linalg.svd(-G if P is None else -(P @ G @ P), full_matrices=False, check_finite=False)
     U, s, W = U[:, :k], s[:k], Wt[:k].T
+    if P is not None:
+        U, W = P @ U, P @ W
     if not s.size or not s[0] > 0:
         pad = np.zeros((X.shape[2], k))
         return np.hstack([A0, pad]), np.hstack([B0, pad])
+    weight = np.ones(k)
+    if active is not None and active < k:
+        weight[max(int(active), 0):] = 0.1
     d = X.shape[2]
     Xs = X[: min(X.shape[0], 256)]
     logits = (Xs @ (U * s)) @ (Xs @ W).transpose(0, 2, 1) / np.sqrt(d)
@@ -236,10 +299,10 @@ def _line_start(X, Z, Y, A0, B0, G, k, mask):
     t0 = 1.0 / max(float(np.std(logits)), np.finfo(float).tiny)
     best = (np.inf, 0.0)
     for t in t0 * 2.0 ** np.arange(-6, 5):
-        root = np.sqrt(t * s)
+        root = np.sqrt(t * s) * weight
         f = factored_loss(X, Z, Y, np.hstack([A0, U * root]), np.hstack([B0, W * root]), mask)[0]
         best = min(best, (f, t))
-    root = np.sqrt(best[1] * s)
+    root = np.sqrt(best[1] * s) * weight
     return np.hstack([A0, U * root]), np.hstack([B0, W * root])
 
 
@@ -250,15 +313,16 @@ def _start(X, Z, Y, rank, mask):
     return _line_start(X, Z, Y, empty, empty, kernel_gradient(X, Z, Y, mask=mask), rank, mask)
 
 
-def gradient_start(X, Y, G, rank, value_map=None, mask=None):
+def gradient_start(X, Y, G, rank, value_map=None, mask=None, precondition=None, active=None):
     """Starting factors of rank ``rank`` from a given gradient of K at ``K = 0`` (:func:`kernel_gradient`),
-    V known or the uniform-attention least squares, scaled by a line search."""
+    V known or the uniform-attention least squares, scaled by a line search (see :func:`_line_start` for
+    ``precondition`` and ``active``)."""
     V = value_map_given_kernel(X, Y, mask=mask) if value_map is None else value_map
     empty = np.zeros((X.shape[2], 0))
-    return _line_start(X, X @ V, Y, empty, empty, G, rank, mask)
+    return _line_start(X, X @ V, Y, empty, empty, G, rank, mask, precondition, active)
 
 
-def extended_start(X, Y, fit, rank, mask=None):
+def extended_start(X, Y, fit, rank, mask=None, precondition=None):
     """Starting factors of rank ``rank`` from a smaller fit: its factors and the top singular pairs of the
     gradient of K at its kernel (the directions it leaves most to gain on), scaled by a line search."""
     Z = X @ fit.value_map
@@ -266,31 +330,135 @@ def extended_start(X, Y, fit, rank, mask=None):
     if k <= 0:
         return fit.A[:, :rank], fit.B[:, :rank]
     G = kernel_gradient(X, Z, Y, fit.A, fit.B, mask)
-    return _line_start(X, Z, Y, fit.A, fit.B, G, k, mask)
+    return _line_start(X, Z, Y, fit.A, fit.B, G, k, mask, precondition)
 
 
-def _lbfgs(X, Z, Y, A, B, mask, max_iter, tol):
-    """L-BFGS on the factors at fixed value path Z; returns (A, B, f, n_iter, converged)."""
-    d, q = A.shape
-    n, T, d_v = Y.shape
+def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, check_every=None):
+    """L-BFGS on the blocks (each ``d x k``) in preconditioned coordinates ``block = P block~``.
 
-    def fun(theta):
-        f, gA, gB = factored_loss(X, Z, Y, theta[: d * q].reshape(d, q), theta[d * q:].reshape(d, q), mask)
-        return f, np.concatenate([gA.ravel(), gB.ravel()])
+    ``precondition = (P, P_inv)`` (symmetric ``d x d``, e.g. ``M^{-1/2}`` and ``M^{1/2}`` of the token second
+    moment, so that anisotropic tokens do not make the loss badly conditioned) or None. ``fun`` maps the blocks
+    to ``(f, [gradients])``. ``on_check(blocks, n_iter)`` is called every ``check_every`` iterations and stops
+    the run by returning True. Returns ``(blocks, f, n_iter, converged)``; converged means stopped on the loss
+    tolerance (not the iteration limit, not ``on_check``).
+    """
+    P, P_inv = precondition if precondition is not None else (None, None)
+    shapes = [b.shape for b in blocks]
+    sizes = np.cumsum([0] + [int(np.prod(sh)) for sh in shapes])
 
-    theta0 = np.concatenate([A.ravel(), B.ravel()])
-    f0 = fun(theta0)[0]
+    def unpack(theta):
+        out = [theta[sizes[k]:sizes[k + 1]].reshape(shapes[k]) for k in range(len(shapes))]
+        return out if P is None else [P @ b for b in out]
+
+    def wrapped(theta):
+        f, grads = fun(unpack(theta))
+        if P is not None:
+            grads = [P @ g for g in grads]   # P symmetric: d f / d b~ = P^T d f / d b
+        return f, np.concatenate([g.ravel() for g in grads])
+
+    start = blocks if P_inv is None else [P_inv @ b for b in blocks]
+    theta0 = np.concatenate([b.ravel() for b in start])
+    f0 = wrapped(theta0)[0]
     # stop once an iteration gains less than tol times the loss per observation (f <= f0 throughout)
-    ftol = tol / (n * T * d_v) * max(f0, 1e-300) / max(f0, 1.0)
-    res = optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
+    ftol = tol / n_obs * max(f0, 1e-300) / max(f0, 1.0)
+    state = {"nit": 0, "stopped": False}
+
+    def callback(intermediate_result):
+        state["nit"] += 1
+        if on_check is not None and state["nit"] % check_every == 0:
+            if on_check(unpack(intermediate_result.x), state["nit"]):
+                state["stopped"] = True
+                raise StopIteration
+
+    res = optimize.minimize(wrapped, theta0, jac=True, method="L-BFGS-B", callback=callback,
                             options={"maxiter": int(max_iter), "ftol": ftol, "gtol": 0.0, "maxcor": 20})
-    th = res.x
-    converged = bool(res.nit < max_iter)
-    return th[: d * q].reshape(d, q), th[d * q:].reshape(d, q), float(res.fun), int(res.nit), converged
+    nit = max(int(res.nit), state["nit"])
+    return unpack(res.x), float(res.fun), nit, bool(nit < max_iter and not state["stopped"])
+
+
+def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=FACTORED_MAX_ITER,
+                      tol=FACTORED_LOSS_TOL, precondition=None, on_check=None, check_every=50):
+    """Both halves' fits as one L-BFGS run on their summed (separable) loss, so that its curvature memory
+    survives the checks made along the way.
+
+    Parameters
+    ----------
+    halves : tuple of two (X, Y)
+    rank : int
+    starts : tuple of two (A, B) or (A, B, V)
+        Each half's start (with V fitted, its starting value; else the least squares given the start).
+    value_map, mask, max_iter, tol, precondition
+        As for :func:`fit_factored_softmax`.
+    on_check : callable or None
+        ``on_check(fits, n_iter)`` with the two current :class:`FactoredSoftmaxFit` (their ``rss`` not yet
+        computed: nan), every ``check_every`` iterations; True stops the run.
+
+    Returns
+    -------
+    (fit_1, fit_2) : tuple of FactoredSoftmaxFit
+    """
+    fitted_v = value_map is None
+    blocks = []
+    for (X, Y), start in zip(halves, starts):
+        A, B = np.asarray(start[0], dtype=float), np.asarray(start[1], dtype=float)
+        blocks += [A, B]
+        if fitted_v:
+            blocks.append(np.asarray(start[2], dtype=float) if len(start) == 3
+                          else value_map_given_kernel(X, Y, A, B, mask))
+    per = 3 if fitted_v else 2
+
+    def split(bl):
+        return bl[:per], bl[per:]
+
+    def fun(bl):
+        f, grads = 0.0, []
+        for (X, Y), part in zip(halves, split(bl)):
+            if fitted_v:
+                fp, gA, gB, gV = joint_loss(X, Y, *part, mask)
+                grads += [gA, gB, gV]
+            else:
+                fp, gA, gB = factored_loss(X, X @ value_map, Y, *part, mask)
+                grads += [gA, gB]
+            f += fp
+        return f, grads
+
+    def as_fits(bl, rss=(np.nan, np.nan), nit=0, converged=False):
+        out = []
+        for part, r in zip(split(bl), rss):
+            V = part[2] if fitted_v else value_map
+            out.append(FactoredSoftmaxFit(part[0], part[1], V, float(r), nit, converged))
+        return tuple(out)
+
+    check = None if on_check is None else (lambda bl, nit: on_check(as_fits(bl, nit=nit), nit))
+    n_obs = sum(Y.size for _, Y in halves)
+    bl, _, nit, converged = _minimize(fun, blocks, precondition, max_iter, tol, n_obs, check, check_every)
+    rss = [factored_rss(X, X @ (part[2] if fitted_v else value_map), Y, part[0], part[1], mask)
+           for (X, Y), part in zip(halves, split(bl))]
+    return as_fits(bl, rss, nit, converged)
+
+
+def _lbfgs(X, Z, Y, A, B, mask, max_iter, tol, precondition=None):
+    """L-BFGS on the factors at fixed value path Z; returns (A, B, f, n_iter, converged)."""
+    def fun(blocks):
+        f, gA, gB = factored_loss(X, Z, Y, blocks[0], blocks[1], mask)
+        return f, [gA, gB]
+
+    (A, B), f, nit, converged = _minimize(fun, [A, B], precondition, max_iter, tol, Y.size)
+    return A, B, f, nit, converged
+
+
+def _lbfgs_joint(X, Y, A, B, V, mask, max_iter, tol, precondition=None):
+    """L-BFGS on the factors and V together; returns (A, B, V, f, n_iter, converged)."""
+    def fun(blocks):
+        f, gA, gB, gV = joint_loss(X, Y, blocks[0], blocks[1], blocks[2], mask)
+        return f, [gA, gB, gV]
+
+    (A, B, V), f, nit, converged = _minimize(fun, [A, B, V], precondition, max_iter, tol, Y.size)
+    return A, B, V, f, nit, converged
 
 
 def fit_factored_softmax(X, Y, rank, value_map=None, mask=None, max_iter=FACTORED_MAX_ITER, tol=FACTORED_LOSS_TOL,
-                         start=None, max_rounds=8):
+                         start=None, precondition=None):
     """Least squares of ``Y_i ~ softmax(X_i A B^T X_i^T / sqrt(d)) X_i V`` over rank-``rank`` factors.
 
     Parameters
@@ -300,17 +468,20 @@ def fit_factored_softmax(X, Y, rank, value_map=None, mask=None, max_iter=FACTORE
     rank : int
         Number of columns q of the factors.
     value_map : ndarray of shape (d, d_v) or None
-        Known V; None fits it (alternating with the factors).
+        Known V; None fits it with the factors (L-BFGS on both, from the least-squares V given the starting
+        attention).
     mask : ndarray of bool, shape (T, T), or None
         Logits kept (causal attention: the lower triangle); None keeps all.
     max_iter : int, default=FACTORED_MAX_ITER
         L-BFGS iterations in all.
     tol : float, default=FACTORED_LOSS_TOL
         Stop when an iteration gains less than ``tol`` times the loss per observation.
-    start : tuple (A, B) or None
-        Starting factors (e.g. a smaller rank's fit padded); None starts from the gradient at ``K = 0``.
-    max_rounds : int, default=8
-        With V fitted: the most alternations of L-BFGS on the factors and least squares for V.
+    start : tuple (A, B), (A, B, V) or None
+        Starting factors (e.g. a smaller rank's fit padded), and with V fitted its starting value (else the
+        least squares given the starting attention); None starts from the gradient at ``K = 0``.
+    precondition : tuple (P, P_inv) or None
+        L-BFGS runs on ``P^{-1} A, P^{-1} B`` (and ``P^{-1} V``): with ``P = M^{-1/2}`` of the tokens' second
+        moment the loss sees whitened tokens, so anisotropic (real) tokens do not slow it down.
 
     Returns
     -------
@@ -323,28 +494,18 @@ def fit_factored_softmax(X, Y, rank, value_map=None, mask=None, max_iter=FACTORE
         V = np.asarray(value_map, dtype=float)
     elif start is None:
         V = value_map_given_kernel(X, Y, mask=mask)
+    elif len(start) == 3:
+        V = np.asarray(start[2], dtype=float)
     else:
         V = value_map_given_kernel(X, Y, start[0], start[1], mask)
     Z = X @ V
     A, B = _start(X, Z, Y, rank, mask) if start is None else (np.asarray(start[0]), np.asarray(start[1]))
     if not fitted_v:
-        A, B, f, nit, converged = _lbfgs(X, Z, Y, A, B, mask, max_iter, tol)
+        A, B, f, nit, converged = _lbfgs(X, Z, Y, A, B, mask, max_iter, tol, precondition)
         return FactoredSoftmaxFit(A, B, V, f, nit, converged)
-    n, T, d_v = Y.shape
-    total, f_prev, converged = 0, np.inf, False
-    per_round = max(1, int(max_iter) // max_rounds)
-    for _ in range(max_rounds):
-        A, B, f, nit, round_converged = _lbfgs(X, Z, Y, A, B, mask, per_round, tol)
-        total += nit
-        V = value_map_given_kernel(X, Y, A, B, mask)
-        Z = X @ V
-        f = factored_loss(X, Z, Y, A, B, mask)[0]
-        gain = f_prev - f
-        f_prev = f
-        if round_converged and gain <= tol * f / (n * T * d_v) * 10:
-            converged = True
-            break
-    return FactoredSoftmaxFit(A, B, V, f, total, converged)
+    # V fitted: L-BFGS on (A, B, V) together, from the least-squares V given the starting attention
+    A, B, V, f, nit, converged = _lbfgs_joint(X, Y, A, B, V, mask, max_iter, tol, precondition)
+    return FactoredSoftmaxFit(A, B, V, f, nit, converged)
 
 
 def token_metric_cost(n, T, d):

@@ -109,6 +109,10 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
     def _clip(self):
         return 1e-3
 
+    def _causal(self):
+        """Causal attention (RStarEstimator's ``causal``; False for the other estimators)."""
+        return False
+
     # -- validation --------------------------------------------------------
     def _validate_params_(self):
         self._validate_params()   # scikit-learn's _parameter_constraints
@@ -119,6 +123,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             raise ValueError(f"rank={self.rank} forces the rank and tolerance={self.tolerance} asks for r*(tolerance): "
                              "give one of them (the other None).")
         check_device(self.device)
+        if self._causal() and self._get_operator() != "softmax":
+            raise ValueError(f"causal=True is the softmax operator's (a decoder head's mask); got "
+                             f"operator={self._get_operator()!r}.")
         self._validate_rule_params()
 
     def _validate_rule_params(self):
@@ -426,7 +433,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         """Everything that defines the inversion this estimator builds for data of this shape and scale."""
         T, d, d_v = dims
         V = check_value_map(self.value_map, d, d_v)
-        return dict(operator=self._get_operator(), method=self._method(), clip=self._clip(),
+        return dict(operator=self._get_operator(), method=self._method(), clip=self._clip(), causal=self._causal(),
                     value_map=None if V is None else V * (x_scale / y_scale),
                     budget=(int(self.memory_budget), float(self.compute_budget)),
                     seed=_resolve_seed(self.random_state) if not hasattr(self.random_state, "randint") else None,
@@ -463,7 +470,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self._inv = make_inversion(config["operator"], config["value_map"], shape=(T, d, d_v),
                                    method=config["method"], clip=config["clip"], budget=self._budget,
                                    seed=self._seed, n_null_draws=config["n_null_draws"],
-                                   predict_sums=config["predict_sums"])
+                                   predict_sums=config["predict_sums"], causal=config["causal"])
         self._stats = self._inv.new_stats(T, d, d_v)
         self._shared_statistic = False
         self._samples_read_in_passes = False
@@ -541,7 +548,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         choice = choose_inversion(config["operator"], value_map_known=config["value_map"] is not None,
                                   shape=self._dims, n_samples=self._stats["n"], method=config["method"],
                                   budget=self._budget,
-                                  samples_in_memory=not getattr(self, "_samples_read_in_passes", False))
+                                  samples_in_memory=not getattr(self, "_samples_read_in_passes", False),
+                                  causal=config.get("causal", False))
         if choice.name not in self._inv.produces:   # pragma: no cover - a bug, not a user error
             raise RuntimeError(f"{type(self._inv).__name__} cannot produce the {choice.name} statistic.")
         return choice
@@ -1198,7 +1206,10 @@ class RStarEstimator(MPRankEstimator):
                    (V unknown, ``T <= d`` or ``d_v < d``); else
                    ``query_key_first_order``
     softmax        ``softmax_least_squares`` (V known or profiled out), tested
-                   against draws of its noise
+                   against draws of its noise; where its d^2 x d^2
+                   information exceeds half the memory budget (d >= 80 by
+                   default: real layers), ``softmax_factored_least_squares``
+                   (K = A B^T on each half, tested against their difference)
     ============== ============================================================
 
     For the linear operators it is exactly ``MPRankEstimator(alpha=0.003)``.
@@ -1210,6 +1221,11 @@ class RStarEstimator(MPRankEstimator):
         highest exact recovery of r* on a held-out recovery grid
         (``benchmarks/alpha_calibration.py``; docs/validation.md). The other
         estimators keep the conventional 0.01.
+    causal : bool, default=False
+        Causal (decoder) attention: token t attends to tokens ``s <= t``
+        (``softmax`` only). Only the factored least squares models the mask,
+        so it runs whatever d; where it cannot (too few samples, the budgets,
+        samples read in passes) ``fit`` raises ``ValueError``.
 """ + _FITTED_DOC + """
     Examples
     --------
@@ -1224,12 +1240,19 @@ class RStarEstimator(MPRankEstimator):
     def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  noise_variance=None,
                  alpha=RSTAR_ALPHA, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
-                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
+                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu",
+                 causal=False):
         super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, tolerance=tolerance,
                          noise_variance=noise_variance,
                          alpha=alpha, random_state=random_state, n_null_draws=n_null_draws,
                          memory_budget=memory_budget, compute_budget=compute_budget, predict_sums=predict_sums,
                          device=device)
+        self.causal = causal
+
+    _parameter_constraints = {**MPRankEstimator._parameter_constraints, "causal": ["boolean"]}
+
+    def _causal(self):
+        return bool(self.causal)
 
     def _method(self):
         # softmax: least squares on the model itself (first order beyond its budget)

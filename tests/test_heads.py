@@ -91,7 +91,7 @@ def test_bert_style_layers(ids):
     np.testing.assert_allclose(only[0].Y, layers[1].Y)
 
 
-def test_gpt2_style_is_causal_and_refused_by_the_table(ids):
+def test_gpt2_style_is_causal_and_fitted_with_its_mask(ids):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=80, n_embd=16, n_layer=1, n_head=4, n_positions=32,
                                   attn_implementation="eager")
@@ -101,8 +101,15 @@ def test_gpt2_style_is_causal_and_refused_by_the_table(ids):
     head = layer.head(2)
     # the causal output is the head's own
     np.testing.assert_allclose(head.output(), head.Y, atol=1e-9)
+    # the paper's estimators attend to every token: refused; RStarEstimator fits the mask
     with pytest.raises(ValueError, match="causal"):
-        estimate_heads([layer])
+        estimate_heads([layer], MPRankEstimator("softmax"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = estimate_heads([layer.select_heads([2])], tolerances=(0.05,))
+    row = table.iloc[0] if hasattr(table, "iloc") else table[0]
+    assert row["inversion"] == "softmax_factored_least_squares"
+    assert row["rank_at_0.05"] <= row["truncation_rank_at_0.05"]
 
 
 def test_a_module_that_differs_is_refused(ids):

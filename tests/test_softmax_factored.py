@@ -11,6 +11,7 @@ from rstar import _softmax_factored as sf
 from rstar.budgets import CostBudget
 from rstar.datasets import make_attention_task
 from rstar.inversions import SplitHalfNull, WhitenedStatistic, choose_inversion
+from rstar.inversions._kernel import SoftmaxOperator
 from rstar.inversions.softmax_factored import FACTORED_NAME, factored_fit_blocker, factored_statistic
 from rstar.rules import MarchenkoPasturRule, split_half_result
 
@@ -41,6 +42,18 @@ def test_factor_gradients_match_finite_differences(causal):
             args_m = (A - E, B) if which == 0 else (A, B - E)
             num[idx] = (sf.factored_rss(X, Z, Y, *args_p, mask) - sf.factored_rss(X, Z, Y, *args_m, mask)) / (2 * eps)
         np.testing.assert_allclose(grad, num, rtol=1e-5, atol=1e-7)
+    # with V fitted: the joint gradient in V (value path X V), against finite differences
+    V = rng.standard_normal((d, d_v))
+    fj, gAj, _, gV = sf.joint_loss(X, Y, A, B, V, mask)
+    assert fj == pytest.approx(sf.factored_rss(X, X @ V, Y, A, B, mask))
+    np.testing.assert_allclose(gAj, sf.factored_loss(X, X @ V, Y, A, B, mask)[1], rtol=1e-10)
+    num = np.zeros_like(V)
+    for idx in np.ndindex(*V.shape):
+        E = np.zeros_like(V)
+        E[idx] = eps
+        num[idx] = (sf.factored_rss(X, X @ (V + E), Y, A, B, mask)
+                    - sf.factored_rss(X, X @ (V - E), Y, A, B, mask)) / (2 * eps)
+    np.testing.assert_allclose(gV, num, rtol=1e-5, atol=1e-7)
     # the d x d gradient of K at K = A B^T, against the factor gradients (grad_A = G B, grad_B = G^T A)
     G = sf.kernel_gradient(X, Z, Y, A, B, mask)
     np.testing.assert_allclose(G @ B, gA, rtol=1e-8, atol=1e-10)
@@ -146,3 +159,22 @@ def test_split_half_rule_counts_above_the_margin():
     res = split_half_result(full)
     assert res.rank == 8 and res.rank_interval == (8, 20)
     assert res.warnings and res.warnings[0][0] is UnidentifiableRankWarning
+
+
+def test_causal_attention_is_fitted_with_its_mask():
+    X, _, teacher = _task(3)
+    clean = SoftmaxOperator(teacher.kernel, teacher.value_map, causal=True).predict(X)
+    Y = clean + 0.05 * clean.std() * np.random.default_rng(0).standard_normal(clean.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnidentifiableRankWarning)
+        est = RStarEstimator(causal=True).fit(X, Y)
+    assert est.inversion_ == FACTORED_NAME and "causal" in est.inversion_reason_
+    assert est.rank_ == 3 and est.rank_interval_ == (3, 3)
+    assert est.score(X, Y) > 0.99
+    # causal attention at a d whose information fits: still the factored fit (the full one has no mask)
+    c = choose_inversion("softmax", shape=(8, 12, 8), n_samples=600, method="least_squares", causal=True)
+    assert c.name == FACTORED_NAME
+    with pytest.raises(ValueError, match="factored least squares only"):
+        choose_inversion("softmax", shape=(8, 96, 8), n_samples=20, method="least_squares", causal=True)
+    with pytest.raises(ValueError, match="causal=True"):
+        RStarEstimator(operator="linear_qk", causal=True).fit(X, Y)

@@ -135,4 +135,3 @@ def test_every_inversion_has_a_curve():
                                   random_state=0, return_teacher=True)
     est = SoftmaxInversionEstimator(value_map=t.value_map, tolerance=0.05).fit(X, Y)
     assert est.inversion_ == "softmax_exact" and est.rank_ == 3 and est.risk_curve_[2] > 0.1
-

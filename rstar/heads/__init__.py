@@ -131,7 +131,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         From :func:`collect_attention`.
     estimator : data-only rstar estimator or None
         Cloned for each head, with ``tolerance=min(tolerances)`` (and the head's value map when
-        ``value_map_known``). None: :class:`rstar.RStarEstimator`. Where it has no rank-r operators at a
+        ``value_map_known``; ``causal=True`` for a causal head, which only :class:`rstar.RStarEstimator`
+        models). None: :class:`rstar.RStarEstimator`. Where it has no rank-r operators at a
         head's shape, the heads of that shape are fitted for the noise floor alone.
     tolerances : tuple of float
         The r*(ε) columns (``rank_at_<ε>``), read off one fit's ``risk_curve_``; empty: noise floor only.
@@ -160,11 +161,13 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     no_operators = {}
     for layer in layers:
         for head in layer.heads():
-            if head.causal:
-                raise ValueError(f"layer {layer.index} ({layer.name}) is causal: rstar's softmax operator attends "
-                                 "to every token, so a causal head is outside its model class (see "
-                                 "docs/user_guide/real_models.md).")
             est = clone(RStarEstimator() if estimator is None else estimator)
+            if head.causal:
+                if "causal" not in est.get_params():
+                    raise ValueError(f"layer {layer.index} ({layer.name}) is causal, and {type(est).__name__}'s "
+                                     "operator attends to every token: use RStarEstimator, whose factored least "
+                                     "squares models the mask (causal=True).")
+                est.set_params(causal=True)
             shape = (head.X.shape, head.Y.shape)
             note = no_operators.get(shape, "")
             params = {"tolerance": min(tolerances) if tolerances and not note else None}

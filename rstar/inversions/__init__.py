@@ -88,7 +88,7 @@ __all__ = [
 
 
 def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=1e-3, budget=None, seed=None,
-                   n_null_draws=None, predict_sums=True):
+                   n_null_draws=None, predict_sums=True, causal=False):
     """The inversion object that accumulates the sums for an operator, value map and shape.
 
     It is the inversion :func:`choose_inversion` prefers for the shape alone
@@ -117,6 +117,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
         entries); False saves their memory and time (``rank_`` is unchanged; ``predict`` then raises where it
         needs them). No effect on the inversions whose operator comes from the statistic's own sums (token,
         query–key least squares, exact softmax) or from the kept samples (least-squares softmax, when it ran).
+    causal : bool, default=False
+        Causal attention (softmax least squares only; see :func:`choose_inversion`).
 
     Returns
     -------
@@ -140,7 +142,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
         if operator == "softmax" and method == "auto":
             method = "first_order"
         shape = (T, d, d_v)
-    name = choose_inversion(operator, value_map_known=known, shape=shape, method=method, budget=budget).name
+    name = choose_inversion(operator, value_map_known=known, shape=shape, method=method, budget=budget,
+                            causal=causal).name
     opts = dict(budget=budget, seed=seed, n_null_draws=n_null_draws)
     if name == "token":
         return TokenInversion(value_map=value_map, **opts)
@@ -156,4 +159,4 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
                                  **opts)
     if name == "softmax_exact":
         return SoftmaxExactInversion(value_map, clip=clip, **opts)
-    return SoftmaxLeastSquaresInversion(value_map, predict_sums=predict_sums, **opts)
+    return SoftmaxLeastSquaresInversion(value_map, predict_sums=predict_sums, causal=causal, **opts)

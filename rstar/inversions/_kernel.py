@@ -53,10 +53,18 @@ class LinearQKOperator:
 
 
 class SoftmaxOperator:
-    def __init__(self, K, V):
-        self.K, self.V = K, V
+    def __init__(self, K, V, causal=False):
+        self.K, self.V, self.causal = K, V, causal
 
     def predict(self, X):
+        if getattr(self, "causal", False):
+            T, d = X.shape[1], X.shape[2]
+            logits = np.where(np.tril(np.ones((T, T), dtype=bool)), (X @ (self.K / np.sqrt(d))) @ X.transpose(0, 2, 1),
+                              -np.inf)
+            logits -= logits.max(axis=-1, keepdims=True)
+            S = np.exp(logits)
+            S /= S.sum(axis=-1, keepdims=True)
+            return S @ (X @ self.V)
         return _softmax_ls.attention_weights(X, self.K) @ (X @ self.V)
 
 

@@ -94,7 +94,7 @@ def _check_method(operator, method):
 
 
 def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, method="auto", budget=None,
-                     samples_in_memory=True):
+                     samples_in_memory=True, causal=False):
     """Decide the inversion for an operator, value map, shape, sample count and budget.
 
     Parameters
@@ -120,6 +120,11 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
         (:meth:`rstar.RStarEstimator.fit_batches`, ``fit`` on dask arrays)
         instead of kept: the least-squares softmax fit then needs no memory
         for them (the other inversions that keep samples still do).
+    causal : bool, default=False
+        Causal (decoder) attention: token t attends to tokens ``s <= t``.
+        Only the factored least squares models the mask, so it is chosen
+        whatever d (softmax, ``method="least_squares"``); where it cannot run,
+        ``ValueError`` (no other inversion would fit the right model).
 
     Returns
     -------
@@ -150,6 +155,16 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
         return _choose_token(T, d, d_v, n, budget)
     if operator == "linear_qk":
         return _choose_query_key(value_map_known, T, d, d_v, n, method, budget)
+    if causal:
+        if operator != "softmax" or method != "least_squares":
+            raise ValueError("causal=True needs the softmax operator's least squares (RStarEstimator with "
+                             "operator='softmax', or method='least_squares'): only its factored fit models the "
+                             f"mask; got operator={operator!r}, method={method!r}.")
+        choice = _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, causal=True)
+        if choice.name != FACTORED_NAME:
+            raise ValueError(f"causal attention is modelled by the factored least squares only, which cannot run "
+                             f"here: {choice.fallback_reason}.")
+        return choice
     if operator == "softmax":
         return _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_memory)
     raise ValueError(f"operator must be 'linear_proxy', 'linear_qk' or 'softmax', got {operator!r}.")
@@ -273,10 +288,12 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
     return InversionChoice(first, "V unknown: first order in the token-centred data (the paper's inversion)", first)
 
 
-def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory):
-    """The least squares at a d whose ``d^2 x d^2`` information exceeds the memory budget: the factored fit."""
+def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, causal=False):
+    """The least squares at a d whose ``d^2 x d^2`` information exceeds the memory budget (or with causal
+    attention, which only it models): the factored fit."""
     preferred = FACTORED_NAME
-    why_shape = (f"the full-rank least squares' d^2 x d^2 information at d={d} ({8 * d**4 / 2**30:.3g} GiB) exceeds "
+    why_shape = ("causal attention (only the factored fit models the mask)" if causal else
+                 f"the full-rank least squares' d^2 x d^2 information at d={d} ({8 * d**4 / 2**30:.3g} GiB) exceeds "
                  f"half the memory budget ({budget.describe()})")
     notes = ()
     fitted_n = n

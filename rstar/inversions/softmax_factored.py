@@ -24,8 +24,9 @@ from ..budgets import DEFAULT_BUDGET
 from ._base import MIN_NOISE_DOF
 from ._statistic import SplitHalfNull, WhitenedStatistic
 
-__all__ = ["FACTORED_NAME", "FACTORED_START_RANK", "factored_fit_blocker", "factored_capacity",
-           "factored_statistic", "factored_rank_residuals", "factored_operator", "truncated_kernel"]
+__all__ = ["FACTORED_NAME", "FACTORED_START_RANK", "FACTORED_SEGMENT_ITER", "FACTORED_STABLE_RTOL",
+           "factored_fit_blocker", "factored_capacity", "factored_statistic", "factored_rank_residuals",
+           "factored_operator", "truncated_kernel", "first_order_count", "first_order_start_rank"]
 
 #: The name of this inversion (``inversion_``).
 FACTORED_NAME = "softmax_factored_least_squares"
@@ -43,14 +44,16 @@ def _residual_dof(n, T, d, d_v, q, value_map_known):
     return (n // 2) * T * d_v - 2 * d * q - (0 if value_map_known else d * d_v)
 
 
-def _segment_cost(n, T, d, d_v, q):
-    """Multiply-adds of one segment of L-BFGS iterations on both halves (n samples in all)."""
-    return FACTORED_SEGMENT_ITER * sf.factored_eval_cost(n, T, d, d_v, q)
+def _segment_cost(n, T, d, d_v, q, value_map_known=True):
+    """Multiply-adds of one segment of L-BFGS iterations on both halves (n samples in all), and, with V fitted,
+    the least-squares V each segment starts from."""
+    return (FACTORED_SEGMENT_ITER * sf.factored_eval_cost(n, T, d, d_v, q, value_map_known)
+            + (0 if value_map_known else n * T * d * (T + d)))
 
 
 def _stage_cost(n, T, d, d_v, q, value_map_known):
     """What a rank-q stage needs before its count can settle: its start and two segments."""
-    return sf.factored_start_cost(n, T, d, d_v, value_map_known) + 2 * _segment_cost(n, T, d, d_v, q)
+    return sf.factored_start_cost(n, T, d, d_v, value_map_known) + 2 * _segment_cost(n, T, d, d_v, q, value_map_known)
 
 
 def factored_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
@@ -87,15 +90,20 @@ def factored_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
     return lo if fits(lo) else 0
 
 
-def first_order_start_rank(gradients, metric, margin):
-    """A first rank for the factors: the smallest power of two above the split-half count of the halves'
-    gradients of K at ``K = 0`` (whitened as a gradient, ``M_q^{-1/2} G M_k^{-1/2}``), plus two."""
+def first_order_count(gradients, metric, margin):
+    """The split-half count of the halves' gradients of K at ``K = 0`` (the first-order statistic, whitened as a
+    gradient, ``M_q^{-1/2} G M_k^{-1/2}``): directions of the half-sum above ``margin`` times the
+    half-difference's largest."""
     _, Mq_inv, _, Mk_inv = metric
     G1, G2 = (Mq_inv @ G @ Mk_inv for G in gradients)
     s = np.linalg.svd((G1 + G2) / 2, compute_uv=False)
     sd = np.linalg.svd((G1 - G2) / 2, compute_uv=False)
-    count = int(np.sum(s > margin * sd[0])) if sd[0] > 0 else 0
-    return 1 << int(np.ceil(np.log2(count + 2)))
+    return int(np.sum(s > margin * sd[0])) if sd[0] > 0 else 0
+
+
+def first_order_start_rank(gradients, metric, margin):
+    """A first rank for the factors: the smallest power of two above :func:`first_order_count` plus two."""
+    return 1 << int(np.ceil(np.log2(first_order_count(gradients, metric, margin) + 2)))
 
 
 def _split_half(K1, K2, metric):
@@ -108,7 +116,7 @@ def _split_half(K1, K2, metric):
 
 
 def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FACTORED_MAX_ITER,
-                       margin=None, start_rank=None):
+                       margin=None, start_rank=None, mask=None):
     """The split-half statistic of the factored least squares.
 
     Parameters
@@ -123,6 +131,8 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
         The test's margin (None: :data:`rstar.rules.SPLIT_HALF_MARGIN`).
     start_rank : int or None
         The first rank q (None: :func:`first_order_start_rank`, at least ``FACTORED_START_RANK``).
+    mask : ndarray of bool, shape (T, T), or None
+        The logits the attention keeps (causal: :func:`rstar._softmax_factored.causal_mask`); None keeps all.
 
     Returns
     -------
@@ -144,56 +154,74 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
     # that a large r* does not climb through every doubling; at least FACTORED_START_RANK, within the budget
     grads, uniform_v = [], []
     for X, Y in halves:
-        uniform_v.append(sf.value_map_given_kernel(X, Y) if value_map is None else value_map)
-        grads.append(sf.kernel_gradient(X, X @ uniform_v[-1], Y))
-    q = (min(max(FACTORED_START_RANK, first_order_start_rank(grads, metric, margin)), d) if start_rank is None
+        uniform_v.append(sf.value_map_given_kernel(X, Y, mask=mask) if value_map is None else value_map)
+        grads.append(sf.kernel_gradient(X, X @ uniform_v[-1], Y, mask=mask))
+    first_count = first_order_count(grads, metric, margin)
+    q = (min(max(FACTORED_START_RANK, 1 << int(np.ceil(np.log2(first_count + 2)))), d) if start_rank is None
          else min(int(start_rank), d))
-    while q > FACTORED_START_RANK and not (budget.allows_compute(spent + 2 * _segment_cost(n, T, d, d_v, q))
+    while q > FACTORED_START_RANK and not (budget.allows_compute(spent + 2 * _segment_cost(n, T, d, d_v, q, known))
                                            and _residual_dof(n, T, d, d_v, q, known) >= MIN_NOISE_DOF):
         q //= 2
     q = min(max(q, FACTORED_START_RANK if start_rank is None else 1), d)
 
-    def fit(start):
-        nonlocal spent
-        spent += _segment_cost(n, T, d, d_v, q)
-        return [sf.fit_factored_softmax(X, Y, q, value_map=value_map, max_iter=seg, start=start(X, Y, f, G, V0))
-                for (X, Y), f, G, V0 in zip(halves, fits, grads, uniform_v)]
+    # L-BFGS and its starts in whitened token coordinates (real tokens are far from isotropic)
+    pre = (metric[1], metric[0])
+    starts = [sf.gradient_start(X, Y, G, q, V0, mask, pre, active=first_count or None)
+              for (X, Y), G, V0 in zip(halves, grads, uniform_v)]
+    state = {"capped": False}
 
-    fits = (None, None)
-    fits = fit(lambda X, Y, f, G, V0: sf.gradient_start(X, Y, G, q, V0))
-    iters, previous, stable, capped, budget_out = seg, None, False, False, False
-    while True:
-        U, s, W, sd = _split_half(fits[0].kernel, fits[1].kernel, metric)
+    def can_double():
+        nxt = min(2 * q, d)
+        return (nxt > q and _residual_dof(n, T, d, d_v, nxt, known) >= MIN_NOISE_DOF
+                and budget.allows_compute(spent + _stage_cost(n, T, d, d_v, nxt, known)))
+
+    def on_check(current, n_iter):
+        # every segment: the split-half count; stop to double q, once the count has settled, or at the budget
+        nonlocal spent
+        spent += _segment_cost(n, T, d, d_v, q, known)
+        U, s, _, sd = _split_half(current[0].kernel, current[1].kernel, metric)
         edge = sd[0] if sd[0] > 0 else 0.0
         count = (int(np.sum(s > margin * edge)), int(np.sum(s > edge)))
-        if count[1] >= q - 1 and not capped:
-            # nearly every direction stands above the null: r* may exceed q, so double it from the fits at hand,
-            # where d, the residual degrees of freedom and the compute budget (its start and two segments) allow
-            nxt = min(2 * q, d)
-            if (nxt > q and _residual_dof(n, T, d, d_v, nxt, known) >= MIN_NOISE_DOF
-                    and budget.allows_compute(spent + _stage_cost(n, T, d, d_v, nxt, known))):
-                q = nxt
-                spent += sf.factored_start_cost(n, T, d, d_v, known)
-                fits = fit(lambda X, Y, f, G, V0: sf.extended_start(X, Y, f, q))
-                iters, previous = seg, None
-                continue
-            capped = True
-        # the count is settled once a further segment of iterations leaves it, and its directions, as they were
-        stable = (previous is not None and previous[0] == count
-                  and np.allclose(s[:count[1]], previous[1][:count[1]], rtol=FACTORED_STABLE_RTOL, atol=0.0))
-        if stable or all(f.converged for f in fits) or iters >= max_iter:
+        if count[1] >= q - 1 and not state["capped"]:
+            if can_double():
+                state["outcome"] = "double"
+                return True
+            state["capped"] = True
+        previous = state.get("previous")
+        state["previous"] = (count, s)
+        state["count"] = count
+        if (previous is not None and previous[0] == count
+                and np.allclose(s[:count[1]], previous[1][:count[1]], rtol=FACTORED_STABLE_RTOL, atol=0.0)):
+            state["outcome"] = "settled"
+            return True
+        if not budget.allows_compute(spent + _segment_cost(n, T, d, d_v, q, known)):
+            state["outcome"] = "budget"
+            return True
+        return False
+
+    while True:
+        state.update(outcome=None, previous=None, count=None)
+        fits = sf.fit_factored_pair(halves, q, starts, value_map=value_map, mask=mask, max_iter=max_iter,
+                                    precondition=pre, on_check=on_check, check_every=FACTORED_SEGMENT_ITER)
+        if state["outcome"] != "double":
             break
-        if not budget.allows_compute(spent + _segment_cost(n, T, d, d_v, q)):
-            budget_out = True
-            break
-        previous = (count, s)
-        fits = fit(lambda X, Y, f, G, V0: (f.A, f.B))
-        iters += seg
+        # nearly every direction stands above the null: r* may exceed q, so double it from the fits at hand,
+        # where d, the residual degrees of freedom and the compute budget (its start and two segments) allow
+        q = min(2 * q, d)
+        spent += sf.factored_start_cost(n, T, d, d_v, known)
+        starts = [(*sf.extended_start(X, Y, f, q, mask, pre), f.value_map) for (X, Y), f in zip(halves, fits)]
+    iters = fits[0].n_iter
+    capped = state["capped"]
+    stable = state["outcome"] == "settled" or all(f.converged for f in fits)
+    budget_out = state["outcome"] == "budget"
+    U, s, W, sd = _split_half(fits[0].kernel, fits[1].kernel, metric)
+    edge = sd[0] if sd[0] > 0 else 0.0
+    count = (int(np.sum(s > margin * edge)), int(np.sum(s > edge)))
     rss = sum(f.rss for f in fits)
     dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
     sigma2 = rss / max(dof, 1)
     warnings = []
-    if not (stable or all(f.converged for f in fits)):
+    if not stable:
         from ..exceptions import UnidentifiableRankWarning
 
         warnings.append((UnidentifiableRankWarning,
@@ -230,7 +258,7 @@ def truncated_kernel(ws, r):
     return Mq_inv @ (U[:, :r] * s[:r]), Mk_inv @ W[:, :r]
 
 
-def factored_rank_residuals(ws, halves, value_map, ranks):
+def factored_rank_residuals(ws, halves, value_map, ranks, mask=None):
     """Cross-fitted residual sums of squares of the rank-r models for r in ``ranks`` (None: the fitted kernels
     themselves): each half's kernel, truncated to rank r in the token metric (V known, or refitted on that
     half given the truncation's attention), is measured on the *other* half, and the two sums are added.
@@ -254,15 +282,15 @@ def factored_rank_residuals(ws, halves, value_map, ranks):
         total = 0.0
         for (A_h, B_h), (Xf, Yf), (Xo, Yo) in zip(ws.null.half_kernels, halves, halves[::-1]):
             A, B = (A_h, B_h) if r is None else _truncation(metric, A_h, B_h, r)
-            V = value_map if value_map is not None else sf.value_map_given_kernel(Xf, Yf, A, B)
-            total += sf.factored_rss(Xo, Xo @ V, Yo, A, B)
+            V = value_map if value_map is not None else sf.value_map_given_kernel(Xf, Yf, A, B, mask)
+            total += sf.factored_rss(Xo, Xo @ V, Yo, A, B, mask)
         out.append(total)
     return out
 
 
-def factored_operator(ws, samples, value_map, rank):
+def factored_operator(ws, samples, value_map, rank, mask=None):
     """``(K, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` (for ``predict``)."""
     X, Y = samples
     A, B = truncated_kernel(ws, rank)
-    V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B)
+    V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask)
     return A @ B.T, V

@@ -12,6 +12,7 @@ from ..budgets import DEFAULT_BUDGET, information_cost, softmax_fit_cost
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
+from .._softmax_factored import causal_mask as sf_causal_mask
 from .query_key import QueryKeyInversion
 from .softmax_factored import (
     FACTORED_NAME,
@@ -144,9 +145,15 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
 
     name = "softmax_least_squares"
 
-    def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, predict_sums=True):
+    def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, predict_sums=True,
+                 causal=False):
         super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
                          n_null_draws=n_null_draws, predict_sums=predict_sums)
+        self.causal = bool(causal)
+
+    def _mask(self, stats):
+        """The logits kept: the lower triangle for causal attention, else None (all)."""
+        return sf_causal_mask(stats["dims"][0]) if getattr(self, "causal", False) else None
 
     #: where the d^2 x d^2 information exceeds the memory budget, the factored least squares runs instead
     factored_name = FACTORED_NAME
@@ -158,7 +165,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     def _factored_shape(self, d):
         """Whether this d rules the full-rank least squares out (its information over the memory budget), so that
         the factored one (:mod:`rstar.inversions.softmax_factored`) runs instead."""
-        return not self.budget.allows_kernel_matrix(d)
+        return getattr(self, "causal", False) or not self.budget.allows_kernel_matrix(d)
 
     residual_dof = staticmethod(residual_dof)
 
@@ -289,7 +296,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
                 "attention that fits the noise). Fallback in use: the first-order inversion, whose null holds "
                 "without a value signal; a known value_map or more samples would identify K.")
         if run == self.factored_name:
-            ws = factored_statistic(self._halves(stats), self.value_map, self.budget)
+            ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats))
             self._factored_cache = (self._stats_key(stats), ws)   # for predict's operator: fitted once
             return ws
         K, V, sigma2, converged = self._fit(source, ops=ops)
@@ -350,7 +357,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         closed-form operators are used instead (:meth:`Inversion.rank_residuals`).
         """
         if ws.inversion == self.factored_name:
-            return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks)
+            return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats))
         if ws.inversion != self.name:
             return operator_residuals(lambda basis: self.first_order_operator(stats, basis), ws, ranks, samples)
         if self._on_prefix(stats, samples):
@@ -390,8 +397,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         if samples is None and self.default_run(stats) == self.factored_name:
             ws = self._factored_ws(stats)
             if ws.inversion == self.factored_name:
-                K, V = factored_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0])
-                return SoftmaxOperator(K, V)
+                K, V = factored_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0],
+                                         self._mask(stats))
+                return SoftmaxOperator(K, V, causal=getattr(self, "causal", False))
         if self._on_prefix(stats, samples) and self.fit_possible(stats):
             return self.fit_operator(self._prefix_statistics(stats), basis, ops=ops)
         if not self.fit_possible(stats, samples):
