@@ -695,6 +695,15 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         low = rank_at_tolerance(curve, min(2 * tol, 1.0))
         high = rank_at_tolerance(curve, tol / 2)
         interval = (min(rank, ws.dim if low is None else low), max(rank, ws.dim if high is None else high))
+        if ws.rank_bounds is not None:
+            # the inversion could not identify its statistic (e.g. a factored fit whose count had not settled):
+            # the full model the curve is measured against may itself fall short, so r*(tolerance) is a lower end
+            interval = (interval[0], int(ws.dim))
+            warnings.warn(
+                f"tolerance={tol:g} is read off a risk curve measured against the {ws.inversion} fit, which did not "
+                f"identify its statistic (see the other warning): that fit may fall short of the unconstrained "
+                f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {ws.dim}. What would "
+                "help: the remedy the other warning names.", UnidentifiableRankWarning, stacklevel=5)
         if rank > res.rank_interval[1]:
             warnings.warn(
                 f"tolerance={tol:g} is finer than the noise resolves: the rank it reads ({rank}) exceeds the "

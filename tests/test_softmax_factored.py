@@ -124,6 +124,11 @@ def test_factors_capped_by_the_budget_are_warned_with_an_interval_to_d():
         est.fit(X, Y)
     assert est.inversion_ == FACTORED_NAME
     assert est.rank_interval_[1] == 96 and est.rank_interval_[0] <= 10
+    # r*(tolerance) measured against a fit that did not settle: warned, and its interval reaches d
+    est.set_params(tolerance=0.05)
+    with pytest.warns(UnidentifiableRankWarning, match="may be too small"):
+        est.fit(X, Y)
+    assert est.rank_interval_[1] == 96
 
 
 def test_tolerance_curve_and_predict_survive_pickle():
