@@ -84,7 +84,8 @@ def _exp_entropy(p_unnormalised):
     total = p_unnormalised.sum()
     if total <= 0:
         return 0.0
-    p = p_unnormalised[p_unnormalised > 0] / total
+    p = p_unnormalised / total
+    p = p[p > 0]   # after the division: a subnormal weight can underflow to 0 (and contributes 0 * log 0 = 0)
     return float(np.exp(-np.sum(p * np.log(p))))
 
 

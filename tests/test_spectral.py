@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -7,6 +9,7 @@ from scipy.stats import ortho_group
 
 from rstar.spectral import (
     energy_effective_rank,
+    energy_effective_rank_from_singular_values,
     entropy_effective_rank,
     entropy_effective_rank_from_singular_values,
     epsilon_energy_rank,
@@ -100,3 +103,12 @@ def test_bad_input():
     with pytest.raises(ValueError, match="non-negative"):
         entropy_effective_rank_from_singular_values([1.0, -1.0])
     assert singular_values(np.zeros((0, 3))).size == 0
+
+
+def test_subnormal_weights_do_not_warn():
+    # a subnormal energy underflows to 0 once normalised (found by hypothesis in CI): no log(0) warning
+    s = np.array([1.0, 0.99, 0.2, 1.8e-17, 2.2e-162])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert energy_effective_rank_from_singular_values(s) == pytest.approx(
+            energy_effective_rank_from_singular_values(s[:3]), rel=1e-12)
