@@ -11,7 +11,7 @@ __all__ = ["split_half_result", "SPLIT_HALF_MARGIN", "SPLIT_HALF_NOISE_EDGE"]
 #: A direction of the half-sum counts where its singular value exceeds this many times the half-difference's
 #: largest (``rank_``). Measured on null directions (``benchmarks/factored_calibration.py``; Gaussian tokens,
 #: T = 8 and 16, d = 48 and 96, n = 600, r* = 0 and 2, V known and unknown, 8 seeds each, 64 fits): the first
-#: null direction of the half-sum over the half-difference's largest ranged 0.85-1.12; planted directions of
+#: null direction of the half-sum over the half-difference's largest ranged 0.83-1.11; planted directions of
 #: logit scale 2 stood at 100-150 times it.
 SPLIT_HALF_MARGIN = 1.5
 #: Directions between this many times the half-difference's largest and ``SPLIT_HALF_MARGIN`` times it are not
