@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import linalg, optimize
 
-from ._linalg import solve_psd
+from ._backend import NUMPY
+from ._linalg import psd_power, solve_psd
 
 __all__ = [
     "FactoredSoftmaxFit",
     "causal_mask",
+    "causal_attention_weights",
     "factored_loss_terms",
     "factored_loss",
     "factored_rss",
@@ -44,7 +46,6 @@ __all__ = [
     "extended_start",
     "gradient_start",
     "value_map_given_kernel",
-    "fit_factored_softmax",
     "fit_factored_pair",
     "token_metric_roots",
     "token_metric_cost",
@@ -68,16 +69,15 @@ def _chunks(n, T, d):
     return [slice(s, s + step) for s in range(0, n, step)]
 
 
-def _softmax_rows(L):
-    L = L - L.max(axis=-1, keepdims=True)
-    np.exp(L, out=L)
-    L /= L.sum(axis=-1, keepdims=True)
-    return L
-
-
 def causal_mask(T):
     """The logits a causal (decoder) head keeps: token t attends to tokens ``s <= t`` (lower triangle)."""
     return np.tril(np.ones((T, T), dtype=bool))
+
+
+def causal_attention_weights(X, K):
+    """Row-wise causal ``softmax(X_i K X_i^T / sqrt(d))`` (row t over keys ``s <= t``), shape (n, T, T)."""
+    T, d = X.shape[1], X.shape[2]
+    return NUMPY.softmax_rows(_masked((X @ (K / np.sqrt(d))) @ X.transpose(0, 2, 1), causal_mask(T)))
 
 
 def _masked(L, mask):
@@ -105,19 +105,26 @@ def factored_loss_terms(X, Z, Y, A, B, mask=None):
         ``sum_i ||Y_i - softmax(X_i A B^T X_i^T / sqrt(d)) Z_i||^2``.
     grad_A, grad_B : ndarray of shape (d, q)
     """
+    f, gA, gB, _, _ = _loss_core(X, Z, Y, A, B, mask)
+    return f, gA, gB
+
+
+def _loss_core(X, Z, Y, A, B, mask):
+    """``(f, grad_A, grad_B, P, R)`` of a chunk: the loss, its factor gradients, the attention and residual."""
     n, T, d = X.shape
     q = A.shape[1]
     c = 1.0 / np.sqrt(d)
     XA = X @ A
     XB = X @ B
-    P = _softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) * c, mask))
+    P = NUMPY.softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) * c, mask))
     R = P @ Z - Y
     f = float(np.einsum("ntv,ntv->", R, R))
     dP = 2.0 * (R @ Z.transpose(0, 2, 1))
     dL = (dP - np.einsum("nts,nts->nt", dP, P)[..., None]) * P * c
-    gA = X.reshape(-1, d).T @ (dL @ XB).reshape(-1, q)
-    gB = X.reshape(-1, d).T @ (dL.transpose(0, 2, 1) @ XA).reshape(-1, q)
-    return f, gA, gB
+    Xf = X.reshape(-1, d)
+    gA = Xf.T @ (dL @ XB).reshape(-1, q)
+    gB = Xf.T @ (dL.transpose(0, 2, 1) @ XA).reshape(-1, q)
+    return f, gA, gB, P, R
 
 
 def joint_loss_terms(X, Y, A, B, V, mask=None):
@@ -129,21 +136,9 @@ def joint_loss_terms(X, Y, A, B, V, mask=None):
     -------
     f, grad_A, grad_B, grad_V
     """
-    n, T, d = X.shape
-    q = A.shape[1]
-    c = 1.0 / np.sqrt(d)
-    Z = X @ V
-    XA = X @ A
-    XB = X @ B
-    P = _softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) * c, mask))
-    R = P @ Z - Y
-    f = float(np.einsum("ntv,ntv->", R, R))
-    dP = 2.0 * (R @ Z.transpose(0, 2, 1))
-    dL = (dP - np.einsum("nts,nts->nt", dP, P)[..., None]) * P * c
-    Xf = X.reshape(-1, d)
-    gA = Xf.T @ (dL @ XB).reshape(-1, q)
-    gB = Xf.T @ (dL.transpose(0, 2, 1) @ XA).reshape(-1, q)
-    gV = 2.0 * (Xf.T @ (P.transpose(0, 2, 1) @ R).reshape(-1, V.shape[1]))
+    d = X.shape[2]
+    f, gA, gB, P, R = _loss_core(X, X @ V, Y, A, B, mask)
+    gV = 2.0 * (X.reshape(-1, d).T @ (P.transpose(0, 2, 1) @ R).reshape(-1, V.shape[1]))
     return f, gA, gB, gV
 
 
@@ -184,7 +179,7 @@ def factored_rss(X, Z, Y, A, B, mask=None):
 
 def _attention(X, A, B, mask=None):
     d = X.shape[2]
-    return _softmax_rows(_masked((X @ A) @ (X @ B).transpose(0, 2, 1) / np.sqrt(d), mask))
+    return NUMPY.softmax_rows(_masked((X @ A) @ (X @ B).transpose(0, 2, 1) / np.sqrt(d), mask))
 
 
 def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=1e-10):
@@ -199,7 +194,7 @@ def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=1e-10):
     for part in _chunks(n, T, d):
         Xp = X[part]
         if A is None:
-            P = _softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
+            P = NUMPY.softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
         else:
             P = _attention(Xp, A, B, mask)
         W = (P @ Xp).reshape(-1, d)
@@ -224,7 +219,7 @@ def factored_start_cost(n, T, d, d_v, value_map_known=True):
 
 @dataclass
 class FactoredSoftmaxFit:
-    """The outcome of :func:`fit_factored_softmax`.
+    """One half's fit (:func:`fit_factored_pair`).
 
     Attributes
     ----------
@@ -263,7 +258,7 @@ def kernel_gradient(X, Z, Y, A=None, B=None, mask=None):
     for part in _chunks(n, T, d):
         Xp, Zp, Yp = X[part], Z[part], Y[part]
         if A is None:
-            P = _softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
+            P = NUMPY.softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
         else:
             P = _attention(Xp, A, B, mask)
         R = P @ Zp - Yp
@@ -304,13 +299,6 @@ def _line_start(X, Z, Y, A0, B0, G, k, mask, precondition=None, active=None):
         best = min(best, (f, t))
     root = np.sqrt(best[1] * s) * weight
     return np.hstack([A0, U * root]), np.hstack([B0, W * root])
-
-
-def _start(X, Z, Y, rank, mask):
-    """Factors from the top-``rank`` singular pairs of ``-grad K(0)``, scaled by a line search on the loss."""
-    d = X.shape[2]
-    empty = np.zeros((d, 0))
-    return _line_start(X, Z, Y, empty, empty, kernel_gradient(X, Z, Y, mask=mask), rank, mask)
 
 
 def gradient_start(X, Y, G, rank, value_map=None, mask=None, precondition=None, active=None):
@@ -387,8 +375,17 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     rank : int
     starts : tuple of two (A, B) or (A, B, V)
         Each half's start (with V fitted, its starting value; else the least squares given the start).
-    value_map, mask, max_iter, tol, precondition
-        As for :func:`fit_factored_softmax`.
+    value_map : ndarray of shape (d, d_v) or None
+        Known V; None fits it with the factors (L-BFGS on both).
+    mask : ndarray of bool, shape (T, T), or None
+        Logits kept (causal attention: :func:`causal_mask`); None keeps all.
+    max_iter : int, default=FACTORED_MAX_ITER
+        L-BFGS iterations in all.
+    tol : float, default=FACTORED_LOSS_TOL
+        Stop when an iteration gains less than ``tol`` times the loss per observation.
+    precondition : tuple (P, P_inv) or None
+        L-BFGS runs on ``P^{-1} A, P^{-1} B`` (and ``P^{-1} V``): with ``P = M^{-1/2}`` of the tokens' second
+        moment the loss sees whitened tokens, so anisotropic (real) tokens do not slow it down.
     on_check : callable or None
         ``on_check(fits, n_iter)`` with the two current :class:`FactoredSoftmaxFit` (their ``rss`` not yet
         computed: nan), every ``check_every`` iterations; True stops the run.
@@ -437,77 +434,6 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     return as_fits(bl, rss, nit, converged)
 
 
-def _lbfgs(X, Z, Y, A, B, mask, max_iter, tol, precondition=None):
-    """L-BFGS on the factors at fixed value path Z; returns (A, B, f, n_iter, converged)."""
-    def fun(blocks):
-        f, gA, gB = factored_loss(X, Z, Y, blocks[0], blocks[1], mask)
-        return f, [gA, gB]
-
-    (A, B), f, nit, converged = _minimize(fun, [A, B], precondition, max_iter, tol, Y.size)
-    return A, B, f, nit, converged
-
-
-def _lbfgs_joint(X, Y, A, B, V, mask, max_iter, tol, precondition=None):
-    """L-BFGS on the factors and V together; returns (A, B, V, f, n_iter, converged)."""
-    def fun(blocks):
-        f, gA, gB, gV = joint_loss(X, Y, blocks[0], blocks[1], blocks[2], mask)
-        return f, [gA, gB, gV]
-
-    (A, B, V), f, nit, converged = _minimize(fun, [A, B, V], precondition, max_iter, tol, Y.size)
-    return A, B, V, f, nit, converged
-
-
-def fit_factored_softmax(X, Y, rank, value_map=None, mask=None, max_iter=FACTORED_MAX_ITER, tol=FACTORED_LOSS_TOL,
-                         start=None, precondition=None):
-    """Least squares of ``Y_i ~ softmax(X_i A B^T X_i^T / sqrt(d)) X_i V`` over rank-``rank`` factors.
-
-    Parameters
-    ----------
-    X : ndarray of shape (n, T, d)
-    Y : ndarray of shape (n, T, d_v)
-    rank : int
-        Number of columns q of the factors.
-    value_map : ndarray of shape (d, d_v) or None
-        Known V; None fits it with the factors (L-BFGS on both, from the least-squares V given the starting
-        attention).
-    mask : ndarray of bool, shape (T, T), or None
-        Logits kept (causal attention: the lower triangle); None keeps all.
-    max_iter : int, default=FACTORED_MAX_ITER
-        L-BFGS iterations in all.
-    tol : float, default=FACTORED_LOSS_TOL
-        Stop when an iteration gains less than ``tol`` times the loss per observation.
-    start : tuple (A, B), (A, B, V) or None
-        Starting factors (e.g. a smaller rank's fit padded), and with V fitted its starting value (else the
-        least squares given the starting attention); None starts from the gradient at ``K = 0``.
-    precondition : tuple (P, P_inv) or None
-        L-BFGS runs on ``P^{-1} A, P^{-1} B`` (and ``P^{-1} V``): with ``P = M^{-1/2}`` of the tokens' second
-        moment the loss sees whitened tokens, so anisotropic (real) tokens do not slow it down.
-
-    Returns
-    -------
-    FactoredSoftmaxFit
-    """
-    X = np.asarray(X, dtype=float)
-    Y = np.asarray(Y, dtype=float)
-    fitted_v = value_map is None
-    if not fitted_v:
-        V = np.asarray(value_map, dtype=float)
-    elif start is None:
-        V = value_map_given_kernel(X, Y, mask=mask)
-    elif len(start) == 3:
-        V = np.asarray(start[2], dtype=float)
-    else:
-        V = value_map_given_kernel(X, Y, start[0], start[1], mask)
-    Z = X @ V
-    A, B = _start(X, Z, Y, rank, mask) if start is None else (np.asarray(start[0]), np.asarray(start[1]))
-    if not fitted_v:
-        A, B, f, nit, converged = _lbfgs(X, Z, Y, A, B, mask, max_iter, tol, precondition)
-        return FactoredSoftmaxFit(A, B, V, f, nit, converged)
-    # V fitted: L-BFGS on (A, B, V) together, from the least-squares V given the starting attention
-    A, B, V, f, nit, converged = _lbfgs_joint(X, Y, A, B, V, mask, max_iter, tol, precondition)
-    return FactoredSoftmaxFit(A, B, V, f, nit, converged)
-
-
 def token_metric_cost(n, T, d):
     """Multiply-adds of :func:`token_metric_roots`: two ``d x d`` Grams and two eigen-decompositions."""
     return float(2 * n * T * d * d + 20 * d**3)
@@ -533,9 +459,5 @@ def token_metric_roots(X, ridge=1e-12):
         Mk += Xc.T @ Xc
     out = []
     for M in (Mq / (n * T), Mk / (n * T)):
-        w, Q = np.linalg.eigh((M + M.T) / 2)
-        keep = w > ridge * max(float(w.max()), np.finfo(float).tiny)
-        root = np.where(keep, np.sqrt(np.maximum(w, 0.0)), 0.0)
-        inv = np.where(keep, 1.0 / np.where(keep, root, 1.0), 0.0)
-        out += [(Q * root) @ Q.T, (Q * inv) @ Q.T]
+        out += [psd_power(M, 0.5, rcond=ridge), psd_power(M, -0.5, rcond=ridge)]
     return tuple(out)

@@ -51,6 +51,7 @@ __all__ = [
     "cross_fit_profiled_cost",
     "softmax_fit_cost",
     "information_cost",
+    "largest_count",
 ]
 
 #: Default ``memory_budget`` of the estimators, in bytes (512 MiB).
@@ -94,6 +95,17 @@ def information_cost(n, T, d, d_v, value_map_fitted=True):
     from ._softmax_ls import information_matrix_cost
 
     return information_matrix_cost(n, T, d, d_v, value_map_fitted)
+
+
+def largest_count(fits, hi):
+    """The largest count n up to ``hi`` with ``fits(n)`` (bisection; ``fits`` monotone in n), 0 if none."""
+    lo = 0
+    if fits(hi):
+        return hi
+    while hi - lo > 1:   # fits(lo) or lo == 0, and not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo if fits(lo) else 0
 
 
 @dataclass(frozen=True)

@@ -58,13 +58,9 @@ class SoftmaxOperator:
 
     def predict(self, X):
         if getattr(self, "causal", False):
-            T, d = X.shape[1], X.shape[2]
-            logits = np.where(np.tril(np.ones((T, T), dtype=bool)), (X @ (self.K / np.sqrt(d))) @ X.transpose(0, 2, 1),
-                              -np.inf)
-            logits -= logits.max(axis=-1, keepdims=True)
-            S = np.exp(logits)
-            S /= S.sum(axis=-1, keepdims=True)
-            return S @ (X @ self.V)
+            from .._softmax_factored import causal_attention_weights
+
+            return causal_attention_weights(X, self.K) @ (X @ self.V)
         return _softmax_ls.attention_weights(X, self.K) @ (X @ self.V)
 
 

@@ -4,7 +4,7 @@ The full-rank least squares (:mod:`rstar.inversions.softmax_least_squares`)
 tests its kernel against draws from the ``d^2 x d^2`` information, out of
 reach at d = 385 (175 GB). Here each half of the samples (odd and even global
 index, as the least squares keeps them) is fitted with a rank-q kernel
-``K = A B^T`` (:func:`rstar._softmax_factored.fit_factored_softmax`), V known
+``K = A B^T`` (:func:`rstar._softmax_factored.fit_factored_pair`), V known
 or fitted, and the statistic is the whitened half-sum
 ``M_q^{1/2} (K_1 + K_2) / 2 M_k^{1/2}`` in the token metric
 (:func:`rstar._softmax_factored.token_metric_roots`), tested against the
@@ -20,7 +20,7 @@ compute budget allows; the statistic records the q it stopped at.
 import numpy as np
 
 from .. import _softmax_factored as sf
-from ..budgets import DEFAULT_BUDGET
+from ..budgets import DEFAULT_BUDGET, largest_count
 from ._base import MIN_NOISE_DOF
 from ._statistic import SplitHalfNull, WhitenedStatistic
 
@@ -81,13 +81,7 @@ def factored_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
         return (budget.allows_samples(n, T, d, d_v)
                 and budget.allows_compute(_stage_cost(n, T, d, d_v, min(FACTORED_START_RANK, d), value_map_known)))
 
-    lo, hi = 0, budget.max_samples(T, d, d_v)
-    if fits(hi):
-        return hi
-    while hi - lo > 1:   # fits(lo) and not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo if fits(lo) else 0
+    return largest_count(fits, budget.max_samples(T, d, d_v))
 
 
 def first_order_count(gradients, metric, margin):
@@ -101,9 +95,10 @@ def first_order_count(gradients, metric, margin):
     return int(np.sum(s > margin * sd[0])) if sd[0] > 0 else 0
 
 
-def first_order_start_rank(gradients, metric, margin):
-    """A first rank for the factors: the smallest power of two above :func:`first_order_count` plus two."""
-    return 1 << int(np.ceil(np.log2(first_order_count(gradients, metric, margin) + 2)))
+def first_order_start_rank(count):
+    """A first rank for the factors: the smallest power of two at least ``count + 2`` (``count`` from
+    :func:`first_order_count`), and at least ``FACTORED_START_RANK``."""
+    return max(FACTORED_START_RANK, 1 << int(np.ceil(np.log2(count + 2))))
 
 
 def _split_half(K1, K2, metric):
@@ -157,8 +152,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
         uniform_v.append(sf.value_map_given_kernel(X, Y, mask=mask) if value_map is None else value_map)
         grads.append(sf.kernel_gradient(X, X @ uniform_v[-1], Y, mask=mask))
     first_count = first_order_count(grads, metric, margin)
-    q = (min(max(FACTORED_START_RANK, 1 << int(np.ceil(np.log2(first_count + 2)))), d) if start_rank is None
-         else min(int(start_rank), d))
+    q = min(first_order_start_rank(first_count) if start_rank is None else int(start_rank), d)
     while q > FACTORED_START_RANK and not (budget.allows_compute(spent + 2 * _segment_cost(n, T, d, d_v, q, known))
                                            and _residual_dof(n, T, d, d_v, q, known) >= MIN_NOISE_DOF):
         q //= 2

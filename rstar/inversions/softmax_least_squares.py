@@ -8,7 +8,7 @@ from .. import _softmax_ls
 from .._backend import NUMPY
 from .._linalg import solve_psd
 from ..streaming import ArraySamples
-from ..budgets import DEFAULT_BUDGET, information_cost, softmax_fit_cost
+from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_fit_cost
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
@@ -68,13 +68,7 @@ def softmax_fit_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET
         return (budget.allows_compute(softmax_fit_cost(n, T, d, d_v))
                 and budget.allows_compute(information_cost(n, T, d, d_v, not value_map_known)))
 
-    lo, hi = 0, budget.max_samples(T, d, d_v) if samples_in_memory else 2**62
-    if fits(hi):
-        return hi
-    while hi - lo > 1:   # fits(lo) and not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo if fits(lo) else 0
+    return largest_count(fits, budget.max_samples(T, d, d_v) if samples_in_memory else 2**62)
 
 
 def softmax_fit_sizes_fit(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
