@@ -407,14 +407,17 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     def split(bl):
         return bl[:per], bl[per:]
 
+    # the value path of a known V, once (not at every evaluation: n T d d_v multiply-adds)
+    paths = [None if fitted_v else X @ value_map for X, _ in halves]
+
     def fun(bl):
         f, grads = 0.0, []
-        for (X, Y), part in zip(halves, split(bl)):
+        for (X, Y), Z, part in zip(halves, paths, split(bl)):
             if fitted_v:
                 fp, gA, gB, gV = joint_loss(X, Y, *part, mask)
                 grads += [gA, gB, gV]
             else:
-                fp, gA, gB = factored_loss(X, X @ value_map, Y, *part, mask)
+                fp, gA, gB = factored_loss(X, Z, Y, *part, mask)
                 grads += [gA, gB]
             f += fp
         return f, grads
@@ -429,8 +432,8 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     check = None if on_check is None else (lambda bl, nit: on_check(as_fits(bl, nit=nit), nit))
     n_obs = sum(Y.size for _, Y in halves)
     bl, _, nit, converged = _minimize(fun, blocks, precondition, max_iter, tol, n_obs, check, check_every)
-    rss = [factored_rss(X, X @ (part[2] if fitted_v else value_map), Y, part[0], part[1], mask)
-           for (X, Y), part in zip(halves, split(bl))]
+    rss = [factored_rss(X, X @ part[2] if fitted_v else Z, Y, part[0], part[1], mask)
+           for (X, Y), Z, part in zip(halves, paths, split(bl))]
     return as_fits(bl, rss, nit, converged)
 
 

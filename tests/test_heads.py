@@ -159,6 +159,20 @@ def test_table_on_small_heads(ids):
     assert ax.get_title() == "rank_at_0.01"
 
 
+def test_heatmap_of_a_head_selection_has_a_column_per_head_in_the_table():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    rows = [dict(layer=layer, head=head, rank=10 * layer + head) for layer in (1, 3) for head in (0, 6)]
+    rows[-1]["rank"] = None   # a head without a value stays blank
+    ax = plot_head_ranks(rows, "rank")
+    grid = ax.images[0].get_array()
+    assert grid.shape == (2, 2)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "6"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "3"]
+    assert grid[0, 1] == 16 and grid[1, 0] == 30
+    assert not np.isfinite(np.ma.filled(grid, np.nan)[1, 1])
+
+
 def test_first_order_far_below_d_is_reported_not_silent():
     # T - 1 = 7 centred tokens, d = 48 features: the first-order statistic cannot identify r*
     rng = np.random.default_rng(0)

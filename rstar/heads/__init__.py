@@ -215,11 +215,14 @@ def plot_head_ranks(table, column="rank", ax=None):
     import matplotlib.pyplot as plt
 
     rows = table.to_dict("records") if hasattr(table, "to_dict") else list(table)
-    n_layers = max(r["layer"] for r in rows) + 1
-    n_heads = max(r["head"] for r in rows) + 1
+    # one row per layer and one column per head in the table (a selection of heads draws no empty columns)
+    layers = sorted({int(r["layer"]) for r in rows})
+    heads = sorted({int(r["head"]) for r in rows})
+    n_layers, n_heads = len(layers), len(heads)
     grid = np.full((n_layers, n_heads), np.nan)
     for r in rows:
-        grid[r["layer"], r["head"]] = r[column]
+        value = r[column]
+        grid[layers.index(int(r["layer"])), heads.index(int(r["head"]))] = np.nan if value is None else value
     if ax is None:
         _, ax = plt.subplots(figsize=(1 + 0.45 * n_heads, 1 + 0.45 * n_layers))
     im = ax.imshow(grid, cmap="viridis", aspect="auto")
@@ -229,8 +232,8 @@ def plot_head_ranks(table, column="rank", ax=None):
                     color="white" if v < np.nanmean(grid) else "black")
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_xticks(range(n_heads))
-    ax.set_yticks(range(n_layers))
+    ax.set_xticks(range(n_heads), [str(h) for h in heads])
+    ax.set_yticks(range(n_layers), [str(layer) for layer in layers])
     ax.set_title(column)
     ax.figure.colorbar(im, ax=ax)
     return ax

@@ -25,6 +25,7 @@ from ._base import MIN_NOISE_DOF
 from ._statistic import SplitHalfNull, WhitenedStatistic
 
 __all__ = ["FACTORED_NAME", "FACTORED_START_RANK", "FACTORED_SEGMENT_ITER", "FACTORED_STABLE_RTOL",
+           "FACTORED_UNSETTLED_SEGMENTS",
            "factored_fit_blocker", "factored_capacity", "factored_statistic", "factored_rank_residuals",
            "factored_operator", "truncated_kernel", "first_order_count", "first_order_start_rank"]
 
@@ -35,8 +36,15 @@ FACTORED_START_RANK = 8
 #: The L-BFGS iterations of each half's fit run in segments of this many; after each the split-half count is
 #: read, and the fit stops once a segment leaves it unchanged (or the iterations, or the compute budget, run out).
 FACTORED_SEGMENT_ITER = 50
-#: "Unchanged": the same counts, and the singular values counted within this relative change.
+#: "Unchanged": the same counts (above the margin, and above the null), and the singular values above the
+#: margin within this relative change (those between the null and the margin only widen the interval, and a
+#: direction at the noise level wanders by more than this from one segment to the next).
 FACTORED_STABLE_RTOL = 0.01
+#: A rank whose count has not settled after this many segments is doubled (where d, the residual degrees of
+#: freedom and the compute budget allow): a rank-q fit below r* has no stable optimum to settle on (a
+#: noise-free MiniLM head fitted at q = 8 kept sharpening for 400 iterations, its half-difference as large as
+#: its fifth direction), and a larger q is what settles it.
+FACTORED_UNSETTLED_SEGMENTS = 4
 
 
 def _residual_dof(n, T, d, d_v, q, value_map_known):
@@ -185,8 +193,12 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
         state["previous"] = (count, s)
         state["count"] = count
         if (previous is not None and previous[0] == count
-                and np.allclose(s[:count[1]], previous[1][:count[1]], rtol=FACTORED_STABLE_RTOL, atol=0.0)):
+                and np.allclose(s[:count[0]], previous[1][:count[0]], rtol=FACTORED_STABLE_RTOL, atol=0.0)):
             state["outcome"] = "settled"
+            return True
+        state["segments"] += 1
+        if state["segments"] >= FACTORED_UNSETTLED_SEGMENTS and can_double():
+            state["outcome"] = "double"
             return True
         if not budget.allows_compute(spent + _segment_cost(n, T, d, d_v, q, known)):
             state["outcome"] = "budget"
@@ -194,13 +206,14 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
         return False
 
     while True:
-        state.update(outcome=None, previous=None, count=None)
+        state.update(outcome=None, previous=None, count=None, segments=0)
         fits = sf.fit_factored_pair(halves, q, starts, value_map=value_map, mask=mask, max_iter=max_iter,
                                     precondition=pre, on_check=on_check, check_every=FACTORED_SEGMENT_ITER)
         if state["outcome"] != "double":
             break
-        # nearly every direction stands above the null: r* may exceed q, so double it from the fits at hand,
-        # where d, the residual degrees of freedom and the compute budget (its start and two segments) allow
+        # nearly every direction stands above the null, or the count has not settled in
+        # FACTORED_UNSETTLED_SEGMENTS segments: r* may exceed q, so double it from the fits at hand, where d, the
+        # residual degrees of freedom and the compute budget (its start and two segments) allow
         q = min(2 * q, d)
         spent += sf.factored_start_cost(n, T, d, d_v, known)
         starts = [(*sf.extended_start(X, Y, f, q, mask, pre), f.value_map) for (X, Y), f in zip(halves, fits)]
@@ -234,6 +247,10 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
     ws = WhitenedStatistic(lam, U, metric[1], float(n * d_v), null, FACTORED_NAME, (), warnings, "logit")
     if warnings:
         ws.rank_bounds = (0, int(q))
+    elif capped and count[1] >= q - 1:
+        # the count filled the largest q allowed: the rule warns and reaches d; a risk curve measured against
+        # this fit may fall short of the unconstrained model as well
+        ws.rank_bounds = (0, int(d))
     return ws
 
 
