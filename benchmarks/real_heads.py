@@ -51,6 +51,10 @@ def _args():
                    help="compute_budget of the head fits (noise-free heads fill rank 32: q = 64 factors)")
     p.add_argument("--heads", default=None, help="comma-separated heads of each layer (default: all 12)")
     p.add_argument("--skip-planted", action="store_true", help="only the real heads")
+    p.add_argument("--planted-dims", default="384,16,32",
+                   help="comma-separated d of the planted kernels (384: the raw tokens; less: their top PCs)")
+    p.add_argument("--merge-planted", default=None, metavar="JSON",
+                   help="take the planted rows of these d from an earlier real_heads.json (d not in --planted-dims)")
     p.add_argument("--planted-budget", type=float, default=2**41,
                    help="RStarEstimator's compute_budget on the planted kernels (V unknown at d = 384 needs "
                         "about 400 iterations per half: over the default 2**39)")
@@ -273,9 +277,13 @@ def main():
     with threadpool_limits(limits=args.threads):
         windows = text_windows(tok, args.seq_len, n, random_state=0)
         layer0 = collect_attention(model, windows, layers=[0])[0]
+        dims = tuple(int(v) for v in args.planted_dims.split(","))
         planted_rows = [] if args.skip_planted else planted(
             layer0.X, layer0.head(0).value_map()[:-1], (0, 3) if args.quick else (0, 3, 8, 16),
-            (384, 16) if args.quick else (384, 16, 32), budget=args.planted_budget)
+            (384, 16) if args.quick else dims, budget=args.planted_budget)
+        if args.merge_planted:
+            earlier = json.loads(Path(args.merge_planted).read_text())["planted"]
+            planted_rows = [r for r in earlier if r["d"] not in dims] + planted_rows
         layers_idx = [0, 3] if args.quick else (None if args.layers is None else
                                                 [int(v) for v in args.layers.split(",")])
         w_fit = text_windows(tok, args.seq_len, n_heads + n_test, random_state=1)

@@ -319,6 +319,9 @@ def main(argv=None):
     p.add_argument("--full", action="store_true", help="the shape scan up to d = 768 (X alone is 786 MB)")
     p.add_argument("--device", default="cpu", help="device of the data-only fits: cpu (numpy), auto, cuda")
     p.add_argument("--replot", metavar="JSON", help="only redraw the figures from a speed.json")
+    p.add_argument("--shapes", metavar="TxDxR,...",
+                   help="only the shape scan at these points (n = 2000), e.g. 64x128x8,64x384x8; rows printed and "
+                        "written to shapes.json")
     p.add_argument("--stream-head", action="store_true",
                    help="only stream 10^4, 10^5 and 10^6 samples of T = d = 64 through partial_fit (about 30 min)")
     args = p.parse_args(argv)
@@ -327,6 +330,16 @@ def main(argv=None):
         return
     global DEVICE
     DEVICE = args.device
+    if args.shapes:
+        points = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
+        rows = scaling_shape(points, 2000, args.seed)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "shapes.json").write_text(json.dumps(rows, indent=1, default=float))
+        for r in rows:
+            print(f"| {r['T']} | {r['d']} | {r['n']} | {r['seconds']:.2f} s | {r['gram_seconds']:.2f} s | "
+                  f"{r['peak_mib']:.0f} MiB | {r['data_mib']:.0f} MiB | {r['inversion']} | {r['rank']} / {r['r']} |")
+        return
     if args.stream_head:
         rows = stream_default(64, 64, 8, [10_000, 100_000, 1_000_000], args.seed)
         out = Path(args.out)

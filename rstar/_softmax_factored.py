@@ -40,6 +40,7 @@ __all__ = [
     "factored_loss_terms",
     "factored_loss",
     "factored_rss",
+    "factored_sample_rss",
     "joint_loss",
     "joint_loss_terms",
     "kernel_gradient",
@@ -52,11 +53,16 @@ __all__ = [
     "factored_eval_cost",
     "factored_start_cost",
     "FACTORED_MAX_ITER",
+    "FACTORED_MAX_ITER_FITTED_V",
     "FACTORED_LOSS_TOL",
 ]
 
-#: L-BFGS iterations of one factored fit at most (all rounds together, V unknown).
+#: L-BFGS iterations of one factored fit at one rank at most, V known.
 FACTORED_MAX_ITER = 400
+#: The same with V fitted with the factors: on real tokens such a fit grows its leading directions for about 200
+#: iterations and carries a weak direction both halves share for 350 (a planted rank 3 on MiniLM's tokens, d = 384,
+#: whose count settled between 400 and 500).
+FACTORED_MAX_ITER_FITTED_V = 600
 #: L-BFGS stops once an iteration lowers the residual sum of squares by less than this many times its value per
 #: observation (as :data:`rstar._softmax_ls.SOFTMAX_LOSS_TOL`).
 FACTORED_LOSS_TOL = 0.01
@@ -169,12 +175,17 @@ def factored_loss(X, Z, Y, A, B, mask=None):
 
 def factored_rss(X, Z, Y, A, B, mask=None):
     """Residual sum of squares of ``Y_i ~ softmax(X_i A B^T X_i^T / sqrt(d)) Z_i`` (no gradient; q may be 0)."""
+    return float(np.sum(factored_sample_rss(X, Z, Y, A, B, mask)))
+
+
+def factored_sample_rss(X, Z, Y, A, B, mask=None):
+    """Each sample's residual sum of squares under :func:`factored_rss`'s model, shape (n,)."""
     n, T, d = X.shape
-    f = 0.0
+    out = np.empty(n)
     for part in _chunks(n, T, d):
         R = _attention(X[part], A, B, mask) @ Z[part] - Y[part]
-        f += float(np.einsum("ntv,ntv->", R, R))
-    return f
+        out[part] = np.einsum("ntv,ntv->n", R, R)
+    return out
 
 
 def _attention(X, A, B, mask=None):

@@ -33,7 +33,8 @@ from .exceptions import InversionFallbackWarning, UnidentifiableRankWarning
 from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
 from .inversions._base import sample_capacity, stop_keeping_samples
 from .metrics import token_r2_score
-from .risk import centred_sums, rank_at_tolerance, relative_excess_risk, total_sum_of_squares
+from .risk import (centred_sums, excess_risk_standard_error, excess_risk_upper_bound, rank_at_tolerance,
+                   relative_excess_risk, total_sum_of_squares)
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
 from .streaming import ArraySamples, BatchSamples, DaskSamples, is_dask_collection
 
@@ -70,6 +71,7 @@ _SHARED_CONSTRAINTS = {
     "rank": [Interval(Integral, 0, None, closed="left"), None],
     "max_rank": [Interval(Integral, 0, None, closed="left"), None],
     "tolerance": [Interval(Real, 0, 1, closed="left"), None],
+    "tolerance_level": [Interval(Real, 0, 0.5, closed="right")],
     "noise_variance": [Interval(Real, 0, None, closed="neither"), None],
     "random_state": ["random_state"],
     "n_null_draws": [Interval(Integral, 1, None, closed="left")],
@@ -624,7 +626,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             interval = (min(interval[0], int(bounds[0])), max(interval[1], int(bounds[1])))
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
-        for attr in ("risk_curve_",):
+        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_"):
             self.__dict__.pop(attr, None)
         if self.tolerance is not None:
             rank, interval = self._tolerance_rank(ws, res, curve_samples)
@@ -677,23 +679,42 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         inv = self._inv
         kw = {"ops": resolve_backend(self.device)} if getattr(inv, "reads_sample_passes", False) else {}
         top = min(ws.dim, max(int(res.rank_interval[1]), int(res.rank)))
-        rss = inv.rank_residuals(self._stats, ws, [None, *range(top + 1)], samples, **kw)
+        per_sample = inv.rank_residual_samples(self._stats, ws, [None], samples, **kw) is not None
+
+        def residuals(ranks):
+            # totals, and each sample's where the inversion measures its curve per sample (its standard error)
+            if per_sample:
+                parts = inv.rank_residual_samples(self._stats, ws, list(ranks), samples, **kw)
+                return [float(np.sum(p)) for p in parts], parts
+            return inv.rank_residuals(self._stats, ws, list(ranks), samples, **kw), None
+
+        rss, parts = residuals([None, *range(top + 1)])
         if rss is None:
             raise ValueError("tolerance needs the closed-form operators of every rank, whose moment sums were not "
                              "accumulated (predict_sums=False, or over the memory budget for this T, d and d_v).")
         full, rss = rss[0], rss[1:]
+        full_parts, parts = (parts[0], parts[1:]) if per_sample else (None, None)
         tss = total_sum_of_squares(inv.risk_samples(self._stats, ws, samples).map_sum(centred_sums, 1))
-        curve = relative_excess_risk(rss, full, tss)
-        # go on until half the tolerance is reached (the interval's upper end), or the full rank
-        while rank_at_tolerance(curve, tol / 2) is None and len(curve) <= ws.dim:
-            more = range(len(curve), min(ws.dim, 2 * len(curve)) + 1)
-            rss = rss + inv.rank_residuals(self._stats, ws, more, samples, **kw)
+
+        def read(rss, parts):
             curve = relative_excess_risk(rss, full, tss)
+            se = excess_risk_standard_error(parts, full_parts, tss) if per_sample else np.zeros_like(curve)
+            return curve, se, excess_risk_upper_bound(curve, se, self.tolerance_level)
+
+        curve, se, upper = read(rss, parts)
+        # go on until half the tolerance is reached (the interval's upper end), or the full rank
+        while rank_at_tolerance(upper, tol / 2) is None and len(curve) <= ws.dim:
+            more_rss, more_parts = residuals(range(len(curve), min(ws.dim, 2 * len(curve)) + 1))
+            rss = rss + more_rss
+            parts = parts + more_parts if per_sample else None
+            curve, se, upper = read(rss, parts)
         self.risk_curve_ = curve
-        rank = rank_at_tolerance(curve, tol)
+        self.risk_curve_se_ = se if per_sample else None
+        self.risk_curve_upper_ = upper
+        rank = rank_at_tolerance(upper, tol)
         rank = ws.dim if rank is None else rank
-        low = rank_at_tolerance(curve, min(2 * tol, 1.0))
-        high = rank_at_tolerance(curve, tol / 2)
+        low = rank_at_tolerance(upper, min(2 * tol, 1.0))
+        high = rank_at_tolerance(upper, tol / 2)
         interval = (min(rank, ws.dim if low is None else low), max(rank, ws.dim if high is None else high))
         if ws.rank_bounds is not None:
             # the inversion could not identify its statistic (e.g. a factored fit whose count had not settled):
@@ -713,7 +734,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         return rank, interval
 
     def rank_at_tolerance(self, tolerance):
-        """r*(tolerance) from the fitted ``risk_curve_`` without refitting.
+        """r*(tolerance) from the fitted curve without refitting (read as the fit reads it: ``risk_curve_upper_``,
+        the curve's upper bound at ``tolerance_level``).
 
         Parameters
         ----------
@@ -722,7 +744,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         Returns
         -------
         int
-            The smallest rank whose relative excess risk is at most ``tolerance``.
+            The smallest rank whose relative excess risk (its upper bound) is at most ``tolerance``.
 
         Raises
         ------
@@ -733,10 +755,11 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         check_is_fitted(self, "rank_")
         if "risk_curve_" not in self.__dict__:
             raise ValueError("no risk curve: fit with tolerance=... (any value) to compute risk_curve_.")
-        rank = rank_at_tolerance(self.risk_curve_, tolerance)
+        upper = self.__dict__.get("risk_curve_upper_", self.risk_curve_)
+        rank = rank_at_tolerance(upper, tolerance)
         if rank is None:
             raise ValueError(f"the risk curve was computed up to rank {len(self.risk_curve_) - 1}, where the excess "
-                             f"risk is still {self.risk_curve_[-1]:.3g} > {tolerance:g}: fit with "
+                             f"risk is still {upper[-1]:.3g} > {tolerance:g}: fit with "
                              f"tolerance={tolerance:g}.")
         return rank
 
@@ -857,6 +880,14 @@ _COMMON_PARAMS_DOC = """
         operators; :mod:`rstar.risk`). Needs the samples at the end of the
         fit: ``fit`` and ``fit_batches`` (``partial_fit`` and ``fit_from``
         raise). Cannot be combined with a forced ``rank``.
+    tolerance_level : float in (0, 0.5], default=0.05
+        One-sided level of the r*(ε) reading: the rank read is the smallest
+        whose excess risk's upper ``1 - tolerance_level`` confidence bound
+        (``risk_curve_upper_`` = the curve plus the normal quantile times its
+        standard error over samples) is within ε, where the inversion
+        measures its curve per sample (the factored least squares, whose
+        curve is cross-fitted); elsewhere the curve itself is read. 0.5 reads
+        the curve itself everywhere.
     noise_variance : float or None, default=None
         Known variance sigma**2 of the noise entries of Y. None: estimated
         (residual of the model when identifiable, else the MP bulk median).
@@ -897,10 +928,11 @@ _COMMON_PARAMS_DOC = """
 
 
 def _init_common(est, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                 predict_sums, device="cpu", tolerance=None):
+                 predict_sums, device="cpu", tolerance=None, tolerance_level=0.05):
     est.rank = rank
     est.max_rank = max_rank
     est.tolerance = tolerance
+    est.tolerance_level = tolerance_level
     est.noise_variance = noise_variance
     est.random_state = random_state
     est.n_null_draws = n_null_draws
@@ -980,6 +1012,16 @@ _FITTED_DOC = """
         fitted (:mod:`rstar.risk`); computed up to the rank that reaches half
         the tolerance. ``rank_at_tolerance(eps)`` reads it at any ε. With a
         tolerance ``rank_interval_`` is ``(r(2 ε), r(ε / 2))``.
+    risk_curve_se_ : ndarray of shape (R + 1,) or None
+        Only with a ``tolerance``: the standard error of each point of
+        ``risk_curve_`` over the samples it was measured on, where the
+        inversion measures its curve per sample (the factored least squares);
+        None elsewhere.
+    risk_curve_upper_ : ndarray of shape (R + 1,)
+        Only with a ``tolerance``: the curve that ``rank_`` and
+        ``rank_interval_`` are read from, ``risk_curve_ + z risk_curve_se_``
+        with z the normal quantile at ``1 - tolerance_level`` (the curve
+        itself where there is no standard error).
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)
@@ -1041,14 +1083,14 @@ class MPRankEstimator(_RankEstimator):
     _parameter_constraints = {**_SHARED_CONSTRAINTS, "alpha": [Interval(Real, 0, 1, closed="neither")]}
 
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None,
-                 noise_variance=None,
+                 tolerance_level=0.05, noise_variance=None,
                  alpha=0.01, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS, memory_budget=DEFAULT_MEMORY_BUDGET,
                  compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.operator = operator
         self.value_map = value_map
         self.alpha = alpha
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device, tolerance)
+                     predict_sums, device, tolerance, tolerance_level)
 
     def _validate_rule_params(self):
         check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
@@ -1114,7 +1156,7 @@ class NumericalRankEstimator(_RankEstimator):
                               "rtol": [Interval(Real, 0, 1, closed="right")]}
 
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None,
-                 noise_variance=None,
+                 tolerance_level=0.05, noise_variance=None,
                  tol=None, rtol=1e-2, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.operator = operator
@@ -1122,7 +1164,7 @@ class NumericalRankEstimator(_RankEstimator):
         self.tol = tol
         self.rtol = rtol
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device, tolerance)
+                     predict_sums, device, tolerance, tolerance_level)
 
     def _validate_rule_params(self):
         check_positive(self.tol, "tol", strict=False)
@@ -1177,7 +1219,7 @@ class SoftmaxInversionEstimator(MPRankEstimator):
                               "clip": [Interval(Real, 0, 1, closed="neither")]}
 
     def __init__(self, *, value_map=None, rank=None, max_rank=None, tolerance=None,
-                 noise_variance=None, alpha=0.01,
+                 tolerance_level=0.05, noise_variance=None, alpha=0.01,
                  method="auto", clip=1e-3, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
         self.value_map = value_map
@@ -1185,7 +1227,7 @@ class SoftmaxInversionEstimator(MPRankEstimator):
         self.method = method
         self.clip = clip
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device, tolerance)
+                     predict_sums, device, tolerance, tolerance_level)
 
     def _get_operator(self):
         return "softmax"
@@ -1247,12 +1289,12 @@ class RStarEstimator(MPRankEstimator):
     """)
 
     def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, tolerance=None,
-                 noise_variance=None,
+                 tolerance_level=0.05, noise_variance=None,
                  alpha=RSTAR_ALPHA, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
                  memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu",
                  causal=False):
         super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, tolerance=tolerance,
-                         noise_variance=noise_variance,
+                         tolerance_level=tolerance_level, noise_variance=noise_variance,
                          alpha=alpha, random_state=random_state, n_null_draws=n_null_draws,
                          memory_budget=memory_budget, compute_budget=compute_budget, predict_sums=predict_sums,
                          device=device)

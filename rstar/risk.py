@@ -18,7 +18,7 @@ curve).
 import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
-           "rank_at_tolerance"]
+           "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance"]
 
 
 def centred_sums(X, Y):
@@ -63,6 +63,52 @@ def relative_excess_risk(rss, rss_full, tss):
     if not tss > 0:
         return np.zeros_like(rss)
     return np.clip((rss - float(rss_full)) / float(tss), 0.0, None)
+
+
+def excess_risk_standard_error(sample_rss, sample_rss_full, tss):
+    """Standard error of each rank's relative excess risk over the samples it was measured on.
+
+    The excess is a sum over samples, ``sum_i (rss_i(r) - rss_i(full)) / TSS``; with independent samples its
+    standard error is ``sqrt(n) std_i(rss_i(r) - rss_i(full)) / TSS`` (the sampling error of the curve, not of the
+    models behind it).
+
+    Parameters
+    ----------
+    sample_rss : array-like of shape (n_ranks, n)
+        Each sample's residual sum of squares under the rank-r models.
+    sample_rss_full : array-like of shape (n,)
+        Under the full-rank model.
+    tss : float
+
+    Returns
+    -------
+    se : ndarray of shape (n_ranks,)
+
+    Examples
+    --------
+    >>> excess_risk_standard_error([[3.0, 1.0], [1.0, 1.0]], [1.0, 1.0], 4.0)
+    array([0.5, 0. ])
+    """
+    diff = np.asarray(sample_rss, dtype=float) - np.asarray(sample_rss_full, dtype=float)[None, :]
+    n = diff.shape[1]
+    if n < 2 or not tss > 0:
+        return np.zeros(diff.shape[0])
+    return np.sqrt(n) * diff.std(axis=1, ddof=1) / float(tss)
+
+
+def excess_risk_upper_bound(curve, se, level):
+    """The one-sided ``1 - level`` upper confidence bound ``curve + z se`` (z the normal quantile); ``level = 0.5``
+    gives the curve itself.
+
+    Examples
+    --------
+    >>> excess_risk_upper_bound([0.3, 0.02], [0.01, 0.01], 0.5)
+    array([0.3 , 0.02])
+    """
+    from scipy.stats import norm
+
+    z = max(float(norm.ppf(1.0 - float(level))), 0.0)
+    return np.asarray(curve, dtype=float) + z * np.asarray(se, dtype=float)
 
 
 def rank_at_tolerance(curve, tolerance):

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rstar import (MPRankEstimator, RStarEstimator, SoftmaxInversionEstimator,  # noqa: E402
+from rstar import (EnergyRankEstimator, MPRankEstimator, RStarEstimator, SoftmaxInversionEstimator,  # noqa: E402
                    UnidentifiableRankWarning)
 from rstar.datasets import softmax_attention  # noqa: E402
 from rstar.heads import (collect_attention, estimate_heads, kernel_truncation_curve, plot_head_ranks,  # noqa: E402
@@ -281,3 +281,28 @@ def test_stdlib_text_skips_modules_shadowed_on_the_path(tmp_path, monkeypatch):
 
     text = stdlib_text(("trace", "json"))
     assert "JSON" in text and "a user script" not in text
+
+
+def test_first_order_near_t_equal_d_on_real_tokens_is_warned(minilm_layer):
+    # real tokens projected to d = 24 = T (T - 1 = 23 <= d): no residual outside col(P X_i) for the model check;
+    # the paper's first-order estimators under-count a planted rank 8 here, so they must say so and cover it
+    X = minilm_layer.X
+    _, vecs = np.linalg.eigh(np.einsum("ntd,nte->de", X, X))
+    d = 24
+    Z = X @ vecs[:, ::-1][:, :d]
+    Z /= np.sqrt(np.mean(Z**2))
+    rng = np.random.default_rng(3)
+    K = rng.standard_normal((d, 8)) @ rng.standard_normal((8, d))
+    flat = Z.reshape(-1, d)[:1000]
+    K *= 2.0 / np.std((flat[:500] @ K @ flat[500:].T) / np.sqrt(d))
+    V = rng.standard_normal((d, 8)) / np.sqrt(d)
+    Y = softmax_attention(Z, K, V)
+    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    for est in (MPRankEstimator("softmax"), EnergyRankEstimator("softmax", value_map=V)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est.fit(Z, Y)
+        assert est.inversion_ == "softmax_first_order"
+        assert any("no residual outside col(P X_i)" in str(w.message)
+                   and issubclass(w.category, UnidentifiableRankWarning) for w in caught)
+        assert est.rank_interval_ == (0, d)

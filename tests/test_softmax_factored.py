@@ -187,8 +187,9 @@ def test_causal_attention_is_fitted_with_its_mask():
 
 def test_a_count_that_does_not_settle_is_refitted_at_a_larger_rank(monkeypatch):
     # A rank-q fit below r* has no stable optimum (a noise-free real head fitted at q = 8 kept sharpening); here
-    # "settled" is made unreachable, so the first stage runs out of segments and q doubles after
-    # FACTORED_UNSETTLED_SEGMENTS of them (the larger fit then stops on the loss tolerance).
+    # "settled" is made unreachable, so the first stage runs out of segments: with directions to spare (r* = 2
+    # at q = 8) it waits them out at q = 8; counted as using all of them, q doubles after
+    # FACTORED_UNSETTLED_SEGMENTS segments (the larger fit then stops on the loss tolerance).
     import rstar.inversions.softmax_factored as F
 
     X, Y, teacher = make_attention_task(600, seq_len=8, n_features=24, value_dim=8, noise=0.05, rank=2,
@@ -197,6 +198,37 @@ def test_a_count_that_does_not_settle_is_refitted_at_a_larger_rank(monkeypatch):
     settled = factored_statistic(halves, teacher.value_map)
     assert settled.null.fitted_rank == 8 and not settled.warnings
     monkeypatch.setattr(F, "FACTORED_STABLE_RTOL", 0.0)
+    waited = factored_statistic(halves, teacher.value_map)
+    assert waited.null.fitted_rank == 8 and split_half_result(waited).rank == 2
+    monkeypatch.setattr(F, "FACTORED_FILL_RATIO", 0.0)
     ws = factored_statistic(halves, teacher.value_map)
     assert ws.null.fitted_rank == 16
     assert split_half_result(ws).rank == 2   # the larger fit still reads r*
+
+
+def test_tolerance_is_read_off_the_curves_upper_confidence_bound():
+    # the factored fit measures its cross-fitted curve per sample: rank_ reads curve + z se at tolerance_level
+    from scipy.stats import norm
+
+    from rstar.risk import rank_at_tolerance
+
+    X, Y, teacher = _task(3, seed=2)
+    est = RStarEstimator(value_map=teacher.value_map, tolerance=0.05).fit(X, Y)
+    curve, se, upper = est.risk_curve_, est.risk_curve_se_, est.risk_curve_upper_
+    assert se.shape == curve.shape and np.all(se >= 0) and se[0] > 0
+    assert se[-1] < se[0]   # where the rank-r model is the full one nearly, its per-sample differences vanish
+    np.testing.assert_allclose(upper, curve + norm.ppf(0.95) * se)
+    assert est.rank_ == rank_at_tolerance(upper, 0.05) == est.rank_at_tolerance(0.05)
+    point = RStarEstimator(value_map=teacher.value_map, tolerance=0.05, tolerance_level=0.5).fit(X, Y)
+    np.testing.assert_allclose(point.risk_curve_upper_, point.risk_curve_)
+    assert point.rank_ == rank_at_tolerance(curve, 0.05) <= est.rank_
+    # the bound: one-sided level in (0, 0.5]
+    with pytest.raises(ValueError, match="tolerance_level"):
+        RStarEstimator(tolerance=0.05, tolerance_level=0.9).fit(X, Y)
+
+
+def test_closed_form_curves_have_no_standard_error():
+    X, Y = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
+    est = RStarEstimator("linear_qk", tolerance=0.05).fit(X, Y)
+    assert est.risk_curve_se_ is None
+    np.testing.assert_array_equal(est.risk_curve_upper_, est.risk_curve_)

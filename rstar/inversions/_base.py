@@ -96,6 +96,12 @@ class Inversion:
         """
         return operator_residuals(lambda basis: self.fit_operator(stats, basis), ws, ranks, samples)
 
+    def rank_residual_samples(self, stats, ws, ranks, samples, ops=None):
+        """Each sample's residual sum of squares under the rank-r operators (a list of arrays of shape (n,), in
+        the order of :meth:`risk_samples`), where this inversion measures its curve per sample; None here (the
+        curve's sampling error is then not measured)."""
+        return None
+
     def risk_samples(self, stats, ws, samples):
         """The samples :meth:`rank_residuals` measures its sums on (the total sum of squares must be of the
         same ones): here ``samples`` itself."""

@@ -291,6 +291,19 @@ class QueryKeyInversion(Inversion):
                              "sigma_min(X_i)^2 and the noise Gram is whitened; the estimate rests on the "
                              "better-conditioned samples and may be unreliable. Use T >= 1.5 d or more samples."))
         rank_bounds = None
+        if self.centred and aspect > ILL_CONDITIONED_ASPECT and T_eff <= d:
+            # softmax at T - 1 close to d, from below: no degrees of freedom outside col(P X_i) for the model check
+            # (first_order_misfit), and on real tokens the count is far off (MiniLM's tokens on their top 32
+            # principal directions, T = 32: planted r* = 8 and 16 read 2 and 5)
+            rank_bounds = (0, d)
+            warnings.append((UnidentifiableRankWarning,
+                             f"the first-order softmax statistic at T-1={T_eff} centred tokens and d={d} features has "
+                             "no residual outside col(P X_i) to check its model against, and near T - 1 = d its "
+                             "higher-order terms and the tokens' anisotropy are not told from signal (on real "
+                             "tokens planted ranks were under-counted several-fold): rank_ may be far off; "
+                             f"rank_interval_ is (0, {d}). What would help: T - 1 > d (sequences longer than "
+                             "the feature count, where the model check applies), or the least-squares fit "
+                             "(RStarEstimator), which is well posed here."))
         if self.centred and d > FIRST_ORDER_MAX_ASPECT * T_eff:
             rank_bounds = (0, d)
             warnings.append((UnidentifiableRankWarning,

@@ -12,9 +12,12 @@ whitened half-difference ``(K_1 - K_2) / 2`` — one draw of the half-sum's
 noise, since the halves share the signal and carry independent noise of one
 law (:class:`SplitHalfNull`, :func:`rstar.rules.split_half_result`).
 
-q starts at ``FACTORED_START_RANK`` and doubles, from the previous fit, while
-nearly all of its directions stand above the null (r* could exceed q) and the
-compute budget allows; the statistic records the q it stopped at.
+q starts at ``FACTORED_START_RANK`` (or above the first-order count) and
+doubles, from the previous fit, while nearly all of its directions stand above
+the null (r* could exceed q), or while its count has not settled after
+``FACTORED_UNSETTLED_SEGMENTS`` segments (a rank-q fit below r* has no stable
+optimum), where d and the compute budget allow; the statistic records the q it
+stopped at.
 """
 
 import numpy as np
@@ -25,7 +28,7 @@ from ._base import MIN_NOISE_DOF
 from ._statistic import SplitHalfNull, WhitenedStatistic
 
 __all__ = ["FACTORED_NAME", "FACTORED_START_RANK", "FACTORED_SEGMENT_ITER", "FACTORED_STABLE_RTOL",
-           "FACTORED_UNSETTLED_SEGMENTS",
+           "FACTORED_UNSETTLED_SEGMENTS", "FACTORED_FILL_RATIO",
            "factored_fit_blocker", "factored_capacity", "factored_statistic", "factored_rank_residuals",
            "factored_operator", "truncated_kernel", "first_order_count", "first_order_start_rank"]
 
@@ -36,15 +39,22 @@ FACTORED_START_RANK = 8
 #: The L-BFGS iterations of each half's fit run in segments of this many; after each the split-half count is
 #: read, and the fit stops once a segment leaves it unchanged (or the iterations, or the compute budget, run out).
 FACTORED_SEGMENT_ITER = 50
-#: "Unchanged": the same counts (above the margin, and above the null), and the singular values above the
-#: margin within this relative change (those between the null and the margin only widen the interval, and a
-#: direction at the noise level wanders by more than this from one segment to the next).
+#: "Unchanged": the same count above the margin, and the singular values above it within this relative change.
+#: Directions between the null and the margin only widen the interval, and one at the noise level wanders: a
+#: fourth direction on a planted rank 3 (V fitted, MiniLM's tokens) stood at 0.9-1.8 times the null's largest
+#: for 250 iterations, flipping the count above the null at every check.
 FACTORED_STABLE_RTOL = 0.01
 #: A rank whose count has not settled after this many segments is doubled (where d, the residual degrees of
-#: freedom and the compute budget allow): a rank-q fit below r* has no stable optimum to settle on (a
-#: noise-free MiniLM head fitted at q = 8 kept sharpening for 400 iterations, its half-difference as large as
-#: its fifth direction), and a larger q is what settles it.
+#: freedom and the compute budget allow) if the fit uses all q directions (its q-th singular value above
+#: ``FACTORED_FILL_RATIO`` times its first) and its leading value still moved by more than
+#: ``FACTORED_STABLE_RTOL`` in the last segment: a rank-q fit below r* has no stable optimum to settle on (a
+#: noise-free MiniLM head fitted at q = 8 kept sharpening for 400 iterations, its leading value 30 -> 62, its
+#: eighth 8, its half-difference as large as its fifth direction), and a larger q is what settles it. A fit
+#: with directions to spare is waiting out a transient instead (V fitted on real tokens: a planted rank 3 grew
+#: its leading value for 200 iterations and carried a shared fourth direction for 350; doubling it read 4).
 FACTORED_UNSETTLED_SEGMENTS = 4
+#: "Uses all q directions": the q-th singular value of the half-sum above this fraction of the first.
+FACTORED_FILL_RATIO = 0.05
 
 
 def _residual_dof(n, T, d, d_v, q, value_map_known):
@@ -118,7 +128,7 @@ def _split_half(K1, K2, metric):
     return U, s, Wt.T, sd
 
 
-def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FACTORED_MAX_ITER,
+def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
                        margin=None, start_rank=None, mask=None):
     """The split-half statistic of the factored least squares.
 
@@ -128,8 +138,9 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
         The samples with odd and with even global index (internal units).
     value_map : ndarray of shape (d, d_v) or None
     budget : CostBudget
-    max_iter : int
-        L-BFGS iterations of each fit.
+    max_iter : int or None
+        L-BFGS iterations of each rank's fit at most (None: :data:`rstar._softmax_factored.FACTORED_MAX_ITER`, or
+        :data:`rstar._softmax_factored.FACTORED_MAX_ITER_FITTED_V` with V fitted).
     margin : float or None
         The test's margin (None: :data:`rstar.rules.SPLIT_HALF_MARGIN`).
     start_rank : int or None
@@ -149,6 +160,8 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
     _, T, d = X1.shape
     d_v = Y1.shape[2]
     known = value_map is not None
+    if max_iter is None:
+        max_iter = sf.FACTORED_MAX_ITER if known else sf.FACTORED_MAX_ITER_FITTED_V
     metric = sf.token_metric_roots(np.concatenate([X1, X2]))
     margin = SPLIT_HALF_MARGIN if margin is None else float(margin)
     seg = FACTORED_SEGMENT_ITER
@@ -192,12 +205,16 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=sf.FAC
         previous = state.get("previous")
         state["previous"] = (count, s)
         state["count"] = count
-        if (previous is not None and previous[0] == count
+        if (previous is not None and previous[0][0] == count[0]
                 and np.allclose(s[:count[0]], previous[1][:count[0]], rtol=FACTORED_STABLE_RTOL, atol=0.0)):
             state["outcome"] = "settled"
             return True
         state["segments"] += 1
-        if state["segments"] >= FACTORED_UNSETTLED_SEGMENTS and can_double():
+        # a fit that uses all q directions and still reshapes its leading one after FACTORED_UNSETTLED_SEGMENTS
+        # segments is below r*; a fit with directions to spare is waiting out a transient (V fitted on real tokens)
+        moving = previous is not None and s[0] > 0 and abs(s[0] - previous[1][0]) > FACTORED_STABLE_RTOL * s[0]
+        filled = s.size >= q and s[q - 1] > FACTORED_FILL_RATIO * s[0]
+        if state["segments"] >= FACTORED_UNSETTLED_SEGMENTS and moving and filled and can_double():
             state["outcome"] = "double"
             return True
         if not budget.allows_compute(spent + _segment_cost(n, T, d, d_v, q, known)):
@@ -269,7 +286,7 @@ def truncated_kernel(ws, r):
     return Mq_inv @ (U[:, :r] * s[:r]), Mk_inv @ W[:, :r]
 
 
-def factored_rank_residuals(ws, halves, value_map, ranks, mask=None):
+def factored_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False):
     """Cross-fitted residual sums of squares of the rank-r models for r in ``ranks`` (None: the fitted kernels
     themselves): each half's kernel, truncated to rank r in the token metric (V known, or refitted on that
     half given the truncation's attention), is measured on the *other* half, and the two sums are added.
@@ -286,16 +303,19 @@ def factored_rank_residuals(ws, halves, value_map, ranks, mask=None):
         The samples the halves were fitted on, in the same order.
     value_map : ndarray or None
     ranks : list of int or None
+    per_sample : bool, default=False
+        Each sample's residual sum of squares (an array of shape (n,) per rank: the second half's samples under
+        the first half's model, then the first half's under the second's) instead of their total.
     """
     metric = ws.null.metric
     out = []
     for r in ranks:
-        total = 0.0
+        parts = []
         for (A_h, B_h), (Xf, Yf), (Xo, Yo) in zip(ws.null.half_kernels, halves, halves[::-1]):
             A, B = (A_h, B_h) if r is None else _truncation(metric, A_h, B_h, r)
             V = value_map if value_map is not None else sf.value_map_given_kernel(Xf, Yf, A, B, mask)
-            total += sf.factored_rss(Xo, Xo @ V, Yo, A, B, mask)
-        out.append(total)
+            parts.append(sf.factored_sample_rss(Xo, Xo @ V, Yo, A, B, mask))
+        out.append(np.concatenate(parts) if per_sample else float(sum(np.sum(p) for p in parts)))
     return out
 
 

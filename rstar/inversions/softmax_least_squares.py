@@ -340,6 +340,13 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         sigma2 = rss * sy**2 / self.residual_dof(samples.n_samples, T, d, d_v, self.value_map is not None)
         return K / sx**2, V * (sy / sx), sigma2, converged
 
+    def rank_residual_samples(self, stats, ws, ranks, samples=None, ops=NUMPY):
+        """Per-sample residuals of the factored fit's cross-fitted rank-r models (None for the other runs)."""
+        if ws.inversion != self.factored_name:
+            return None
+        return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
+                                       per_sample=True)
+
     def rank_residuals(self, stats, ws, ranks, samples=None, ops=NUMPY):
         """Residual sums of squares of the rank-r truncations of the fitted kernel, r in ``ranks`` (None: the
         full-rank kernel), V known or profiled out for each, on the samples the least squares read.
