@@ -679,16 +679,19 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         inv = self._inv
         kw = {"ops": resolve_backend(self.device)} if getattr(inv, "reads_sample_passes", False) else {}
         top = min(ws.dim, max(int(res.rank_interval[1]), int(res.rank)))
-        per_sample = inv.rank_residual_samples(self._stats, ws, [None], samples, **kw) is not None
+        first = [None, *range(top + 1)]
+        # each sample's residuals where the inversion measures its curve per sample (for its standard error)
+        parts = inv.rank_residual_samples(self._stats, ws, first, samples, **kw)
+        per_sample = parts is not None
 
         def residuals(ranks):
-            # totals, and each sample's where the inversion measures its curve per sample (its standard error)
+            # the totals (and each sample's, where measured) of the rank-r models for r in ranks
             if per_sample:
                 parts = inv.rank_residual_samples(self._stats, ws, list(ranks), samples, **kw)
                 return [float(np.sum(p)) for p in parts], parts
             return inv.rank_residuals(self._stats, ws, list(ranks), samples, **kw), None
 
-        rss, parts = residuals([None, *range(top + 1)])
+        rss = [float(np.sum(p)) for p in parts] if per_sample else residuals(first)[0]
         if rss is None:
             raise ValueError("tolerance needs the closed-form operators of every rank, whose moment sums were not "
                              "accumulated (predict_sums=False, or over the memory budget for this T, d and d_v).")
