@@ -28,9 +28,10 @@ the tokens centred within their sequence.
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import linalg, optimize
+from scipy import linalg
 
 from ._backend import NUMPY
+from ._lbfgs import minimize_lbfgs
 from ._linalg import psd_power, solve_psd
 
 __all__ = [
@@ -333,46 +334,41 @@ def extended_start(X, Y, fit, rank, mask=None, precondition=None):
 
 
 def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, check_every=None):
-    """L-BFGS on the blocks (each ``d x k``) in preconditioned coordinates ``block = P block~``.
+    """L-BFGS (:func:`rstar._lbfgs.minimize_lbfgs`) on the blocks (each ``d x k``) in preconditioned coordinates
+    ``block = P block~``.
 
     ``precondition = (P, P_inv)`` (symmetric ``d x d``, e.g. ``M^{-1/2}`` and ``M^{1/2}`` of the token second
     moment, so that anisotropic tokens do not make the loss badly conditioned) or None. ``fun`` maps the blocks
     to ``(f, [gradients])``. ``on_check(blocks, n_iter)`` is called every ``check_every`` iterations and stops
     the run by returning True. Returns ``(blocks, f, n_iter, converged)``; converged means stopped on the loss
-    tolerance (not the iteration limit, not ``on_check``).
+    tolerance or with no step left to take (not the iteration limit, not ``on_check``).
     """
     P, P_inv = precondition if precondition is not None else (None, None)
-    shapes = [b.shape for b in blocks]
-    sizes = np.cumsum([0] + [int(np.prod(sh)) for sh in shapes])
+    d = blocks[0].shape[0]
+    edges = np.cumsum([0] + [b.shape[1] for b in blocks])
 
+    # the blocks side by side as one d x K matrix, so that the preconditioner is one product each way
     def unpack(theta):
-        out = [theta[sizes[k]:sizes[k + 1]].reshape(shapes[k]) for k in range(len(shapes))]
-        return out if P is None else [P @ b for b in out]
+        M = theta.reshape(d, edges[-1])
+        M = M if P is None else P @ M
+        return [np.ascontiguousarray(M[:, edges[k]:edges[k + 1]]) for k in range(len(blocks))]
 
     def wrapped(theta):
         f, grads = fun(unpack(theta))
-        if P is not None:
-            grads = [P @ g for g in grads]   # P symmetric: d f / d b~ = P^T d f / d b
-        return f, np.concatenate([g.ravel() for g in grads])
+        G = np.hstack(grads)
+        return f, (G if P is None else P @ G).ravel()   # P symmetric: d f / d b~ = P^T d f / d b
 
-    start = blocks if P_inv is None else [P_inv @ b for b in blocks]
-    theta0 = np.concatenate([b.ravel() for b in start])
+    start = np.hstack(blocks)
+    theta0 = (start if P_inv is None else P_inv @ start).ravel()
     f0 = wrapped(theta0)[0]
     # stop once an iteration gains less than tol times the loss per observation (f <= f0 throughout)
     ftol = tol / n_obs * max(f0, 1e-300) / max(f0, 1.0)
-    state = {"nit": 0, "stopped": False}
 
-    def callback(intermediate_result):
-        state["nit"] += 1
-        if on_check is not None and state["nit"] % check_every == 0:
-            if on_check(unpack(intermediate_result.x), state["nit"]):
-                state["stopped"] = True
-                raise StopIteration
+    def callback(theta, nit):
+        return on_check is not None and nit % check_every == 0 and bool(on_check(unpack(theta), nit))
 
-    res = optimize.minimize(wrapped, theta0, jac=True, method="L-BFGS-B", callback=callback,
-                            options={"maxiter": int(max_iter), "ftol": ftol, "gtol": 0.0, "maxcor": 20})
-    nit = max(int(res.nit), state["nit"])
-    return unpack(res.x), float(res.fun), nit, bool(nit < max_iter and not state["stopped"])
+    theta, f, nit, status = minimize_lbfgs(wrapped, theta0, int(max_iter), ftol, memory=20, callback=callback)
+    return unpack(theta), float(f), nit, status in ("converged", "line_search")
 
 
 def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=FACTORED_MAX_ITER,

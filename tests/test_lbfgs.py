@@ -1,0 +1,76 @@
+"""The unconstrained L-BFGS behind the factored softmax fit: its minima, its stopping rules, its callback."""
+
+import numpy as np
+import pytest
+from scipy import optimize
+
+from rstar._lbfgs import minimize_lbfgs
+
+
+def _rosen(x):
+    return optimize.rosen(x), optimize.rosen_der(x)
+
+
+@pytest.mark.parametrize("n", [2, 10, 50])
+def test_rosenbrock_minimum_reached(n):
+    x0 = np.full(n, -1.2)
+    x0[1::2] = 1.0
+    x, f, nit, status = minimize_lbfgs(_rosen, x0, 2000, 1e-15)
+    assert status == "converged"
+    np.testing.assert_allclose(x, np.ones(n), atol=1e-4)
+    assert f < 1e-8
+    # no slower than scipy's L-BFGS-B with the same memory on this problem (within a factor for the search)
+    ref = optimize.minimize(_rosen, x0, jac=True, method="L-BFGS-B",
+                            options={"maxcor": 20, "ftol": 1e-15, "gtol": 0.0, "maxiter": 2000})
+    assert nit <= 2 * ref.nit + 10
+
+
+def test_matches_scipy_on_an_ill_conditioned_least_squares():
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((200, 60)) * np.logspace(0, 2, 60)   # Hessian condition number about 1e4
+    b = rng.standard_normal(200)
+
+    def fun(x):
+        r = A @ x - b
+        return float(r @ r), 2 * A.T @ r
+
+    x, f, nit, status = minimize_lbfgs(fun, np.zeros(60), 5000, 1e-14)
+    exact = np.linalg.lstsq(A, b, rcond=None)[0]
+    best = float(np.sum((A @ exact - b) ** 2))
+    ref = optimize.minimize(fun, np.zeros(60), jac=True, method="L-BFGS-B",
+                            options={"maxcor": 20, "ftol": 1e-14, "gtol": 0.0, "maxiter": 5000})
+    assert status == "converged" and nit <= 1.5 * ref.nit
+    assert f == pytest.approx(best, rel=1e-10)
+
+
+def test_stopping_rules():
+    calls = []
+
+    def stop_at_three(x, nit):
+        calls.append(nit)
+        return nit == 3
+
+    x0 = np.array([-1.2, 1.0])
+    _, _, nit, status = minimize_lbfgs(_rosen, x0, 100, 0.0, callback=stop_at_three)
+    assert (nit, status, calls) == (3, "stopped", [1, 2, 3])
+    _, f5, nit, status = minimize_lbfgs(_rosen, x0, 5, 0.0)
+    assert (nit, status) == (5, "max_iter")
+    assert f5 < optimize.rosen(x0)
+    # a loose ftol stops early on a run that still gains
+    _, _, nit_loose, status = minimize_lbfgs(_rosen, x0, 1000, 1e-2)
+    assert status == "converged" and nit_loose < 30
+    # at the minimum already: no descent direction, no step taken
+    _, f, nit, status = minimize_lbfgs(_rosen, np.ones(2), 100, 1e-12)
+    assert (f, nit, status) == (0.0, 0, "line_search")
+
+
+def test_each_point_is_evaluated_once():
+    seen = []
+
+    def fun(x):
+        seen.append(x.copy())
+        return _rosen(x)
+
+    minimize_lbfgs(fun, np.array([-1.2, 1.0]), 50, 0.0)
+    keys = [p.tobytes() for p in seen]
+    assert len(keys) == len(set(keys))
