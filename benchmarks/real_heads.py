@@ -57,8 +57,9 @@ def _args():
                         "later file, take precedence): to measure the 72 heads in pieces")
     p.add_argument("--planted-dims", default="384,16,32",
                    help="comma-separated d of the planted kernels (384: the raw tokens; less: their top PCs)")
-    p.add_argument("--merge-planted", default=None, metavar="JSON",
-                   help="take the planted rows of these d from an earlier real_heads.json (d not in --planted-dims)")
+    p.add_argument("--merge-planted", default=None, metavar="JSON[,JSON...]",
+                   help="take the planted rows of the d not fitted in this run from earlier real_heads.json files "
+                        "(each d from the last file that has it)")
     p.add_argument("--planted-budget", type=float, default=2**41,
                    help="RStarEstimator's compute_budget on the planted kernels (V unknown at d = 384 needs "
                         "about 400 iterations per half: over the default 2**39)")
@@ -239,7 +240,7 @@ def figures(planted_rows, head_rows, folders):
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, col in zip(axes.ravel(), ("rank_at_0.01", "truncation_rank_at_0.01", "kernel_energy_rank",
                                       "rank_at_0.05", "truncation_rank_at_0.05", "weight_mp_spikes")):
-        if all(h.get(col) is not None for h in head_rows):
+        if head_rows and all(h.get(col) is not None for h in head_rows):
             plot_head_ranks(head_rows, col, ax=ax)
         else:
             ax.set_axis_off()
@@ -297,9 +298,13 @@ def main():
             planted_rows = planted(layer0.X, layer0.head(0).value_map()[:-1], (0, 3) if args.quick else (0, 3, 8, 16),
                                    (384, 16) if args.quick else dims, budget=args.planted_budget)
         if args.merge_planted:
-            earlier = json.loads(Path(args.merge_planted).read_text())["planted"]
-            fitted = set() if args.skip_planted else set(dims)
-            planted_rows = [r for r in earlier if r["d"] not in fitted] + planted_rows
+            # each d from the last place that has it: this run, else the later file
+            have = set() if args.skip_planted else set(dims)
+            for path in reversed(args.merge_planted.split(",")):
+                earlier = [r for r in json.loads(Path(path).read_text())["planted"] if r["d"] not in have]
+                have |= {r["d"] for r in earlier}
+                planted_rows = earlier + planted_rows
+            planted_rows.sort(key=lambda r: -r["d"])
         head_rows = []
         if not args.skip_heads:
             layers_idx = [0, 3] if args.quick else (None if args.layers is None else
