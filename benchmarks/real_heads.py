@@ -168,6 +168,7 @@ def heads(layers, held_out_layers, budget, tolerances=(0.01, 0.05)):
             row = dict(layer=layer.index, head=head.head, noise_floor_rank=int(est.noise_floor_rank_),
                        interval=list(est.noise_floor_interval_), inversion=est.inversion_, seconds=round(secs, 2),
                        fitted_rank=getattr(est.statistic_.null, "fitted_rank", None),
+                       curve_resolution=getattr(est, "risk_curve_resolution_", None),
                        unidentified=any("Unidentifiable" in w.category.__name__ for w in caught),
                        kernel_rank=int(np.sum(sv > sv[0] * 1e-10)))
             for e in tolerances:
@@ -334,7 +335,8 @@ def main():
                    elapsed_s=time.perf_counter() - t_all)
     (out / "real_heads.json").write_text(json.dumps(payload, indent=1))
     planted_cols = ["d", "T", "n", "r", "V", "estimator", "rank", "interval", "inversion", "outcome", "seconds"]
-    head_cols = ["layer", "head", "noise_floor_rank", "interval", "fitted_rank", "kernel_rank", "rank_at_0.01",
+    head_cols = ["layer", "head", "noise_floor_rank", "interval", "fitted_rank", "curve_resolution", "kernel_rank",
+                 "rank_at_0.01",
                  "held_out_excess_at_0.01", "held_out_se_at_0.01", "truncation_rank_at_0.01", "rank_at_0.05",
                  "held_out_excess_at_0.05", "held_out_se_at_0.05",
                  "truncation_rank_at_0.05", "kernel_energy_rank", "activation_svd_rank_90", "weight_mp_spikes",

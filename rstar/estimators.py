@@ -33,7 +33,7 @@ from .exceptions import InversionFallbackWarning, UnidentifiableRankWarning
 from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
 from .inversions._base import sample_capacity, stop_keeping_samples
 from .metrics import token_r2_score
-from .risk import (centred_sums, excess_risk_standard_error, excess_risk_upper_bound, rank_at_tolerance,
+from .risk import (CURVE_RESOLUTION_FRACTION, centred_sums, excess_risk_standard_error, excess_risk_upper_bound, rank_at_tolerance,
                    relative_excess_risk, total_sum_of_squares)
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
 from .streaming import ArraySamples, BatchSamples, DaskSamples, is_dask_collection
@@ -626,7 +626,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             interval = (min(interval[0], int(bounds[0])), max(interval[1], int(bounds[1])))
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
-        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_"):
+        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_resolution_"):
             self.__dict__.pop(attr, None)
         if self.tolerance is not None:
             rank, interval = self._tolerance_rank(ws, res, curve_samples)
@@ -728,6 +728,21 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 f"identify its statistic (see the other warning): that fit may fall short of the unconstrained "
                 f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {ws.dim}. What would "
                 "help: the remedy the other warning names.", UnidentifiableRankWarning, stacklevel=5)
+        disagreement = inv.half_disagreement(self._stats, ws)
+        self.risk_curve_resolution_ = disagreement
+        if disagreement is not None and disagreement > CURVE_RESOLUTION_FRACTION * tol:
+            # the curve compares models fitted on half the samples; where those disagree by more than the
+            # tolerance allows, it cannot say whether the half-sum model predict uses reaches it
+            interval = (interval[0], int(ws.dim))
+            warnings.warn(
+                f"tolerance={tol:g} is finer than this risk curve resolves: it is measured on the two halves' "
+                f"{ws.inversion} fits, whose outputs disagree by {disagreement:.3g} of Var(Y) (a quarter of their "
+                "mean squared difference: the excess of a half's model over their mean, to first order), more "
+                f"than {CURVE_RESOLUTION_FRACTION:g} times the tolerance, so the rank read ({rank}) may be too "
+                f"small (or large) for the model predict uses; rank_interval_ reaches {ws.dim}. The halves settle "
+                "on different optima where the rank fitted is too small for the task, or the samples too few: "
+                "more samples, a larger tolerance, or a larger compute_budget would help.",
+                UnidentifiableRankWarning, stacklevel=5)
         if rank > res.rank_interval[1]:
             warnings.warn(
                 f"tolerance={tol:g} is finer than the noise resolves: the rank it reads ({rank}) exceeds the "
@@ -1025,6 +1040,13 @@ _FITTED_DOC = """
         ``rank_interval_`` are read from, ``risk_curve_ + z risk_curve_se_``
         with z the normal quantile at ``1 - tolerance_level`` (the curve
         itself where there is no standard error).
+    risk_curve_resolution_ : float or None
+        Only with a ``tolerance``: where the curve is measured on models
+        fitted on half the samples (the factored least squares), how far the
+        two halves' full models disagree, a quarter of their mean squared
+        difference over Var(Y) (to first order, a half model's excess risk
+        over their mean). Above half the tolerance the reading is warned
+        and ``rank_interval_`` reaches d. None elsewhere.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)

@@ -18,7 +18,15 @@ curve).
 import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
-           "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance"]
+           "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance",
+           "CURVE_RESOLUTION_FRACTION"]
+
+#: A curve measured on models fitted on half the samples (the factored least squares) resolves a tolerance only
+#: where the two halves' full models disagree by at most this fraction of it (relative to Var(Y), a quarter of
+#: their mean squared difference: see :func:`rstar.inversions.softmax_factored.factored_half_disagreement`);
+#: beyond it the reading is warned and its interval reaches d. Settled MiniLM heads: 1e-4 of Var(Y); a head
+#: whose halves settled on different optima: 0.095.
+CURVE_RESOLUTION_FRACTION = 0.5
 
 
 def centred_sums(X, Y):

@@ -232,3 +232,35 @@ def test_closed_form_curves_have_no_standard_error():
     est = RStarEstimator("linear_qk", tolerance=0.05).fit(X, Y)
     assert est.risk_curve_se_ is None
     np.testing.assert_array_equal(est.risk_curve_upper_, est.risk_curve_)
+
+
+def test_halves_that_disagree_beyond_the_tolerance_are_warned():
+    # the cross-fitted curve compares half models; where they disagree by more than half the tolerance it cannot
+    # resolve it: warned, interval to d (a MiniLM head whose halves settled on different optima read 6.9% for 1%)
+    from rstar.inversions.softmax_factored import factored_half_disagreement
+    from rstar.risk import centred_sums, total_sum_of_squares
+
+    X, Y, teacher = _task(3, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnidentifiableRankWarning)
+        est = RStarEstimator(value_map=teacher.value_map, tolerance=0.01).fit(X, Y)
+    assert est.rank_ == 3 and 0 < est.risk_curve_resolution_ < 0.005
+    # by hand: a quarter of the halves' squared output difference over every sample, relative to TSS
+    halves = est._inv._halves(est._stats)
+    (A1, B1), (A2, B2) = est.statistic_.null.half_kernels
+    V = est._inv.value_map
+    diff = sum(np.sum((sf._attention(Xh, A1, B1) @ (Xh @ V) - sf._attention(Xh, A2, B2) @ (Xh @ V)) ** 2)
+               for Xh, _ in halves)
+    tss = sum(total_sum_of_squares(centred_sums(Xh, Yh)) for Xh, Yh in halves)
+    assert est.risk_curve_resolution_ == pytest.approx(diff / (4 * tss), rel=1e-10)
+    same = WhitenedStatistic(est.statistic_.eigenvalues, None, None, 1.0,
+                             SplitHalfNull(half_kernels=((A1, B1), (A1, B1))), FACTORED_NAME)
+    assert factored_half_disagreement(same, halves, V) == 0.0
+    # few noisy samples: the halves' fits differ by far more than 1% of Var(Y)
+    X, Y, teacher = make_attention_task(200, rank=3, random_state=0, return_teacher=True, **{**SHAPE, "noise": 0.5})
+    with pytest.warns(UnidentifiableRankWarning, match="finer than this risk curve resolves"):
+        noisy = RStarEstimator(value_map=teacher.value_map, tolerance=0.01).fit(X, Y)
+    assert noisy.risk_curve_resolution_ > 0.05 and noisy.rank_interval_[1] == SHAPE["n_features"]
+    # closed-form inversions measure no half models
+    Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
+    assert RStarEstimator("linear_qk", tolerance=0.05).fit(Xq, Yq).risk_curve_resolution_ is None

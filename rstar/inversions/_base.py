@@ -102,6 +102,11 @@ class Inversion:
         curve's sampling error is then not measured)."""
         return None
 
+    def half_disagreement(self, stats, ws):
+        """Where the curve is measured on models fitted on half the samples: how far the two halves' full models
+        disagree, relative to Var(Y) (the curve's resolution); None here."""
+        return None
+
     def risk_samples(self, stats, ws, samples):
         """The samples :meth:`rank_residuals` measures its sums on (the total sum of squares must be of the
         same ones): here ``samples`` itself."""

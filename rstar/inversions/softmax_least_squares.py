@@ -18,6 +18,7 @@ from .softmax_factored import (
     FACTORED_NAME,
     factored_capacity,
     factored_fit_blocker,
+    factored_half_disagreement,
     factored_operator,
     factored_rank_residuals,
     factored_statistic,
@@ -346,6 +347,12 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             return None
         return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
                                        per_sample=True)
+
+    def half_disagreement(self, stats, ws):
+        """The factored run's :func:`factored_half_disagreement` (None for the other runs)."""
+        if ws.inversion != self.factored_name:
+            return None
+        return factored_half_disagreement(ws, self._halves(stats), self.value_map, self._mask(stats))
 
     def rank_residuals(self, stats, ws, ranks, samples=None, ops=NUMPY):
         """Residual sums of squares of the rank-r truncations of the fitted kernel, r in ``ranks`` (None: the
