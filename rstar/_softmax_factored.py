@@ -42,7 +42,7 @@ __all__ = [
     "factored_loss",
     "factored_rss",
     "factored_sample_rss",
-    "factored_sample_rss_and_disagreement",
+    "factored_sample_disagreement",
     "joint_loss",
     "joint_loss_terms",
     "kernel_gradient",
@@ -190,30 +190,26 @@ def factored_sample_rss(X, Z, Y, A, B, mask=None):
     return out
 
 
-def factored_sample_rss_and_disagreement(X, Y, model, other, mask=None):
-    """Each sample's residual sum of squares under ``model`` and its squared distance to ``other``'s output.
+def factored_sample_disagreement(X, model, other, mask=None):
+    """Each sample's squared distance between two models' outputs, ``||P_i(K) Z_i - P_i(K') Z'_i||^2``.
 
     Parameters
     ----------
     X : ndarray of shape (n, T, d)
-    Y : ndarray of shape (n, T, d_v)
     model, other : tuple ``(Z, A, B)``
         A model's value path ``Z = X V`` of shape (n, T, d_v) and its kernel factors ``K = A B^T``.
 
     Returns
     -------
-    rss, disagreement : ndarray of shape (n,)
-        ``||P_i(K) Z_i - Y_i||^2`` and ``||P_i(K) Z_i - P_i(K') Z'_i||^2``.
+    ndarray of shape (n,)
     """
     n, T, d = X.shape
-    rss, dis = np.empty(n), np.empty(n)
+    out = np.empty(n)
     (Z, A, B), (Z2, A2, B2) = model, other
     for part in _chunks(n, T, d):
-        F = _attention(X[part], A, B, mask) @ Z[part]
-        R, D = F - Y[part], F - _attention(X[part], A2, B2, mask) @ Z2[part]
-        rss[part] = np.einsum("ntv,ntv->n", R, R)
-        dis[part] = np.einsum("ntv,ntv->n", D, D)
-    return rss, dis
+        D = _attention(X[part], A, B, mask) @ Z[part] - _attention(X[part], A2, B2, mask) @ Z2[part]
+        out[part] = np.einsum("ntv,ntv->n", D, D)
+    return out
 
 
 def _attention(X, A, B, mask=None):

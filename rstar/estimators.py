@@ -33,8 +33,8 @@ from .exceptions import InversionFallbackWarning, UnidentifiableRankWarning
 from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
 from .inversions._base import sample_capacity, stop_keeping_samples
 from .metrics import token_r2_score
-from .risk import (CURVE_RESOLUTION_FRACTION, centred_sums, excess_risk_standard_error, excess_risk_upper_bound, rank_at_tolerance,
-                   relative_excess_risk, total_sum_of_squares)
+from .risk import (CURVE_RESOLUTION_FRACTION, centred_sums, excess_risk_standard_error, excess_risk_upper_bound,
+                   rank_at_tolerance, relative_excess_risk, total_sum_of_squares)
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
 from .streaming import ArraySamples, BatchSamples, DaskSamples, is_dask_collection
 

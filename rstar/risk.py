@@ -24,7 +24,7 @@ __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "rel
 #: A curve measured on models fitted on half the samples (the factored least squares) resolves a tolerance only
 #: where the two halves' full models disagree by at most this fraction of it (relative to Var(Y), a quarter of
 #: their mean squared difference: see :func:`rstar.inversions.softmax_factored.factored_half_disagreement`);
-#: beyond it the reading is warned and its interval reaches d. Settled MiniLM heads: 1e-4 of Var(Y); a head
+#: beyond it the reading is warned and its interval reaches d. Settled MiniLM heads: 1e-6 to 1e-5 of Var(Y); a head
 #: whose halves settled on different optima (layer 3 head 8, r*(1%) read 8, held out 1.46%): 0.026.
 CURVE_RESOLUTION_FRACTION = 0.5
 

@@ -338,8 +338,7 @@ def factored_half_disagreement(ws, halves, value_map, mask=None):
     dis, tss = 0.0, 0.0
     (A1, B1, V1), (A2, B2, V2) = models
     for X, Y in halves:
-        _, d12 = sf.factored_sample_rss_and_disagreement(X, Y, (X @ V1, A1, B1), (X @ V2, A2, B2), mask)
-        dis += float(np.sum(d12))
+        dis += float(np.sum(sf.factored_sample_disagreement(X, (X @ V1, A1, B1), (X @ V2, A2, B2), mask)))
         tss += total_sum_of_squares(centred_sums(X, Y))
     return dis / (4.0 * tss) if tss > 0 else 0.0
 
