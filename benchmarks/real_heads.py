@@ -169,6 +169,9 @@ def heads(layers, held_out_layers, budget, tolerances=(0.01, 0.05)):
                        interval=list(est.noise_floor_interval_), inversion=est.inversion_, seconds=round(secs, 2),
                        fitted_rank=getattr(est.statistic_.null, "fitted_rank", None),
                        curve_resolution=getattr(est, "risk_curve_resolution_", None),
+                       # the curve the readings came from (with its bound), to re-read them at other tolerances
+                       risk_curve=[round(float(v), 6) for v in est.risk_curve_],
+                       risk_curve_upper=[round(float(v), 6) for v in est.risk_curve_upper_],
                        unidentified=any("Unidentifiable" in w.category.__name__ for w in caught),
                        kernel_rank=int(np.sum(sv > sv[0] * 1e-10)))
             for e in tolerances:

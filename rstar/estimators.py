@@ -626,7 +626,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             interval = (min(interval[0], int(bounds[0])), max(interval[1], int(bounds[1])))
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
-        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_resolution_"):
+        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_resolution_",
+                     "_risk_curve_full_rank"):
             self.__dict__.pop(attr, None)
         if self.tolerance is not None:
             rank, interval = self._tolerance_rank(ws, res, curve_samples)
@@ -678,7 +679,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         tol = float(self.tolerance)
         inv = self._inv
         kw = {"ops": resolve_backend(self.device)} if getattr(inv, "reads_sample_passes", False) else {}
-        top = min(ws.dim, max(int(res.rank_interval[1]), int(res.rank)))
+        # the rank beyond which the curve's models no longer change (ws.dim, or the factored fit's q)
+        limit = inv.curve_rank_limit(ws)
+        top = min(limit, max(int(res.rank_interval[1]), int(res.rank)))
         first = [None, *range(top + 1)]
         # each sample's residuals where the inversion measures its curve per sample (for its standard error)
         parts = inv.rank_residual_samples(self._stats, ws, first, samples, **kw)
@@ -698,25 +701,31 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         full, rss = rss[0], rss[1:]
         full_parts, parts = (parts[0], parts[1:]) if per_sample else (None, None)
         tss = total_sum_of_squares(inv.risk_samples(self._stats, ws, samples).map_sum(centred_sums, 1))
+        # where the curve is measured on half models (the factored fit): what it understates for the model
+        # fitted on all samples, added to the bound the rank is read from (rstar.risk.excess_risk_upper_bound)
+        disagreement = inv.half_disagreement(self._stats, ws)
 
         def read(rss, parts):
             curve = relative_excess_risk(rss, full, tss)
             se = excess_risk_standard_error(parts, full_parts, tss) if per_sample else np.zeros_like(curve)
-            return curve, se, excess_risk_upper_bound(curve, se, self.tolerance_level)
+            return curve, se, excess_risk_upper_bound(curve, se, self.tolerance_level, disagreement or 0.0)
 
         curve, se, upper = read(rss, parts)
-        # go on until half the tolerance is reached (the interval's upper end), or the full rank
-        while rank_at_tolerance(upper, tol / 2) is None and len(curve) <= ws.dim:
-            more_rss, more_parts = residuals(range(len(curve), min(ws.dim, 2 * len(curve)) + 1))
+        # go on until half the tolerance is reached (the interval's upper end), or the limit
+        while rank_at_tolerance(upper, tol / 2) is None and len(curve) <= limit:
+            more_rss, more_parts = residuals(range(len(curve), min(limit, 2 * len(curve)) + 1))
             rss = rss + more_rss
             parts = parts + more_parts if per_sample else None
             curve, se, upper = read(rss, parts)
         self.risk_curve_ = curve
         self.risk_curve_se_ = se if per_sample else None
         self.risk_curve_upper_ = upper
+        # a curve that reaches the limit and not a tolerance: only the full model (rank d) is known to reach it
+        self._risk_curve_full_rank = int(ws.dim) if len(curve) > limit else None
         rank = rank_at_tolerance(upper, tol)
         rank = ws.dim if rank is None else rank
-        low = rank_at_tolerance(upper, min(2 * tol, 1.0))
+        # the lower end off the curve itself (no confidence or resolution margin), the upper off the bound
+        low = rank_at_tolerance(curve, min(2 * tol, 1.0))
         high = rank_at_tolerance(upper, tol / 2)
         interval = (min(rank, ws.dim if low is None else low), max(rank, ws.dim if high is None else high))
         if ws.rank_bounds is not None:
@@ -728,7 +737,6 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 f"identify its statistic (see the other warning): that fit may fall short of the unconstrained "
                 f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {ws.dim}. What would "
                 "help: the remedy the other warning names.", UnidentifiableRankWarning, stacklevel=5)
-        disagreement = inv.half_disagreement(self._stats, ws)
         self.risk_curve_resolution_ = disagreement
         if disagreement is not None and disagreement > CURVE_RESOLUTION_FRACTION * tol:
             # the curve compares models fitted on half the samples; where those disagree by more than the
@@ -737,11 +745,13 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             warnings.warn(
                 f"tolerance={tol:g} is finer than this risk curve resolves: it is measured on the two halves' "
                 f"{ws.inversion} fits, whose outputs disagree by {disagreement:.3g} of Var(Y) (a quarter of their "
-                "mean squared difference: the excess of a half's model over their mean, to first order), more "
-                f"than {CURVE_RESOLUTION_FRACTION:g} times the tolerance, so the rank read ({rank}) may be too "
-                f"small (or large) for the model predict uses; rank_interval_ reaches {ws.dim}. The halves settle "
-                "on different optima where the rank fitted is too small for the task, or the samples too few: "
-                "more samples, a larger tolerance, or a larger compute_budget would help.",
+                "mean squared difference: the excess of a half's model over their mean), more than "
+                f"{CURVE_RESOLUTION_FRACTION:g} times the tolerance. The rank read ({rank}) has that disagreement "
+                "added to its curve's bound, measured on the samples the halves were fitted on (one of the two "
+                "in sample), so it may still be too small for the model predict uses, or larger than needed; "
+                f"rank_interval_ reaches {ws.dim}. The halves settle on different optima where the rank fitted is "
+                "too small for the task, or the samples too few: more samples, a larger tolerance, or a larger "
+                "compute_budget would help.",
                 UnidentifiableRankWarning, stacklevel=5)
         if rank > res.rank_interval[1]:
             warnings.warn(
@@ -762,7 +772,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         Returns
         -------
         int
-            The smallest rank whose relative excess risk (its upper bound) is at most ``tolerance``.
+            The smallest rank whose relative excess risk (its upper bound) is at most ``tolerance``; the number
+            of features d where the curve reached the rank beyond which its models no longer change (the
+            factored fit's q) without reaching ``tolerance``, as ``fit`` reads it.
 
         Raises
         ------
@@ -775,6 +787,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             raise ValueError("no risk curve: fit with tolerance=... (any value) to compute risk_curve_.")
         upper = self.__dict__.get("risk_curve_upper_", self.risk_curve_)
         rank = rank_at_tolerance(upper, tolerance)
+        if rank is None and self.__dict__.get("_risk_curve_full_rank") is not None:
+            return self._risk_curve_full_rank
         if rank is None:
             raise ValueError(f"the risk curve was computed up to rank {len(self.risk_curve_) - 1}, where the excess "
                              f"risk is still {upper[-1]:.3g} > {tolerance:g}: fit with "
@@ -1029,7 +1043,8 @@ _FITTED_DOC = """
         model, r = 0 ... R, ``(RSS(r) - RSS(full)) / TSS`` on the samples
         fitted (:mod:`rstar.risk`); computed up to the rank that reaches half
         the tolerance. ``rank_at_tolerance(eps)`` reads it at any ε. With a
-        tolerance ``rank_interval_`` is ``(r(2 ε), r(ε / 2))``.
+        tolerance ``rank_interval_`` is ``(r(2 ε), r(ε / 2))``, the lower
+        end read off this curve, the upper off ``risk_curve_upper_``.
     risk_curve_se_ : ndarray of shape (R + 1,) or None
         Only with a ``tolerance``: the standard error of each point of
         ``risk_curve_`` over the samples it was measured on, where the
@@ -1039,14 +1054,17 @@ _FITTED_DOC = """
         Only with a ``tolerance``: the curve that ``rank_`` and
         ``rank_interval_`` are read from, ``risk_curve_ + z risk_curve_se_``
         with z the normal quantile at ``1 - tolerance_level`` (the curve
-        itself where there is no standard error).
+        itself where there is no standard error), plus
+        ``risk_curve_resolution_`` where there is one.
     risk_curve_resolution_ : float or None
         Only with a ``tolerance``: where the curve is measured on models
         fitted on half the samples (the factored least squares), how far the
         two halves' full models disagree, a quarter of their mean squared
-        difference over Var(Y) (to first order, a half model's excess risk
-        over their mean). Above half the tolerance the reading is warned
-        and ``rank_interval_`` reaches d. None elsewhere.
+        difference over Var(Y): a half model's excess risk over their
+        mean, which the curve, measured on half models, understates for the
+        model fitted on all samples; it is added to ``risk_curve_upper_``.
+        Above half the tolerance the reading is warned and
+        ``rank_interval_`` reaches d. None elsewhere.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)

@@ -217,10 +217,15 @@ def test_tolerance_is_read_off_the_curves_upper_confidence_bound():
     curve, se, upper = est.risk_curve_, est.risk_curve_se_, est.risk_curve_upper_
     assert se.shape == curve.shape and np.all(se >= 0) and se[0] > 0
     assert se[-1] < se[0]   # where the rank-r model is the full one nearly, its per-sample differences vanish
-    np.testing.assert_allclose(upper, curve + norm.ppf(0.95) * se)
+    # plus the halves' disagreement, which the curve (measured on half models) understates for predict's model
+    res = est.risk_curve_resolution_
+    assert 0 < res < 0.01
+    np.testing.assert_allclose(upper, curve + norm.ppf(0.95) * se + res)
     assert est.rank_ == rank_at_tolerance(upper, 0.05) == est.rank_at_tolerance(0.05)
+    # the interval's lower end is read off the curve itself, its upper end off the bound
+    assert est.rank_interval_ == (rank_at_tolerance(curve, 0.1), rank_at_tolerance(upper, 0.025))
     point = RStarEstimator(value_map=teacher.value_map, tolerance=0.05, tolerance_level=0.5).fit(X, Y)
-    np.testing.assert_allclose(point.risk_curve_upper_, point.risk_curve_)
+    np.testing.assert_allclose(point.risk_curve_upper_, point.risk_curve_ + point.risk_curve_resolution_)
     assert point.rank_ == rank_at_tolerance(curve, 0.05) <= est.rank_
     # the bound: one-sided level in (0, 0.5]
     with pytest.raises(ValueError, match="tolerance_level"):
@@ -261,6 +266,12 @@ def test_halves_that_disagree_beyond_the_tolerance_are_warned():
     with pytest.warns(UnidentifiableRankWarning, match="finer than this risk curve resolves"):
         noisy = RStarEstimator(value_map=teacher.value_map, tolerance=0.01).fit(X, Y)
     assert noisy.risk_curve_resolution_ > 0.05 and noisy.rank_interval_[1] == SHAPE["n_features"]
+    # the disagreement is added to the bound, which then reaches 1% at no rank up to the halves' q, beyond which
+    # the curve's models do not change: only the full model is known to suffice, and the interval still covers 3
+    q = noisy.statistic_.null.fitted_rank
+    assert len(noisy.risk_curve_) == q + 1 and np.all(noisy.risk_curve_upper_ > 0.01)
+    assert noisy.rank_ == noisy.rank_at_tolerance(0.001) == SHAPE["n_features"]
+    assert noisy.rank_interval_[0] <= 3
     # closed-form inversions measure no half models
     Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
     assert RStarEstimator("linear_qk", tolerance=0.05).fit(Xq, Yq).risk_curve_resolution_ is None

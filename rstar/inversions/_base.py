@@ -107,6 +107,11 @@ class Inversion:
         disagree, relative to Var(Y) (the curve's resolution); None here."""
         return None
 
+    def curve_rank_limit(self, ws):
+        """The rank from which the curve's rank-r models equal its full ones (their excess is zero beyond it):
+        here ``ws.dim``."""
+        return int(ws.dim)
+
     def risk_samples(self, stats, ws, samples):
         """The samples :meth:`rank_residuals` measures its sums on (the total sum of squares must be of the
         same ones): here ``samples`` itself."""

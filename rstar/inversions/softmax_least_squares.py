@@ -354,6 +354,12 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             return None
         return factored_half_disagreement(ws, self._halves(stats), self.value_map, self._mask(stats))
 
+    def curve_rank_limit(self, ws):
+        """The factored run's curve is measured on the halves' rank-q kernels: nothing changes beyond q."""
+        if ws.inversion == self.factored_name:
+            return min(int(ws.null.fitted_rank), int(ws.dim))
+        return int(ws.dim)
+
     def rank_residuals(self, stats, ws, ranks, samples=None, ops=NUMPY):
         """Residual sums of squares of the rank-r truncations of the fitted kernel, r in ``ranks`` (None: the
         full-rank kernel), V known or profiled out for each, on the samples the least squares read.
