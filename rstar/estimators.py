@@ -626,8 +626,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             interval = (min(interval[0], int(bounds[0])), max(interval[1], int(bounds[1])))
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
-        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_resolution_",
-                     "_risk_curve_full_rank"):
+        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_distance_",
+                     "risk_curve_resolution_", "_risk_curve_full_rank"):
             self.__dict__.pop(attr, None)
         if self.tolerance is not None:
             rank, interval = self._tolerance_rank(ws, res, curve_samples)
@@ -701,30 +701,40 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         full, rss = rss[0], rss[1:]
         full_parts, parts = (parts[0], parts[1:]) if per_sample else (None, None)
         tss = total_sum_of_squares(inv.risk_samples(self._stats, ws, samples).map_sum(centred_sums, 1))
-        # where the curve is measured on half models (the factored fit): what it understates for the model
-        # fitted on all samples, added to the bound the rank is read from (rstar.risk.excess_risk_upper_bound)
-        disagreement = inv.half_disagreement(self._stats, ws)
+        # where the curve is measured on other models than predict's (the factored fit's halves): predict's rank-r
+        # model's output distance from its full one, per sample; the rank is read where both bounds reach it
+        distance_parts = inv.rank_output_distance_samples(self._stats, ws, list(range(len(rss))))
 
-        def read(rss, parts):
+        def read(rss, parts, distance_parts):
             curve = relative_excess_risk(rss, full, tss)
             se = excess_risk_standard_error(parts, full_parts, tss) if per_sample else np.zeros_like(curve)
-            return curve, se, excess_risk_upper_bound(curve, se, self.tolerance_level, disagreement or 0.0)
+            upper = excess_risk_upper_bound(curve, se, self.tolerance_level)
+            if distance_parts is None:
+                return curve, se, None, upper
+            distance = np.array([float(np.sum(p)) for p in distance_parts]) / tss
+            distance_se = excess_risk_standard_error(distance_parts, np.zeros_like(distance_parts[0]), tss)
+            return curve, se, distance, np.maximum(upper, excess_risk_upper_bound(distance, distance_se,
+                                                                                   self.tolerance_level))
 
-        curve, se, upper = read(rss, parts)
+        curve, se, distance, upper = read(rss, parts, distance_parts)
         # go on until half the tolerance is reached (the interval's upper end), or the limit
         while rank_at_tolerance(upper, tol / 2) is None and len(curve) <= limit:
-            more_rss, more_parts = residuals(range(len(curve), min(limit, 2 * len(curve)) + 1))
+            more = range(len(curve), min(limit, 2 * len(curve)) + 1)
+            more_rss, more_parts = residuals(more)
             rss = rss + more_rss
             parts = parts + more_parts if per_sample else None
-            curve, se, upper = read(rss, parts)
+            if distance_parts is not None:
+                distance_parts = distance_parts + inv.rank_output_distance_samples(self._stats, ws, list(more))
+            curve, se, distance, upper = read(rss, parts, distance_parts)
         self.risk_curve_ = curve
         self.risk_curve_se_ = se if per_sample else None
         self.risk_curve_upper_ = upper
+        self.risk_curve_distance_ = distance
         # a curve that reaches the limit and not a tolerance: only the full model (rank d) is known to reach it
         self._risk_curve_full_rank = int(ws.dim) if len(curve) > limit else None
         rank = rank_at_tolerance(upper, tol)
         rank = ws.dim if rank is None else rank
-        # the lower end off the curve itself (no confidence or resolution margin), the upper off the bound
+        # the lower end off the curve itself (no confidence margin, no distance), the upper off the bound
         low = rank_at_tolerance(curve, min(2 * tol, 1.0))
         high = rank_at_tolerance(upper, tol / 2)
         interval = (min(rank, ws.dim if low is None else low), max(rank, ws.dim if high is None else high))
@@ -737,6 +747,7 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 f"identify its statistic (see the other warning): that fit may fall short of the unconstrained "
                 f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {ws.dim}. What would "
                 "help: the remedy the other warning names.", UnidentifiableRankWarning, stacklevel=5)
+        disagreement = inv.half_disagreement(self._stats, ws)
         self.risk_curve_resolution_ = disagreement
         if disagreement is not None and disagreement > CURVE_RESOLUTION_FRACTION * tol:
             # the curve compares models fitted on half the samples; where those disagree by more than the

@@ -104,31 +104,19 @@ def excess_risk_standard_error(sample_rss, sample_rss_full, tss):
     return np.sqrt(n) * diff.std(axis=1, ddof=1) / float(tss)
 
 
-def excess_risk_upper_bound(curve, se, level, resolution=0.0):
-    """The one-sided ``1 - level`` upper confidence bound ``curve + z se`` (z the normal quantile), plus
-    ``resolution``; ``level = 0.5`` and no resolution give the curve itself.
-
-    ``resolution`` is what a curve measured on models fitted on half the samples understates for the model fitted
-    on all of them (the factored least squares: :func:`rstar.inversions.softmax_factored.factored_half_disagreement`,
-    ``D / 4``). For two half models ``f_1``, ``f_2`` and their mean ``f̄``,
-    ``||y - f̄||^2 = (||y - f_1||^2 + ||y - f_2||^2) / 2 - ||f_1 - f_2||^2 / 4`` on every sample: the mean's full
-    model is better than a half's by ``D / 4`` (D the halves' mean squared disagreement over Var(Y)), and its
-    rank-r model by no more, so its excess over its own full model exceeds the halves' by at most ``D / 4``.
-    (A noise-free MiniLM head, layer 1 head 8, fitted unsettled at q = 32: D / 4 = 0.0052; the half curve read
-    r*(1%) = 10, where the model fitted on all samples held out 1.18%; with the resolution added it reads 13,
-    held out 0.54%.)
+def excess_risk_upper_bound(curve, se, level):
+    """The one-sided ``1 - level`` upper confidence bound ``curve + z se`` (z the normal quantile); ``level = 0.5``
+    gives the curve itself.
 
     Examples
     --------
     >>> excess_risk_upper_bound([0.3, 0.02], [0.01, 0.01], 0.5)
     array([0.3 , 0.02])
-    >>> excess_risk_upper_bound([0.3, 0.02], [0.0, 0.0], 0.5, resolution=0.01)
-    array([0.31, 0.03])
     """
     from scipy.stats import norm
 
     z = max(float(norm.ppf(1.0 - float(level))), 0.0)
-    return np.asarray(curve, dtype=float) + z * np.asarray(se, dtype=float) + float(resolution)
+    return np.asarray(curve, dtype=float) + z * np.asarray(se, dtype=float)
 
 
 def rank_at_tolerance(curve, tolerance):

@@ -12,7 +12,8 @@ from rstar.budgets import CostBudget
 from rstar.datasets import make_attention_task
 from rstar.inversions import SplitHalfNull, WhitenedStatistic, choose_inversion
 from rstar.inversions._kernel import SoftmaxOperator
-from rstar.inversions.softmax_factored import FACTORED_NAME, factored_fit_blocker, factored_statistic
+from rstar.inversions.softmax_factored import FACTORED_NAME, factored_fit_blocker, factored_statistic, truncated_kernel
+from rstar.risk import centred_sums, total_sum_of_squares
 from rstar.rules import MarchenkoPasturRule, split_half_result
 
 # d = 96: the full least squares' information (8 d^4 bytes = 0.63 GiB) exceeds half the default memory budget
@@ -217,15 +218,25 @@ def test_tolerance_is_read_off_the_curves_upper_confidence_bound():
     curve, se, upper = est.risk_curve_, est.risk_curve_se_, est.risk_curve_upper_
     assert se.shape == curve.shape and np.all(se >= 0) and se[0] > 0
     assert se[-1] < se[0]   # where the rank-r model is the full one nearly, its per-sample differences vanish
-    # plus the halves' disagreement, which the curve (measured on half models) understates for predict's model
-    res = est.risk_curve_resolution_
-    assert 0 < res < 0.01
-    np.testing.assert_allclose(upper, curve + norm.ppf(0.95) * se + res)
+    # and no lower than the bound on predict's own model's output distance from its full one (by hand)
+    dist = est.risk_curve_distance_
+    halves = est._inv._halves(est._stats)
+    Xa = np.concatenate([h[0] for h in halves])
+    Za = Xa @ est._inv.value_map
+    tss = total_sum_of_squares(centred_sums(Xa, np.concatenate([h[1] for h in halves])))
+    s = est.statistic_.null.singular_vectors[1]
+    full = sf._attention(Xa, *truncated_kernel(est.statistic_, len(s))) @ Za
+    per = np.array([np.sum((sf._attention(Xa, *truncated_kernel(est.statistic_, r)) @ Za - full) ** 2, axis=(1, 2))
+                    for r in range(len(curve))])
+    np.testing.assert_allclose(dist, per.sum(axis=1) / tss, rtol=1e-8, atol=1e-12)
+    dist_se = np.sqrt(per.shape[1]) * per.std(axis=1, ddof=1) / tss
+    np.testing.assert_allclose(upper, np.maximum(curve + norm.ppf(0.95) * se, dist + norm.ppf(0.95) * dist_se))
+    assert np.all(dist[:-1] > 0) and np.any(dist > curve)
     assert est.rank_ == rank_at_tolerance(upper, 0.05) == est.rank_at_tolerance(0.05)
     # the interval's lower end is read off the curve itself, its upper end off the bound
     assert est.rank_interval_ == (rank_at_tolerance(curve, 0.1), rank_at_tolerance(upper, 0.025))
     point = RStarEstimator(value_map=teacher.value_map, tolerance=0.05, tolerance_level=0.5).fit(X, Y)
-    np.testing.assert_allclose(point.risk_curve_upper_, point.risk_curve_ + point.risk_curve_resolution_)
+    np.testing.assert_allclose(point.risk_curve_upper_, np.maximum(point.risk_curve_, point.risk_curve_distance_))
     assert point.rank_ == rank_at_tolerance(curve, 0.05) <= est.rank_
     # the bound: one-sided level in (0, 0.5]
     with pytest.raises(ValueError, match="tolerance_level"):
@@ -266,12 +277,15 @@ def test_halves_that_disagree_beyond_the_tolerance_are_warned():
     with pytest.warns(UnidentifiableRankWarning, match="finer than this risk curve resolves"):
         noisy = RStarEstimator(value_map=teacher.value_map, tolerance=0.01).fit(X, Y)
     assert noisy.risk_curve_resolution_ > 0.05 and noisy.rank_interval_[1] == SHAPE["n_features"]
-    # the disagreement is added to the bound, which then reaches 1% at no rank up to the halves' q, beyond which
-    # the curve's models do not change: only the full model is known to suffice, and the interval still covers 3
-    q = noisy.statistic_.null.fitted_rank
-    assert len(noisy.risk_curve_) == q + 1 and np.all(noisy.risk_curve_upper_ > 0.01)
-    assert noisy.rank_ == noisy.rank_at_tolerance(0.001) == SHAPE["n_features"]
+    # its interval still covers the planted 3 (the lower end is read off the curve itself)
     assert noisy.rank_interval_[0] <= 3
+    # the curve stops at the half-sum's rank 2q, beyond which nothing changes (not at d = 96)
+    q = noisy.statistic_.null.fitted_rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnidentifiableRankWarning)
+        fine = RStarEstimator(value_map=teacher.value_map, tolerance=1e-9).fit(X, Y)
+    assert 2 * q < SHAPE["n_features"] and len(fine.risk_curve_) == 2 * q + 1
+    assert fine.rank_ <= 2 * q and fine.risk_curve_distance_[-1] < 1e-20
     # closed-form inversions measure no half models
     Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
     assert RStarEstimator("linear_qk", tolerance=0.05).fit(Xq, Yq).risk_curve_resolution_ is None

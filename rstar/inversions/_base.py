@@ -102,14 +102,20 @@ class Inversion:
         curve's sampling error is then not measured)."""
         return None
 
+    def rank_output_distance_samples(self, stats, ws, ranks):
+        """Where the curve is measured on models other than the ones ``predict`` uses (the factored fit's half
+        models): each sample's squared distance between the outputs of predict's rank-r model and its full one
+        (a list of arrays of shape (n,), in the order of :meth:`risk_samples`); None here."""
+        return None
+
     def half_disagreement(self, stats, ws):
         """Where the curve is measured on models fitted on half the samples: how far the two halves' full models
         disagree, relative to Var(Y) (the curve's resolution); None here."""
         return None
 
     def curve_rank_limit(self, ws):
-        """The rank from which the curve's rank-r models equal its full ones (their excess is zero beyond it):
-        here ``ws.dim``."""
+        """The rank from which the curve's rank-r models (and predict's) equal their full ones: here
+        ``ws.dim``."""
         return int(ws.dim)
 
     def risk_samples(self, stats, ws, samples):

@@ -30,7 +30,7 @@ from ._statistic import SplitHalfNull, WhitenedStatistic
 __all__ = ["FACTORED_NAME", "FACTORED_START_RANK", "FACTORED_SEGMENT_ITER", "FACTORED_STABLE_RTOL",
            "FACTORED_UNSETTLED_SEGMENTS", "FACTORED_FILL_RATIO",
            "factored_fit_blocker", "factored_capacity", "factored_statistic", "factored_rank_residuals",
-           "factored_half_disagreement",
+           "factored_half_disagreement", "factored_output_distances",
            "factored_operator", "truncated_kernel", "first_order_count", "first_order_start_rank"]
 
 #: The name of this inversion (``inversion_``).
@@ -341,6 +341,36 @@ def factored_half_disagreement(ws, halves, value_map, mask=None):
         dis += float(np.sum(sf.factored_sample_disagreement(X, (X @ V1, A1, B1), (X @ V2, A2, B2), mask)))
         tss += total_sum_of_squares(centred_sums(X, Y))
     return dis / (4.0 * tss) if tss > 0 else 0.0
+
+
+def factored_output_distances(ws, halves, value_map, ranks, mask=None):
+    """Each sample's squared distance between the outputs of the half-sum's rank-r truncation and of its full
+    kernel, ``||P_i(K_r) X_i V_r - P_i(K) X_i V||^2``, for r in ``ranks``: the models ``predict`` uses (V known, or
+    refitted on all samples given each kernel's attention), over both halves' samples (first half first).
+
+    The cross-fitted curve (:func:`factored_rank_residuals`) measures the halves' own truncations, whose excess
+    can fall well short of the half-sum's: where the halves fitted different directions (a fit below r*, or
+    unsettled), the half-sum has up to 2q of them and its truncation at q loses what a half's does not (MiniLM's
+    layer 1 head 1, q = 16: the half curve is 0 at rank 16, the half-sum's rank-16 model held out 22% above its
+    full one). Where the full model reproduces Y, as on a noise-free head, this distance is its excess; with
+    noise it overstates it (the full model's fitted noise counts as lost). It involves no Y, so it is measured
+    on the samples fitted without their optimism.
+
+    Returns
+    -------
+    list of ndarray of shape (n,)
+    """
+    X = np.concatenate([h[0] for h in halves])
+    Y = np.concatenate([h[1] for h in halves])
+    top = len(ws.null.singular_vectors[1])
+
+    def outputs(r):
+        A, B = truncated_kernel(ws, min(top, r))
+        V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask)
+        return X @ V, A, B
+
+    full = outputs(top)
+    return [sf.factored_sample_disagreement(X, outputs(r), full, mask) for r in ranks]
 
 
 def factored_operator(ws, samples, value_map, rank, mask=None):

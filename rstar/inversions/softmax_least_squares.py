@@ -19,6 +19,7 @@ from .softmax_factored import (
     factored_capacity,
     factored_fit_blocker,
     factored_half_disagreement,
+    factored_output_distances,
     factored_operator,
     factored_rank_residuals,
     factored_statistic,
@@ -354,10 +355,16 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             return None
         return factored_half_disagreement(ws, self._halves(stats), self.value_map, self._mask(stats))
 
+    def rank_output_distance_samples(self, stats, ws, ranks):
+        """The factored run's :func:`factored_output_distances` (None for the other runs)."""
+        if ws.inversion != self.factored_name:
+            return None
+        return factored_output_distances(ws, self._halves(stats), self.value_map, ranks, self._mask(stats))
+
     def curve_rank_limit(self, ws):
-        """The factored run's curve is measured on the halves' rank-q kernels: nothing changes beyond q."""
+        """The factored run's half models have rank q and their half-sum at most 2q: nothing changes beyond."""
         if ws.inversion == self.factored_name:
-            return min(int(ws.null.fitted_rank), int(ws.dim))
+            return min(2 * int(ws.null.fitted_rank), int(ws.dim))
         return int(ws.dim)
 
     def rank_residuals(self, stats, ws, ranks, samples=None, ops=NUMPY):
