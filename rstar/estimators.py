@@ -757,12 +757,10 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                 f"tolerance={tol:g} is finer than this risk curve resolves: it is measured on the two halves' "
                 f"{ws.inversion} fits, whose outputs disagree by {disagreement:.3g} of Var(Y) (a quarter of their "
                 "mean squared difference: the excess of a half's model over their mean), more than "
-                f"{CURVE_RESOLUTION_FRACTION:g} times the tolerance. The rank read ({rank}) has that disagreement "
-                "added to its curve's bound, measured on the samples the halves were fitted on (one of the two "
-                "in sample), so it may still be too small for the model predict uses, or larger than needed; "
-                f"rank_interval_ reaches {ws.dim}. The halves settle on different optima where the rank fitted is "
-                "too small for the task, or the samples too few: more samples, a larger tolerance, or a larger "
-                "compute_budget would help.",
+                f"{CURVE_RESOLUTION_FRACTION:g} times the tolerance, so the rank read ({rank}) may be too small "
+                "(or larger than needed) for the model predict uses; rank_interval_ reaches "
+                f"{ws.dim}. The halves settle on different optima where the rank fitted is too small for the task, "
+                "or the samples too few: more samples, a larger tolerance, or a larger compute_budget would help.",
                 UnidentifiableRankWarning, stacklevel=5)
         if rank > res.rank_interval[1]:
             warnings.warn(
@@ -919,10 +917,12 @@ _COMMON_PARAMS_DOC = """
         None estimates the noise-floor r*. A float ε asks for r*(ε) (theory
         §2, paper eq. 4): the smallest rank r whose rank-r model's risk is
         within ``ε Var(Y)`` of the full-rank model's, read off the data-only
-        curve ``risk_curve_`` (in-sample residuals of the inversion's rank-r
-        operators; :mod:`rstar.risk`). Needs the samples at the end of the
-        fit: ``fit`` and ``fit_batches`` (``partial_fit`` and ``fit_from``
-        raise). Cannot be combined with a forced ``rank``.
+        curve ``risk_curve_`` (residuals of the inversion's rank-r models: in
+        sample for the closed-form operators, cross-fitted for the factored
+        least squares, whose bound also covers ``predict``'s own model,
+        ``risk_curve_distance_``; :mod:`rstar.risk`). Needs the samples at
+        the end of the fit: ``fit`` and ``fit_batches`` (``partial_fit`` and
+        ``fit_from`` raise). Cannot be combined with a forced ``rank``.
     tolerance_level : float in (0, 0.5], default=0.05
         One-sided level of the r*(ε) reading: the rank read is the smallest
         whose excess risk's upper ``1 - tolerance_level`` confidence bound
@@ -1063,17 +1063,23 @@ _FITTED_DOC = """
         None elsewhere.
     risk_curve_upper_ : ndarray of shape (R + 1,)
         Only with a ``tolerance``: the curve that ``rank_`` and
-        ``rank_interval_`` are read from, ``risk_curve_ + z risk_curve_se_``
-        with z the normal quantile at ``1 - tolerance_level`` (the curve
-        itself where there is no standard error), plus
-        ``risk_curve_resolution_`` where there is one.
+        ``rank_interval_``'s upper end are read from, ``risk_curve_ + z
+        risk_curve_se_`` with z the normal quantile at ``1 -
+        tolerance_level`` (the curve itself where there is no standard
+        error); where ``risk_curve_distance_`` is measured, the larger of
+        that and the same bound on the distance.
+    risk_curve_distance_ : ndarray of shape (R + 1,) or None
+        Only with a ``tolerance``: where the curve is measured on other
+        models than ``predict``'s (the factored least squares' half models),
+        the squared distance of ``predict``'s rank-r model's outputs from
+        its full model's on the samples fitted, over the total sum of
+        squares: its excess risk where the full model reproduces Y, an
+        overstatement of it with noise. None elsewhere.
     risk_curve_resolution_ : float or None
         Only with a ``tolerance``: where the curve is measured on models
         fitted on half the samples (the factored least squares), how far the
         two halves' full models disagree, a quarter of their mean squared
-        difference over Var(Y): a half model's excess risk over their
-        mean, which the curve, measured on half models, understates for the
-        model fitted on all samples; it is added to ``risk_curve_upper_``.
+        difference over Var(Y) (a half model's excess risk over their mean).
         Above half the tolerance the reading is warned and
         ``rank_interval_`` reaches d. None elsewhere.
     n_columns_ : float

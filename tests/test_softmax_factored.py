@@ -246,7 +246,7 @@ def test_tolerance_is_read_off_the_curves_upper_confidence_bound():
 def test_closed_form_curves_have_no_standard_error():
     X, Y = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
     est = RStarEstimator("linear_qk", tolerance=0.05).fit(X, Y)
-    assert est.risk_curve_se_ is None
+    assert est.risk_curve_se_ is None and est.risk_curve_distance_ is None
     np.testing.assert_array_equal(est.risk_curve_upper_, est.risk_curve_)
 
 
