@@ -43,6 +43,7 @@ __all__ = [
     "factored_rss",
     "factored_sample_rss",
     "factored_sample_disagreement",
+    "factored_outputs",
     "joint_loss",
     "joint_loss_terms",
     "kernel_gradient",
@@ -187,6 +188,15 @@ def factored_sample_rss(X, Z, Y, A, B, mask=None):
     for part in _chunks(n, T, d):
         R = _attention(X[part], A, B, mask) @ Z[part] - Y[part]
         out[part] = np.einsum("ntv,ntv->n", R, R)
+    return out
+
+
+def factored_outputs(X, Z, A, B, mask=None):
+    """The model's outputs ``P_i(K) Z_i`` for ``K = A B^T``, shape (n, T, d_v) (in chunks, as the losses)."""
+    n, T, d = X.shape
+    out = np.empty(Z.shape)
+    for part in _chunks(n, T, d):
+        out[part] = _attention(X[part], A, B, mask) @ Z[part]
     return out
 
 

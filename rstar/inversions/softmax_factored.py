@@ -343,10 +343,10 @@ def factored_half_disagreement(ws, halves, value_map, mask=None):
     return dis / (4.0 * tss) if tss > 0 else 0.0
 
 
-def factored_output_distances(ws, halves, value_map, ranks, mask=None):
+def factored_output_distances(ws, samples, value_map, ranks, mask=None):
     """Each sample's squared distance between the outputs of the half-sum's rank-r truncation and of its full
     kernel, ``||P_i(K_r) X_i V_r - P_i(K) X_i V||^2``, for r in ``ranks``: the models ``predict`` uses (V known, or
-    refitted on all samples given each kernel's attention), over both halves' samples (first half first).
+    refitted on ``samples`` given each kernel's attention, as :func:`factored_operator`), on ``samples``.
 
     The cross-fitted curve (:func:`factored_rank_residuals`) measures the halves' own truncations, whose excess
     can fall well short of the half-sum's: where the halves fitted different directions (a fit below r*, or
@@ -360,22 +360,28 @@ def factored_output_distances(ws, halves, value_map, ranks, mask=None):
     -------
     list of ndarray of shape (n,)
     """
-    X = np.concatenate([h[0] for h in halves])
-    Y = np.concatenate([h[1] for h in halves])
+    X = samples[0]
     top = len(ws.null.singular_vectors[1])
+    Z_known = None if value_map is None else X @ value_map
 
-    def outputs(r):
-        A, B = truncated_kernel(ws, min(top, r))
-        V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask)
-        return X @ V, A, B
+    def model(r):
+        A, B, V = _truncated_model(ws, samples, value_map, min(top, r), mask)
+        return (X @ V if Z_known is None else Z_known), A, B
 
-    full = outputs(top)
-    return [sf.factored_sample_disagreement(X, outputs(r), full, mask) for r in ranks]
+    full = sf.factored_outputs(X, *model(top), mask)
+    # each rank's model measured against the full model's outputs (computed once)
+    return [sf.factored_sample_rss(X, Z, full, A, B, mask) for Z, A, B in map(model, ranks)]
+
+
+def _truncated_model(ws, samples, value_map, rank, mask=None):
+    """``(A, B, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` given its attention."""
+    X, Y = samples
+    A, B = truncated_kernel(ws, rank)
+    V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask)
+    return A, B, V
 
 
 def factored_operator(ws, samples, value_map, rank, mask=None):
     """``(K, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` (for ``predict``)."""
-    X, Y = samples
-    A, B = truncated_kernel(ws, rank)
-    V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask)
+    A, B, V = _truncated_model(ws, samples, value_map, rank, mask)
     return A @ B.T, V

@@ -359,7 +359,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """The factored run's :func:`factored_output_distances` (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        return factored_output_distances(ws, self._halves(stats), self.value_map, ranks, self._mask(stats))
+        return factored_output_distances(ws, self._in_memory(stats), self.value_map, ranks, self._mask(stats))
 
     def curve_rank_limit(self, ws):
         """The factored run's half models have rank q and their half-sum at most 2q: nothing changes beyond."""
