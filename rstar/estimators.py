@@ -1038,8 +1038,8 @@ _FITTED_DOC = """
         strict level ``alpha / 10`` and the lenient level ``min(10 alpha, 0.5)``
         (where the test is against ``B`` simulated noise draws, the strict
         level is at least ``1 / B``, the smallest it can reject at, or
-        ``2 / B`` for the cross-fitted union; for the energy rule, their energy ranks; for the numerical rule, the
-        noise-aware counts). A sensitivity range, not a coverage guarantee:
+        ``2 / B`` for the cross-fitted union; for the energy rule, the energy rank of the strict count
+        and the lenient count itself; for the numerical rule, the noise-aware counts). A sensitivity range, not a coverage guarantee:
         ``lower < upper`` says that some eigenvalues sit near the detection
         edge, where r* is only partly identifiable. Under pure noise,
         ``lower > 0`` in about ``alpha / 10`` of data sets and ``upper > 0`` in
@@ -1166,7 +1166,10 @@ class EnergyRankEstimator(MPRankEstimator):
     inverse BBP map, and ``effective_rank_ = exp(H(theta / sum theta))``;
     ``rank_ = floor(effective_rank_ + 1/2)``. Weak spikes count for less: the
     paper's choice for softmax kernels; it under-counts spikes of very
-    unequal strength. The rule is :class:`rstar.rules.EnergyRule`.
+    unequal strength. Where ``rank_`` is below the number of spikes found
+    above the noise edge an ``UnidentifiableRankWarning`` says so and
+    ``rank_interval_`` reaches that count. The rule is
+    :class:`rstar.rules.EnergyRule`.
 
     Parameters
     ----------""" + _SHARED_PARAMS_DOC % {"default": "linear_proxy"} + _COMMON_PARAMS_DOC + """

@@ -240,6 +240,32 @@ def test_median_level_that_is_a_spike_is_replaced_by_the_lower_quartile():
     assert res.rank == 14
 
 
+def _spiked_wishart(theta, seed=0, p=16, m=20000):
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((p, m))
+    W[:len(theta)] *= np.sqrt(1 + np.asarray(theta, dtype=float))[:, None]
+    return np.linalg.eigvalsh(W @ W.T / m)[::-1]
+
+
+def test_energy_rank_below_the_spike_count_warns_and_its_interval_reaches_the_count():
+    # one strong spike and three weak ones, all far above the edge: the energy rank discounts the weak
+    # three (R_eff ~ 1.6 -> 2), so r* = 4 sits outside what it reads; the interval must reach the count
+    from rstar.inversions import WhitenedStatistic, WishartNull
+    from rstar.rules import EnergyRule, MarchenkoPasturRule
+
+    ws = WhitenedStatistic(_spiked_wishart([50, 2, 2, 2]), np.eye(16), np.eye(16), 20000.0, WishartNull())
+    assert MarchenkoPasturRule()(ws).rank == 4
+    res = EnergyRule()(ws)
+    assert res.rank == 2 and res.rank_interval == (2, 4)
+    assert [c for c, _ in res.warnings] == [UnidentifiableRankWarning]
+    assert "the energy rank 2 counts fewer directions than the 4 spike(s)" in res.warnings[0][1]
+    # equal spikes: the energy rank is the count, nothing to say
+    for theta in ([3, 3, 3], [1] * 6):
+        ws = WhitenedStatistic(_spiked_wishart(theta), np.eye(16), np.eye(16), 20000.0, WishartNull())
+        res = EnergyRule()(ws)
+        assert res.rank == len(theta) and res.rank_interval == (len(theta), len(theta)) and not res.warnings
+
+
 def test_bulk_wider_than_noise_warns_of_an_under_count():
     from rstar.rules import RuleResult
     from rstar.rules.marchenko_pastur import _bulk_columns_left, _warn_if_bulk_too_wide

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ..exceptions import UnidentifiableRankWarning
 from ..marchenko_pastur import debias_spike
 from ..spectral import energy_effective_rank_from_singular_values
 from .marchenko_pastur import MarchenkoPasturRule
@@ -14,8 +15,11 @@ class EnergyRule(MarchenkoPasturRule):
 
     Spikes are detected as by :class:`MarchenkoPasturRule`; the rank is
     ``floor(R̃_eff + 1/2)`` of their strengths, which discounts weak spikes
-    (the paper's choice for softmax kernels). ``rank_interval`` holds the
-    energy ranks of the spikes counted at the strict and lenient levels.
+    (the paper's choice for softmax kernels). ``rank_interval`` runs from the
+    energy rank of the spikes counted at the strict level to the count
+    itself at the lenient level: where the energy rank is below the count at
+    ``alpha`` an ``UnidentifiableRankWarning`` says so, since the discounted
+    spikes are above the noise and may belong to r*.
     It supports the null models of :class:`MarchenkoPasturRule`.
 
     Parameters
@@ -25,22 +29,28 @@ class EnergyRule(MarchenkoPasturRule):
 
     def _call(self, ws, noise_variance, max_rank):
         res = super()._call(ws, noise_variance, max_rank)
+        count = res.rank  # the noise-aware count at alpha, before the energy rank replaces it
         energy = energy_effective_rank_from_singular_values(np.sqrt(res.spike_strengths))
         res.effective_rank = energy
         res.rank = int(np.floor(energy + 0.5))
-        # the energy rank of the spikes counted at the strict and lenient levels
-        # (it grows with every weaker spike added, so the interval holds rank)
         lo, hi = res.rank_interval
         sigma2 = res.noise_variance
         lam = ws.eigenvalues
         if np.isfinite(sigma2) and sigma2 > 0:
-            theta = debias_spike(lam[:hi] / sigma2, lam.size / ws.n_columns)
+            theta = debias_spike(lam[:lo] / sigma2, lam.size / ws.n_columns)
         else:
-            theta = np.maximum(lam[:hi], 0.0)
+            theta = np.maximum(lam[:lo], 0.0)
         theta = np.maximum(theta, 0.0)
-        res.rank_interval = tuple(min(int(np.floor(energy_effective_rank_from_singular_values(
-            np.sqrt(theta[:j])) + 0.5)), j) for j in (lo, hi))
-        res.rank_interval = (min(res.rank_interval[0], res.rank), max(res.rank_interval[1], res.rank))
+        # lower end: the energy rank of the spikes counted at the strict level; upper end: the count
+        # itself at the lenient level. The energy rank discounts weak spikes by design, so r* (the number
+        # of directions above the noise) can sit anywhere up to the count: the interval must reach it.
+        strict = min(int(np.floor(energy_effective_rank_from_singular_values(np.sqrt(theta[:lo])) + 0.5)), lo)
+        res.rank_interval = (min(strict, res.rank), max(hi, res.rank))
+        if res.rank < count:
+            res.warnings.append((UnidentifiableRankWarning,
+                                 f"the energy rank {res.rank} counts fewer directions than the {count} spike(s) the "
+                                 f"noise-aware test finds above the noise edge ({lo} to {hi} at the strict and "
+                                 "lenient levels): it discounts the weaker ones, which may belong to r*. "
+                                 "rank_interval_ reaches the count; MPRankEstimator gives the count, RStarEstimator "
+                                 "with a tolerance the smallest rank reaching a given risk."))
         return res
-
-
