@@ -6,8 +6,8 @@ documentation that ships with Python (:func:`rstar.heads.stdlib_text`), cut into
 (``[CLS]`` ... ``[SEP]``).
 
 1. **Planted kernels on real tokens.** X = MiniLM's layer-0 input hidden states (LayerNorm'd, anisotropic,
-   d = 384), or the same tokens projected on their top p principal directions (p = 16, 32: the regime where
-   T > d); a random rank-r kernel (r in {0, 3, 8, 16}, logits of standard deviation 2), Y = softmax attention
+   d = 384), or the same tokens projected on their top p principal directions (p = 16, 32, 64: T - 1 > d,
+   T - 1 close to d, and between T - 1 and 3 (T - 1), at T = 32); a random rank-r kernel (r in {0, 3, 8, 16}, logits of standard deviation 2), Y = softmax attention
    with V known (given to the estimator) or unknown, plus 5% Gaussian noise. Each fit is counted *exact*
    (``rank_ == r``), *warned* (wrong, but an ``UnidentifiableRankWarning`` was issued and ``rank_interval_``
    contains r) or *wrong* (anything else: the outcome the package must never give).
@@ -55,7 +55,7 @@ def _args():
     p.add_argument("--merge-heads", default=None, metavar="JSON[,JSON...]",
                    help="add the head rows of earlier real_heads.json files (heads fitted in this run, or in a "
                         "later file, take precedence): to measure the 72 heads in pieces")
-    p.add_argument("--planted-dims", default="384,16,32",
+    p.add_argument("--planted-dims", default="384,16,32,64",
                    help="comma-separated d of the planted kernels (384: the raw tokens; less: their top PCs)")
     p.add_argument("--merge-planted", default=None, metavar="JSON[,JSON...]",
                    help="take the planted rows of the d not fitted in this run from earlier real_heads.json files "

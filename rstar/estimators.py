@@ -660,10 +660,10 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         """Where the samples are at hand: does the first-order softmax model hold
         (:meth:`rstar.inversions.QueryKeyInversion.first_order_misfit`, its operator at the noise-floor rank)? If
         not, warn and widen the intervals to (0, d)."""
+        # None without the moment sums (predict_sums=False or over the memory budget): then only the check that
+        # needs no operator (the tokens' kurtosis, where T - 1 <= d) runs
         operator = self._inv.first_order_operator(self._stats, ws.components(int(res.rank)))
-        if operator is None:   # no moment sums (predict_sums=False or over the memory budget)
-            return
-        if self.rank is None and ws.inversion == self._inv.name:
+        if operator is not None and self.rank is None and ws.inversion == self._inv.name:
             self._operator_cache["operator"] = operator   # the very operator predict uses: fitted once
         misfit = self._inv.first_order_misfit(self._stats, operator, samples)
         if misfit is None:

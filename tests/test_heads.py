@@ -261,6 +261,31 @@ def test_first_order_misfit_on_real_tokens_is_warned(minilm_layer):
     assert RStarEstimator().fit(Z, Y).rank_ == 3
 
 
+def test_first_order_without_model_check_on_real_tokens_is_warned(minilm_layer):
+    # real tokens projected to d = 48 = 2.1 (T - 1): no residual outside col(P X_i) for the model check, and below
+    # the d > 3 (T - 1) cut-off; the first-order null holds for Gaussian tokens only, and these are heavy-tailed
+    X = minilm_layer.X
+    _, vecs = np.linalg.eigh(np.einsum("ntd,nte->de", X, X))
+    d = 48
+    Z = X @ vecs[:, ::-1][:, :d]
+    Z /= np.sqrt(np.mean(Z**2))
+    rng = np.random.default_rng(2)
+    K = rng.standard_normal((d, 3)) @ rng.standard_normal((3, d))
+    flat = Z.reshape(-1, d)[:1000]
+    K *= 2.0 / np.std((flat[:500] @ K @ flat[500:].T) / np.sqrt(d))
+    Y = softmax_attention(Z, K, rng.standard_normal((d, 8)) / np.sqrt(d))
+    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    for est in (MPRankEstimator("softmax"), EnergyRankEstimator("softmax")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est.fit(Z, Y)
+        assert est.inversion_ == "softmax_first_order"
+        kurt = [w for w in caught if "multivariate kurtosis" in str(w.message)]
+        assert kurt and issubclass(kurt[0].category, UnidentifiableRankWarning)
+        assert est.rank_interval_ == (0, d)
+    assert MPRankEstimator("softmax").fit(Z, Y).rank_ != 3   # the count it would otherwise give silently
+
+
 def test_table_without_rank_r_operators_keeps_the_noise_floor(ids):
     torch.manual_seed(0)
     layer = collect_attention(_Block(d=6, heads=2), ids)[0]

@@ -266,6 +266,41 @@ def test_energy_rank_below_the_spike_count_warns_and_its_interval_reaches_the_co
         assert res.rank == len(theta) and res.rank_interval == (len(theta), len(theta)) and not res.warnings
 
 
+@pytest.mark.parametrize("tokens, warned", [("gaussian", False), ("sphere", False), ("student_t5", True)])
+def test_first_order_without_model_check_warns_on_heavy_tailed_tokens(tokens, warned):
+    # T - 1 = 15 < d = 32 <= 3 (T - 1): the paper's setting, where no residual outside col(P X_i) checks the
+    # first-order model; its null holds for Gaussian tokens, so heavy-tailed ones are warned with (0, d)
+    from rstar.datasets import softmax_attention
+    from rstar.inversions.query_key import centred_token_kurtosis
+    from rstar.streaming import ArraySamples
+
+    rng = np.random.default_rng(0)
+    n, T, d = 1000, 16, 32
+    X = rng.standard_normal((n, T, d)) * np.linspace(0.5, 2.0, d)
+    if tokens == "sphere":
+        X /= np.linalg.norm(X, axis=2, keepdims=True) / np.sqrt(d)
+    elif tokens == "student_t5":
+        X = rng.standard_t(5, size=(n, T, d)) * np.linspace(0.5, 2.0, d)
+    K = rng.standard_normal((d, 3)) @ rng.standard_normal((3, d))
+    K *= 1.0 / np.std(np.einsum("ntd,de,nse->nts", X[:50], K, X[:50]) / np.sqrt(d))
+    Y = softmax_attention(X, K, rng.standard_normal((d, 8)) / np.sqrt(d))
+    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    kurt, se = centred_token_kurtosis(ArraySamples(X, Y))
+    # Gaussian: 1 within its standard error; fixed norms: below 1 (measured 0.968); Student-t: above the gate
+    assert {"gaussian": abs(kurt - 1.0) < 4 * se < 0.02, "sphere": 0.96 < kurt < 0.98 and se < 0.005,
+            "student_t5": kurt - 3 * se > 1.03 and kurt > 1.1}[tokens], (kurt, se)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = MPRankEstimator("softmax").fit(X, Y)
+    assert est.inversion_ == "softmax_first_order"
+    hit = [w for w in caught if "multivariate kurtosis" in str(w.message)]
+    assert bool(hit) == warned
+    if warned:
+        assert issubclass(hit[0].category, UnidentifiableRankWarning) and est.rank_interval_ == (0, d)
+    else:
+        assert est.rank_ == 3
+
+
 def test_bulk_wider_than_noise_warns_of_an_under_count():
     from rstar.rules import RuleResult
     from rstar.rules.marchenko_pastur import _bulk_columns_left, _warn_if_bulk_too_wide
