@@ -301,6 +301,24 @@ def test_first_order_without_model_check_warns_on_heavy_tailed_tokens(tokens, wa
         assert est.rank_ == 3
 
 
+@pytest.mark.parametrize("d, warned", [(32, False), (48, True)])
+def test_first_order_query_key_with_d_far_above_t_is_warned(d, warned):
+    # the first-order linear-QK statistic (forced by a small memory budget, as the cross-fit's fallback is at real
+    # sizes) over-counts once d > 4 T: seed 0 reads a planted 3 as 4 at T = 8, d = 48
+    X, Y = make_attention_task(500, kind="linear_qk", seq_len=8, n_features=d, rank=3, random_state=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = MPRankEstimator("linear_qk", memory_budget=2**16, predict_sums=False).fit(X, Y)
+    assert est.inversion_ == "query_key_first_order"
+    hit = [w for w in caught if "first-order query-key statistic cannot identify" in str(w.message)]
+    assert bool(hit) == warned
+    if warned:
+        assert issubclass(hit[0].category, UnidentifiableRankWarning)
+        assert est.rank_ != 3 and est.rank_interval_ == (0, d)
+    else:
+        assert est.rank_ == 3 and est.rank_interval_ == (3, 3)
+
+
 def test_bulk_wider_than_noise_warns_of_an_under_count():
     from rstar.rules import RuleResult
     from rstar.rules.marchenko_pastur import _bulk_columns_left, _warn_if_bulk_too_wide

@@ -17,6 +17,13 @@ ILL_CONDITIONED_ASPECT = 0.9
 #: RStarEstimator's fallback: d = 128, T = 64 exact; d = 384, T = 64 read 10 for 8 on Gaussian tokens; d = 384,
 #: T = 32 read 56 for 3 on MiniLM hidden states; docs/user_guide/real_models.md).
 FIRST_ORDER_MAX_ASPECT = 3.0
+#: The first-order query-key statistic (no centring) with T < d sees each kernel through the random projections
+#: X_i^+ X_i, whose signal leaks into a bulk the Wishart null models only on average: beyond d > this many times T
+#: its count is warned with (0, d). Measured (MPRankEstimator("linear_qk") on the first order, planted r* = 3,
+#: Gaussian tokens, 3 seeds): T = 8, n = 500: d = 10 - 32 read 3 on every seed, d = 48 read 4, 3, 5, d = 64 5, 3, 3,
+#: d = 96 5, 4, 4 (n = 2000: 4, 3, 4); T = 16, n = 500: d = 64 and 96 read 3; T = 16, d = 128: 5 and 7 (n = 500);
+#: T = 8, d = 192, n = 200: 14 and 12; pure noise at T = 8, d = 384 - 768, n = 100 - 800: up to 6.
+FIRST_ORDER_QK_MAX_ASPECT = 4.0
 #: The first-order softmax model does not hold where its operator leaves, per sample, more than this many times the
 #: residual power per degree of freedom outside col(P X_i) (noise plus higher-order terms), on average over samples.
 #: Measured (MPRankEstimator, T = 32, d = 16, logits of standard deviation 2): 0.2-0.3 on Gaussian tokens with a

@@ -5,7 +5,8 @@ import numpy as np
 from .. import _bilinear
 from .._linalg import batched_pseudo_inverse, psd_power, solve_psd, sym
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
-from ._base import (FIRST_ORDER_MAX_ASPECT, FIRST_ORDER_MAX_KURTOSIS, FIRST_ORDER_MISFIT, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion,
+from ._base import (FIRST_ORDER_MAX_ASPECT, FIRST_ORDER_MAX_KURTOSIS, FIRST_ORDER_MISFIT, FIRST_ORDER_QK_MAX_ASPECT,
+                    ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion,
                     whiten_pair)
 from ._kernel import LinearQKOperator, SoftmaxOperator
 from ._statistic import CoherentEvidence, StructuredBulkNull, WhitenedStatistic, WishartNull
@@ -367,6 +368,18 @@ class QueryKeyInversion(Inversion):
                              "would help: longer sequences, fewer features (project the tokens on their leading "
                              "principal directions, or choose the subspace of interest), or the least-squares fit "
                              "within its budgets (RStarEstimator, with a larger compute_budget/memory_budget)."))
+        if not self.centred and d > FIRST_ORDER_QK_MAX_ASPECT * T_eff:
+            rank_bounds = (0, d)
+            warnings.append((UnidentifiableRankWarning,
+                             f"the first-order query-key statistic cannot identify r* at d={d} features with only "
+                             f"T={T_eff} tokens per sample (d > {FIRST_ORDER_QK_MAX_ASPECT:g} T): each sample sees "
+                             "the kernel through the random projection X_i^+ X_i, whose leaked signal (and, with "
+                             "few samples, the noise) forms a bulk its null models only on average, so rank_ is "
+                             f"often too large (a planted 3 read 5-14 here, pure noise up to 6); rank_interval_ is "
+                             f"(0, {d}). What would help: longer sequences, fewer features (the tokens' leading "
+                             "principal directions, or the subspace of interest), or the least-squares fit within "
+                             "its budgets (a larger memory_budget/compute_budget: query_key_cross_fit, or "
+                             "query_key_least_squares with a known value_map)."))
         noise, dof = None, stats["res_dof"]
         # residual power per dof, each sample weighted as the whitened bulk weights it
         power = stats["res_w"] / stats["wt"] if dof >= MIN_NOISE_DOF and stats["wt"] > 0 else None
