@@ -158,11 +158,14 @@ def test_null_false_alarms_and_p_values():
     assert 0.05 <= np.mean(p0 < 0.5) <= 0.8 and np.mean(p0 < 0.05) <= 0.2
 
 
-@pytest.mark.parametrize("n,T,d,d_v,binding", [(300, 16, 6, 6, "fit"), (300, 4, 16, 16, "information")])
+@pytest.mark.parametrize("n,T,d,d_v,binding", [(300, 16, 6, 6, "fit"), (40, 4, 16, 16, "information")])
 def test_compute_budget_binds_at_the_larger_cost(n, T, d, d_v, binding):
-    # one compute budget bounds both the fit (512 n T^2 (d + d_v)) and the information of K; the fit runs
-    # exactly while the larger of the two is within it
-    fit, info = softmax_fit_cost(n, T, d, d_v), information_cost(n, T, d, d_v)
+    # one compute budget bounds both the fit (512 n T^2 (d + d_v) per start) and the information of K; the fit
+    # runs exactly while the larger of the two is within it
+    from rstar.inversions.softmax_least_squares import softmax_fit_starts
+
+    fit = softmax_fit_cost(n, T, d, d_v) * softmax_fit_starts(T, d, value_map_known=False)
+    info = information_cost(n, T, d, d_v)
     assert (fit > info) == (binding == "fit")
     cost = max(fit, info)
     assert softmax_fit_blocker(n, T, d, d_v, budget=CostBudget(multiply_adds=cost)) is None
@@ -316,3 +319,16 @@ def test_softmax_data_pass_the_misfit_check():
         inv.update(stats, X, Y)
         ws = inv.whiten(stats)
         assert ws.inversion == "softmax_least_squares" and isinstance(ws.null, SimulatedNull)
+
+
+def test_restarts_only_where_no_residual_checks_the_fit_and_the_budget_counts_them():
+    from rstar.budgets import CostBudget, softmax_fit_cost
+    from rstar.inversions.softmax_least_squares import SOFTMAX_RESTARTS, softmax_fit_blocker, softmax_fit_starts
+
+    assert softmax_fit_starts(8, 16, value_map_known=False) == 1 + SOFTMAX_RESTARTS
+    assert softmax_fit_starts(8, 16, value_map_known=True) == 1
+    assert softmax_fit_starts(32, 16, value_map_known=False) == 1
+    # a compute budget that allows one start but not three blocks the V-unknown fit at T - 1 <= d only
+    budget = CostBudget(multiply_adds=2 * softmax_fit_cost(500, 8, 16, 8))
+    assert softmax_fit_blocker(500, 8, 16, 8, value_map_known=True, budget=budget) is None
+    assert "compute budget" in softmax_fit_blocker(500, 8, 16, 8, value_map_known=False, budget=budget)
