@@ -238,18 +238,25 @@ def test_minilm_planted_rank_is_not_silently_wrong(minilm_layer):
     assert est.inversion_ != "softmax_factored_least_squares"   # the paper's estimators stay first order
 
 
+def _planted_on_top_directions(X, d, rank, seed):
+    """``(Z, V, Y)``: the tokens on their top d principal directions (unit RMS), a random rank-``rank`` kernel with
+    logits of standard deviation 2, a random V (d x 8) and 5% noise, drawn in that order from ``seed``."""
+    _, vecs = np.linalg.eigh(np.einsum("ntd,nte->de", X, X))
+    Z = X @ vecs[:, ::-1][:, :d]
+    Z /= np.sqrt(np.mean(Z**2))
+    rng = np.random.default_rng(seed)
+    K = rng.standard_normal((d, rank)) @ rng.standard_normal((rank, d))
+    flat = Z.reshape(-1, d)[:1000]
+    K *= 2.0 / np.std((flat[:500] @ K @ flat[500:].T) / np.sqrt(d))
+    V = rng.standard_normal((d, 8)) / np.sqrt(d)
+    Y = softmax_attention(Z, K, V)
+    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    return Z, V, Y
+
+
 def test_first_order_misfit_on_real_tokens_is_warned(minilm_layer):
     # real tokens projected to d = 16 (T - 1 = 23 > d): the first-order model misses the attention's structure
-    X = minilm_layer.X
-    _, vecs = np.linalg.eigh(np.einsum("ntd,nte->de", X, X))
-    Z = X @ vecs[:, ::-1][:, :16]
-    Z /= np.sqrt(np.mean(Z**2))
-    rng = np.random.default_rng(2)
-    K = rng.standard_normal((16, 3)) @ rng.standard_normal((3, 16))
-    flat = Z.reshape(-1, 16)[:1000]
-    K *= 2.0 / np.std((flat[:500] @ K @ flat[500:].T) / 4.0)
-    Y = softmax_attention(Z, K, rng.standard_normal((16, 8)) / 4.0)
-    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    Z, _, Y = _planted_on_top_directions(minilm_layer.X, 16, 3, seed=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         est = MPRankEstimator("softmax").fit(Z, Y)
@@ -264,17 +271,8 @@ def test_first_order_misfit_on_real_tokens_is_warned(minilm_layer):
 def test_first_order_without_model_check_on_real_tokens_is_warned(minilm_layer):
     # real tokens projected to d = 48 = 2.1 (T - 1): no residual outside col(P X_i) for the model check, and below
     # the d > 3 (T - 1) cut-off; the first-order null holds for Gaussian tokens only, and these are heavy-tailed
-    X = minilm_layer.X
-    _, vecs = np.linalg.eigh(np.einsum("ntd,nte->de", X, X))
     d = 48
-    Z = X @ vecs[:, ::-1][:, :d]
-    Z /= np.sqrt(np.mean(Z**2))
-    rng = np.random.default_rng(2)
-    K = rng.standard_normal((d, 3)) @ rng.standard_normal((3, d))
-    flat = Z.reshape(-1, d)[:1000]
-    K *= 2.0 / np.std((flat[:500] @ K @ flat[500:].T) / np.sqrt(d))
-    Y = softmax_attention(Z, K, rng.standard_normal((d, 8)) / np.sqrt(d))
-    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    Z, _, Y = _planted_on_top_directions(minilm_layer.X, d, 3, seed=2)
     for est in (MPRankEstimator("softmax"), EnergyRankEstimator("softmax")):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -341,18 +339,8 @@ def test_stdlib_text_skips_modules_shadowed_on_the_path(tmp_path, monkeypatch):
 def test_first_order_near_t_equal_d_on_real_tokens_is_warned(minilm_layer):
     # real tokens projected to d = 24 = T (T - 1 = 23 <= d): no residual outside col(P X_i) for the model check;
     # the paper's first-order estimators under-count a planted rank 8 here, so they must say so and cover it
-    X = minilm_layer.X
-    _, vecs = np.linalg.eigh(np.einsum("ntd,nte->de", X, X))
     d = 24
-    Z = X @ vecs[:, ::-1][:, :d]
-    Z /= np.sqrt(np.mean(Z**2))
-    rng = np.random.default_rng(3)
-    K = rng.standard_normal((d, 8)) @ rng.standard_normal((8, d))
-    flat = Z.reshape(-1, d)[:1000]
-    K *= 2.0 / np.std((flat[:500] @ K @ flat[500:].T) / np.sqrt(d))
-    V = rng.standard_normal((d, 8)) / np.sqrt(d)
-    Y = softmax_attention(Z, K, V)
-    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    Z, V, Y = _planted_on_top_directions(minilm_layer.X, d, 8, seed=3)
     for est in (MPRankEstimator("softmax"), EnergyRankEstimator("softmax", value_map=V)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -155,10 +155,8 @@ def centred_token_kurtosis(samples):
     if sums is None or sums[1] == 0:
         return float("nan"), float("nan")
     gram, count = sums
-    if count == 0:
-        return float("nan"), float("nan")
     w, U = np.linalg.eigh(sym(gram / count))
-    keep = w > max(w[-1], 0.0) * 1e-10 if w.size else w > 0
+    keep = w > max(w[-1], 0.0) * 1e-10
     p = int(np.sum(keep))
     if p == 0:
         return float("nan"), float("nan")
