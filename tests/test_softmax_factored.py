@@ -154,10 +154,17 @@ def test_split_half_rule_counts_above_the_margin():
     res = split_half_result(ws)
     # margin 1.5 on singular values: 2.25 on eigenvalues; 1.2 lies below the noise edge 1.25**2
     assert res.rank == 2 and res.rank_interval == (2, 2) and not res.warnings
-    # one between the noise edge and the margin: counted in the interval, and warned
+    # one between the noise edge and the margin: warned, and with no gap at the noise edge the weaker directions
+    # are not resolved either, so the interval reaches the fitted rank q = 8
     res = split_half_result(_statistic([100.0, 9.0, 2.0], 1.0, fitted_rank=8, rank_cap=20))
-    assert res.rank == 2 and res.rank_interval == (2, 3)
+    assert res.rank == 2 and res.rank_interval == (2, 8)
     assert res.warnings[0][0] is UnidentifiableRankWarning and "not told from noise" in res.warnings[0][1]
+    assert "(2, 8)" in res.warnings[0][1] and "q = 8" in res.warnings[0][1]
+    # ... but never below the band's own count, nor above max_rank
+    res = split_half_result(_statistic([100.0, 9.0, 2.0, 2.0, 2.0], 1.0, fitted_rank=4, rank_cap=20))
+    assert res.rank_interval == (2, 5) and "q = 4" not in res.warnings[0][1]
+    assert split_half_result(_statistic([100.0, 9.0, 2.0], 1.0, fitted_rank=8, rank_cap=20),
+                             max_rank=5).rank_interval == (2, 5)
     assert MarchenkoPasturRule()(ws).rank == 2
     assert split_half_result(ws, max_rank=1).rank == 1
     # every fitted direction above the null at the largest rank the budget allowed: warned, up to d
