@@ -32,7 +32,8 @@ class NumericalRule(RankRule):
     counts at the strict and lenient levels, widened to contain ``rank``:
     where ``rank`` falls outside the noise-aware range the tolerance counts
     noise (or misses spikes) at this noise level, and an
-    ``UnidentifiableRankWarning`` says so. It supports the null models of
+    ``UnidentifiableRankWarning`` says so; the noise-aware test's own
+    warnings (a range it could not identify) are passed on. It supports the null models of
     :class:`MarchenkoPasturRule`.
     """
 
@@ -57,7 +58,9 @@ class NumericalRule(RankRule):
         if noise_variance is None:
             noise_variance = estimate_noise_variance(lam, ws.n_columns, n_spikes=k) if p - k >= 1 else float("nan")
         lo, hi = noise_aware.rank_interval
-        warnings = []
+        # where the noise-aware range itself is not identified, the count inside it is not either: say so
+        warnings = [(category, "the noise-aware test beside the numerical rank: " + message)
+                    for category, message in noise_aware.warnings if issubclass(category, UnidentifiableRankWarning)]
         if not lo <= k <= hi:
             warnings.append((UnidentifiableRankWarning,
                              f"the numerical rank counts {k} eigenvalue(s) above the tolerance {threshold:.3g}, but "
