@@ -85,10 +85,25 @@ def _outcome(est, caught, r):
     return "warned" if warned and lo <= r <= hi else "wrong"
 
 
+def planted_task(X, V, r, seed=0):
+    """Y = softmax attention of a random rank-r kernel on X (logits of standard deviation 2) plus 5% noise."""
+    from rstar.datasets import softmax_attention
+
+    d = X.shape[-1]
+    if X.shape[0] * X.shape[1] < 1000:
+        raise ValueError("the logit scale is set on 1000 tokens: give at least n T = 1000")
+    rng = np.random.default_rng(seed + 100 * d + r)
+    K = rng.standard_normal((d, r)) @ rng.standard_normal((r, d))
+    if r:
+        flat = X.reshape(-1, d)[:1000]
+        K *= 2.0 / float(np.std((flat[:500] @ K @ flat[500:].T) / np.sqrt(d)))
+    Y = softmax_attention(X, K, V)
+    return Y + 0.05 * Y.std() * rng.standard_normal(Y.shape)
+
+
 def planted(X_real, V_real, ranks, dims, seed=0, budget=None):
     """Planted kernels on the real tokens; one row per (d, r, V known?, estimator)."""
     from rstar import EnergyRankEstimator, MPRankEstimator, RStarEstimator
-    from rstar.datasets import softmax_attention
 
     tokens = X_real.reshape(-1, X_real.shape[-1])
     _, vecs = np.linalg.eigh(tokens.T @ tokens)
@@ -104,13 +119,7 @@ def planted(X_real, V_real, ranks, dims, seed=0, budget=None):
         for r in ranks:
             if r > d // 2:
                 continue
-            rng = np.random.default_rng(seed + 100 * d + r)
-            K = rng.standard_normal((d, r)) @ rng.standard_normal((r, d))
-            if r:
-                flat = X.reshape(-1, d)[:1000]
-                K *= 2.0 / float(np.std((flat[:500] @ K @ flat[500:].T) / np.sqrt(d)))
-            Y = softmax_attention(X, K, V)
-            Y = Y + 0.05 * Y.std() * rng.standard_normal(Y.shape)
+            Y = planted_task(X, V, r, seed)
             for known in (True, False):
                 kw = {"value_map": V} if known else {}
                 rkw = {} if budget is None else {"compute_budget": budget}

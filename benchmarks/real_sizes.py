@@ -30,6 +30,9 @@ import numpy as np
 
 from rstar.experiments import markdown_table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_heads import planted_task  # noqa: E402  (the same planted kernels as real_heads.py)
+
 
 def _args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,20 +57,6 @@ def real_tokens(model, tok, T, d, n, seed=0):
         V = l0.head(0).value_map()[:-1]
         return np.concatenate([l0.X, l3.X], axis=-1), np.concatenate([V, V], axis=0) / np.sqrt(2)
     raise ValueError("d is 384 or 768 here")
-
-
-def planted_task(X, V, r, seed=0):
-    """Y = softmax attention of a random rank-r kernel (logits of standard deviation 2) plus 5% noise."""
-    from rstar.datasets import softmax_attention
-
-    d = X.shape[-1]
-    rng = np.random.default_rng(seed + 100 * d + r)
-    K = rng.standard_normal((d, r)) @ rng.standard_normal((r, d))
-    if r:
-        flat = X.reshape(-1, d)[:1000]
-        K *= 2.0 / float(np.std((flat[:500] @ K @ flat[500:].T) / np.sqrt(d)))
-    Y = softmax_attention(X, K, V)
-    return Y + 0.05 * Y.std() * rng.standard_normal(Y.shape)
 
 
 def estimators(V):
