@@ -374,8 +374,9 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         warnings.append((UnidentifiableRankWarning,
                          f"{rank} of {p} eigenvalues are spikes: the noise level, estimated from the remaining "
                          "bulk, is unreliable when most of the spectrum is signal, so the count may be mostly "
-                         f"noise; rank_interval_ reaches down to 0. Pass noise_variance=... if known, or use an "
-                         "estimator whose null does not rest on the bulk (RStarEstimator)."))
+                         f"noise{'' if by_coherent else '; rank_interval_ reaches down to 0'}. Pass "
+                         "noise_variance=... if known, or use an estimator whose null does not rest on the bulk "
+                         "(RStarEstimator)."))
         if not by_coherent:
             # (a count the coherent statistic decided rests on its own noise level, not this bulk's)
             interval = (0, max(interval[1], rank))
