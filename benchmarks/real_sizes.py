@@ -31,7 +31,7 @@ import numpy as np
 from rstar.experiments import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_heads import planted_task  # noqa: E402  (the same planted kernels as real_heads.py)
+from real_heads import _outcome, planted_task  # noqa: E402  (the same kernels and outcomes as real_heads.py)
 
 
 def _args():
@@ -77,8 +77,6 @@ def estimators(V):
 
 
 def fit_row(name, operator, make, X, Y, r):
-    from rstar import UnidentifiableRankWarning
-
     est = make()
     tracemalloc.start()
     t0 = time.perf_counter()
@@ -97,15 +95,9 @@ def fit_row(name, operator, make, X, Y, r):
     if error:
         row.update(rank=None, interval=None, inversion=None, outcome="error: " + error)
         return row
-    lo, hi = est.rank_interval_
-    warned = any(issubclass(w.category, UnidentifiableRankWarning) for w in caught)
-    if operator != "softmax":
-        outcome = "(other model class)"
-    elif est.rank_ == r:
-        outcome = "exact"
-    else:
-        outcome = "warned" if warned and lo <= r <= hi else "wrong"
-    row.update(rank=int(est.rank_), interval=[int(lo), int(hi)], inversion=est.inversion_, outcome=outcome)
+    outcome = _outcome(est, caught, r) if operator == "softmax" else "(other model class)"
+    row.update(rank=int(est.rank_), interval=[int(v) for v in est.rank_interval_], inversion=est.inversion_,
+               outcome=outcome)
     return row
 
 

@@ -135,6 +135,10 @@ def test_most_of_the_spectrum_counted_from_a_small_bulk_reaches_down_to_zero():
     res = sequential_spike_test(lam, 400.0, 0.01)
     assert res.rank == 30 and res.rank_interval == (0, 30)
     assert any("may be mostly noise" in m for _, m in res.warnings)
+    # no bulk left to set the noise level after the spikes: the uncounted eigenvalue stays in the interval
+    exhausted = sequential_spike_test(np.array([1000.0, 1e-3]), 400.0, 0.01)
+    assert exhausted.rank == 1 and exhausted.rank_interval == (1, 2)
+    assert any("left in the bulk" in m for _, m in exhausted.warnings)
     # three clear spikes over a real bulk keep their tight interval, unwarned
     clear = sequential_spike_test(np.concatenate([[50.0, 40.0, 30.0], np.linspace(1.2, 0.8, 35)]), 400.0, 0.01)
     assert clear.rank == 3 and clear.rank_interval == (3, 3) and not clear.warnings
