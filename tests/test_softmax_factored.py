@@ -296,3 +296,48 @@ def test_halves_that_disagree_beyond_the_tolerance_are_warned():
     # closed-form inversions measure no half models
     Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
     assert RStarEstimator("linear_qk", tolerance=0.05).fit(Xq, Yq).risk_curve_resolution_ is None
+
+
+def test_each_block_runs_in_its_own_metric():
+    # an ill-conditioned quadratic per block: whitening each block by its own Hessian leaves L-BFGS a sphere
+    rng = np.random.default_rng(0)
+    d = 6
+    hessians, centres = [], []
+    for scale in (1.0, 1e4):
+        Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+        hessians.append((Q * (scale * np.logspace(0, 3, d))) @ Q.T)
+        centres.append(rng.standard_normal((d, 2)))
+
+    def fun(blocks):
+        out = [H @ (b - c) for H, b, c in zip(hessians, blocks, centres)]
+        return sum(float(np.sum((b - c) * g)) for b, c, g in zip(blocks, centres, out)), [2 * g for g in out]
+
+    start = [np.zeros((d, 2)), np.zeros((d, 2))]
+    f0 = fun(start)[0]
+    own = [(sf.psd_power(H, -0.5), sf.psd_power(H, 0.5)) for H in hessians]
+    # stop once an iteration gains less than 1e-12 of the loss
+    blocks, f, nit, _ = sf._minimize(fun, start, None, 50, 1e-12, 1, block_precondition=own)
+    assert nit <= 4 and f < 1e-12 * f0
+    for b, c in zip(blocks, centres):
+        np.testing.assert_allclose(b, c, atol=1e-5)
+    # a block left without its own metric takes the common one (here none): many more iterations
+    _, f_plain, nit_plain, _ = sf._minimize(fun, start, None, 500, 1e-12, 1, block_precondition=[own[0], None])
+    assert nit_plain > 5 * nit
+
+
+def test_value_map_metric_reaches_the_same_fit():
+    # V fitted in its own normal-matrix metric (the default) or in the token metric: the same least squares
+    X, Y = make_attention_task(400, seq_len=32, n_features=12, value_dim=4, rank=2, random_state=0)
+    halves = ((X[::2], Y[::2]), (X[1::2], Y[1::2]))
+    metric = sf.token_metric_roots(X)
+    pre = (metric[1], metric[0])
+    starts = []
+    for Xh, Yh in halves:
+        V0 = sf.value_map_given_kernel(Xh, Yh)
+        starts.append(sf.gradient_start(Xh, Yh, sf.kernel_gradient(Xh, Xh @ V0, Yh), 4, None, None, pre))
+    fits = [sf.fit_factored_pair(halves, 4, starts, max_iter=600, precondition=pre, value_precondition=vp)
+            for vp in (True, False)]
+    rss = [sum(f.rss for f in pair) for pair in fits]
+    assert rss[0] == pytest.approx(rss[1], rel=1e-3)
+    for a, b in zip(*fits):
+        np.testing.assert_allclose(a.kernel, b.kernel, atol=0.05 * np.abs(b.kernel).max())
