@@ -63,6 +63,14 @@ def _args():
     p.add_argument("--planted-budget", type=float, default=2**41,
                    help="RStarEstimator's compute_budget on the planted kernels (V unknown at d = 384 needs "
                         "about 400 iterations per half: over the default 2**39)")
+    p.add_argument("--planted-memory", type=int, default=None,
+                   help="RStarEstimator's memory_budget on the planted kernels (default: the estimator's, 512 MiB; "
+                        "at T = 128, d = 384 it keeps 1260 of 2000 windows)")
+    p.add_argument("--planted-v", default="known,unknown",
+                   help="which planted fits: the value map 'known', 'unknown' or both (comma-separated)")
+    p.add_argument("--planted-estimators", default="RStarEstimator,MPRankEstimator(softmax),"
+                                                   "EnergyRankEstimator(softmax)",
+                   help="comma-separated names of the estimators fitted on the planted kernels")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figures from a real_heads.json")
     return p.parse_args()
 
@@ -101,8 +109,10 @@ def planted_task(X, V, r, seed=0):
     return Y + 0.05 * Y.std() * rng.standard_normal(Y.shape)
 
 
-def planted(X_real, V_real, ranks, dims, seed=0, budget=None):
-    """Planted kernels on the real tokens; one row per (d, r, V known?, estimator)."""
+def planted(X_real, V_real, ranks, dims, seed=0, budget=None, memory=None, which_v=("known", "unknown"),
+            names=("RStarEstimator", "MPRankEstimator(softmax)", "EnergyRankEstimator(softmax)")):
+    """Planted kernels on the real tokens; one row per (d, r, V known?, estimator), for the value maps in
+    ``which_v`` and the estimators named in ``names``."""
     from rstar import EnergyRankEstimator, MPRankEstimator, RStarEstimator
 
     tokens = X_real.reshape(-1, X_real.shape[-1])
@@ -120,12 +130,15 @@ def planted(X_real, V_real, ranks, dims, seed=0, budget=None):
             if r > d // 2:
                 continue
             Y = planted_task(X, V, r, seed)
-            for known in (True, False):
+            for known in [v == "known" for v in which_v]:
                 kw = {"value_map": V} if known else {}
                 rkw = {} if budget is None else {"compute_budget": budget}
+                rkw.update({} if memory is None else {"memory_budget": memory})
                 for name, est in (("RStarEstimator", RStarEstimator(**kw, **rkw)),
                                   ("MPRankEstimator(softmax)", MPRankEstimator("softmax", **kw)),
                                   ("EnergyRankEstimator(softmax)", EnergyRankEstimator("softmax", **kw))):
+                    if name not in names:
+                        continue
                     est, secs, caught = _fit(est, X, Y)
                     row = dict(d=d, T=X.shape[1], n=X.shape[0], r=r, V="known" if known else "unknown",
                                estimator=name, rank=int(est.rank_), interval=list(est.rank_interval_),
@@ -309,7 +322,9 @@ def main():
             windows = text_windows(tok, args.seq_len, n, random_state=0)
             layer0 = collect_attention(model, windows, layers=[0])[0]
             planted_rows = planted(layer0.X, layer0.head(0).value_map()[:-1], (0, 3) if args.quick else (0, 3, 8, 16),
-                                   (384, 16) if args.quick else dims, budget=args.planted_budget)
+                                   (384, 16) if args.quick else dims, budget=args.planted_budget,
+                                   memory=args.planted_memory, which_v=args.planted_v.split(","),
+                                   names=args.planted_estimators.split(","))
         if args.merge_planted:
             # each d from the last place that has it: this run, else the later file
             have = set() if args.skip_planted else set(dims)
