@@ -115,6 +115,9 @@ def planted(X_real, V_real, ranks, dims, seed=0, budget=None, memory=None, which
     ``which_v`` and the estimators named in ``names``."""
     from rstar import EnergyRankEstimator, MPRankEstimator, RStarEstimator
 
+    kinds = ("RStarEstimator", "MPRankEstimator(softmax)", "EnergyRankEstimator(softmax)")
+    if not set(which_v) <= {"known", "unknown"} or not set(names) <= set(kinds):
+        raise ValueError(f"value maps are 'known' or 'unknown' and estimators among {kinds}; got {which_v}, {names}")
     tokens = X_real.reshape(-1, X_real.shape[-1])
     _, vecs = np.linalg.eigh(tokens.T @ tokens)
     rows = []

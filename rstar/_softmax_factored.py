@@ -246,12 +246,16 @@ def value_normal_equations(X, Y, A=None, B=None, mask=None):
     return gram, cross
 
 
+#: Relative ridge of the value map's normal matrix (times its mean eigenvalue).
+_VALUE_RIDGE = 1e-10
+
+
 def _ridged(gram, ridge):
     d = gram.shape[0]
     return gram + ridge * max(float(np.trace(gram)) / d, np.finfo(float).tiny) * np.eye(d)
 
 
-def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=1e-10):
+def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=_VALUE_RIDGE):
     """Least-squares V of ``Y_i ~ P_i X_i V`` given the attention ``P_i`` of ``K = A B^T`` (uniform if A is None).
 
     Costs about ``n T d (T + d)`` multiply-adds (:func:`value_normal_equations`); a relative ``ridge`` keeps the
@@ -471,11 +475,13 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         blocks += [A, B]
         own += [None, None]
         if fitted_v:
-            gram, cross = value_normal_equations(X, Y, A, B, mask)
-            blocks.append(np.asarray(start[2], dtype=float) if len(start) == 3
-                          else solve_psd(_ridged(gram, 1e-10), cross))
+            # V's normal equations at the start: its least squares where the start has no V, and its metric
+            if value_precondition or len(start) < 3:
+                gram, cross = value_normal_equations(X, Y, A, B, mask)
+                gram = _ridged(gram, _VALUE_RIDGE)
+            blocks.append(np.asarray(start[2], dtype=float) if len(start) == 3 else solve_psd(gram, cross))
             if value_precondition:
-                G = _ridged(gram, 1e-10) / (X.shape[0] * X.shape[1])
+                G = gram / (X.shape[0] * X.shape[1])
                 own.append((psd_power(G, -0.5), psd_power(G, 0.5)))
             else:
                 own.append(None)

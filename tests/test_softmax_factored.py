@@ -8,6 +8,7 @@ import pytest
 
 from rstar import RStarEstimator, UnidentifiableRankWarning
 from rstar import _softmax_factored as sf
+from rstar._linalg import psd_power
 from rstar.budgets import CostBudget
 from rstar.datasets import make_attention_task
 from rstar.inversions import SplitHalfNull, WhitenedStatistic, choose_inversion
@@ -314,14 +315,14 @@ def test_each_block_runs_in_its_own_metric():
 
     start = [np.zeros((d, 2)), np.zeros((d, 2))]
     f0 = fun(start)[0]
-    own = [(sf.psd_power(H, -0.5), sf.psd_power(H, 0.5)) for H in hessians]
+    own = [(psd_power(H, -0.5), psd_power(H, 0.5)) for H in hessians]
     # stop once an iteration gains less than 1e-12 of the loss
     blocks, f, nit, _ = sf._minimize(fun, start, None, 50, 1e-12, 1, block_precondition=own)
     assert nit <= 4 and f < 1e-12 * f0
     for b, c in zip(blocks, centres):
         np.testing.assert_allclose(b, c, atol=1e-5)
     # a block left without its own metric takes the common one (here none): many more iterations
-    _, f_plain, nit_plain, _ = sf._minimize(fun, start, None, 500, 1e-12, 1, block_precondition=[own[0], None])
+    _, _, nit_plain, _ = sf._minimize(fun, start, None, 500, 1e-12, 1, block_precondition=[own[0], None])
     assert nit_plain > 5 * nit
 
 

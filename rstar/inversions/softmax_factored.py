@@ -47,9 +47,9 @@ FACTORED_SEGMENT_ITER = 50
 FACTORED_STABLE_RTOL = 0.01
 #: With V fitted, a count also settles once it stands clear of the null at FACTORED_CLEAR_CHECKS checks in a row:
 #: the same count above the margin and above the null, its weakest direction at least FACTORED_CLEAR_GAP times the
-#: margin and the strongest direction left out at most 1 / FACTORED_CLEAR_GAP of the null. With V fitted at T = 128 on real tokens
-#: the counted directions of a planted rank 3 kept growing by 5-10% a segment for 550 iterations (the fit sharpening
-#: its attention) while standing at 3-8 times the null, the fourth at 0.13 times it.
+#: margin and the strongest direction left out at most 1 / FACTORED_CLEAR_GAP of the null. With V fitted at
+#: T = 128 on real tokens the counted directions of a planted rank 3 kept growing by 5-10% a segment for 550
+#: iterations (the fit sharpening its attention) while standing at 3-8 times the null, the fourth at 0.13 times it.
 FACTORED_CLEAR_GAP = 2.0
 #: See FACTORED_CLEAR_GAP.
 FACTORED_CLEAR_CHECKS = 3
@@ -216,8 +216,9 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         state["count"] = count
         # with V fitted, a count that stands clear of the null (FACTORED_CLEAR_GAP either way, nothing in between)
         # through FACTORED_CLEAR_CHECKS checks has settled even while the fit still sharpens what it counts
-        clear = (not known and count[0] == count[1] and (count[0] == 0 or s[count[0] - 1] >= FACTORED_CLEAR_GAP * margin * edge)
-                 and (s.size <= count[0] or s[count[0]] * FACTORED_CLEAR_GAP <= edge))
+        k = count[0]
+        clear = (not known and k == count[1] and (k == 0 or s[k - 1] >= FACTORED_CLEAR_GAP * margin * edge)
+                 and (s.size <= k or s[k] * FACTORED_CLEAR_GAP <= edge))
         state["clear"] = state["clear"] + 1 if clear and previous is not None and previous[0] == count else int(clear)
         if ((previous is not None and previous[0][0] == count[0]
                 and np.allclose(s[:count[0]], previous[1][:count[0]], rtol=FACTORED_STABLE_RTOL, atol=0.0))
