@@ -11,7 +11,9 @@ noisy cores. Four parts:
    whose held-out risk is within 5% of the best swept) and its extrapolation
    to a full sweep ``r = 1 ... d`` (``d`` times the mean student), and the
    bare one-pass reference ``sum_i M_i M_i^T`` with ``M_i = pinv(X_i) Y_i``
-   (batched numpy, no statistic, no rule).
+   (batched numpy, no statistic, no rule); on the softmax task also the
+   one-pass data-only fit, ``SoftmaxInversionEstimator(method="first_order")``
+   (with its default predict sums, and with ``predict_sums=False``: rank only).
 2. **Scaling in n, streamed**: batches of 2000 drawn from one fixed teacher
    and passed to ``fit_batches`` (never all in memory), beside the bare
    reference over the same batches: the one-pass first-order
@@ -31,6 +33,7 @@ Usage::
     python benchmarks/speed.py --quick              # about 2 min: smaller n, fewer points, no students
     python benchmarks/speed.py --out benchmarks/out/speed --docs-figures docs/img
     python benchmarks/speed.py --device auto        # the least-squares fits in torch, on CUDA when present
+    python benchmarks/speed.py --head-to-head --qk-students   # part 1 alone, both tasks' students (about 15 min)
 
 Writes ``speed.json`` (every number) and ``speed.md`` (the tables) under
 ``--out``, and ``speed_*.png`` under ``--docs-figures`` when given.
@@ -61,16 +64,21 @@ from rstar.datasets import make_attention_task, softmax_attention  # noqa: E402
 DEVICE = "cpu"
 
 
-def _timed(fn):
-    """``(result, seconds, peak traced MiB)`` of ``fn()``."""
-    tracemalloc.start()
+def _timed(fn, trace=True):
+    """``(result, seconds, peak traced MiB)`` of ``fn()``; with ``trace=False`` no memory is traced (peak None):
+    ``tracemalloc`` slows every numpy allocation (the default softmax fit by about a quarter) and not torch's,
+    so the head-to-head times are taken without it."""
+    if trace:
+        tracemalloc.start()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = fn()
     seconds = time.perf_counter() - t0
-    peak = tracemalloc.get_traced_memory()[1] / 2**20
-    tracemalloc.stop()
+    peak = None
+    if trace:
+        peak = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
     return out, seconds, peak
 
 
@@ -94,19 +102,31 @@ def head_to_head(tasks, n, sweep, seed):
                                            random_state=seed)
         X, Y, Xt, Yt = X_all[:n], Y_all[:n], X_all[n:], Y_all[n:]
         operator = "softmax" if kind == "softmax" else "linear_qk"
-        est, t_rstar, m_rstar = _timed(lambda: RStarEstimator(operator=operator, device=DEVICE).fit(X, Y))
-        _, t_gram, m_gram = _timed(lambda: bare_gram(X, Y))
+        # times untraced (students and data-only fits alike); the peak memory from a second, traced fit
+        est, t_rstar, _ = _timed(lambda: RStarEstimator(operator=operator, device=DEVICE).fit(X, Y), trace=False)
+        _, _, m_rstar = _timed(lambda: RStarEstimator(operator=operator, device=DEVICE).fit(X, Y))
+        _, t_gram, _ = _timed(lambda: bare_gram(X, Y), trace=False)
+        _, _, m_gram = _timed(lambda: bare_gram(X, Y))
         row = dict(task=f"{kind} T={T} d={d} r*={r}", n=n, rstar_seconds=t_rstar, rstar_rank=est.rank_,
-                   rstar_inversion=est.inversion_, rstar_peak_mib=m_rstar, gram_seconds=t_gram,
-                   gram_peak_mib=m_gram)
+                   rstar_interval=list(est.rank_interval_), rstar_inversion=est.inversion_, rstar_peak_mib=m_rstar,
+                   gram_seconds=t_gram, gram_peak_mib=m_gram)
+        if kind == "softmax":
+            # the one-pass data-only estimator (the paper's first-order inversion), with its default predict sums
+            # and without them (rank_ only)
+            for key, sums in (("one_pass", True), ("one_pass_rank_only", False)):
+                one, t_one, _ = _timed(lambda: SoftmaxInversionEstimator(method="first_order", predict_sums=sums,
+                                                                         device=DEVICE).fit(X, Y),
+                                      trace=False)
+                row.update({f"{key}_seconds": t_one, f"{key}_rank": one.rank_,
+                            f"{key}_interval": list(one.rank_interval_)})
         if sweep:
             student_kind = "softmax" if kind == "softmax" else "linear_qk"
             over, t_over, _ = _timed(lambda: AttentionStudent(kind=student_kind, device="cpu",
-                                                              random_state=seed).fit(X, Y))
+                                                              random_state=seed).fit(X, Y), trace=False)
             risks, times = [], []
             for rank in range(1, r + 2):
                 s, t_s, _ = _timed(lambda: AttentionStudent(kind=student_kind, rank=rank, device="cpu",
-                                                            random_state=seed).fit(X, Y))
+                                                            random_state=seed).fit(X, Y), trace=False)
                 risks.append(_mse(s, Xt, Yt))
                 times.append(t_s)
             best = min(risks)
@@ -114,8 +134,13 @@ def head_to_head(tasks, n, sweep, seed):
             row.update(student_seconds=t_over, student_rank=over.rank_, sweep_ranks=f"1..{r + 1}",
                        sweep_seconds=float(sum(times)), sweep_rank=found, sweep_risks=risks,
                        full_sweep_seconds=float(np.mean(times) * d))
-            row.update(speedup_student=t_over / t_rstar, speedup_sweep=row["sweep_seconds"] / t_rstar,
-                       speedup_full_sweep=row["full_sweep_seconds"] / t_rstar)
+            for key in ("rstar", "one_pass", "one_pass_rank_only"):
+                if f"{key}_seconds" in row:
+                    t_fit = row[f"{key}_seconds"]
+                    prefix = "" if key == "rstar" else f"{key}_"
+                    row.update({f"{prefix}speedup_student": t_over / t_fit,
+                                f"{prefix}speedup_sweep": row["sweep_seconds"] / t_fit,
+                                f"{prefix}speedup_full_sweep": row["full_sweep_seconds"] / t_fit})
         row["rstar_over_gram"] = t_rstar / t_gram
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "sweep_risks"}, default=float), flush=True)
@@ -237,6 +262,20 @@ def _markdown(res):
                 out.append(f"| {r['task']} | {r['rstar_seconds']:.2f} s | {r['rstar_inversion']} | {r['rstar_rank']} "
                            f"| {r['gram_seconds']:.3f} s | {r['rstar_over_gram']:.1f} | — | | | | | | | |")
         out.append("")
+        one = [r for r in res["head_to_head"] if "one_pass_seconds" in r]
+        if one:
+            out += ["| task (n = %d) | one-pass fit | its r̂ (interval) | × student | × sweep | × full sweep |"
+                    % one[0]["n"], "|---|---|---|---|---|---|"]
+            for r in one:
+                for key, label in (("one_pass", "predict sums (default)"), ("one_pass_rank_only", "rank only")):
+                    ratios = (f"| {r[key + '_speedup_student']:.0f}× | {r[key + '_speedup_sweep']:.0f}× "
+                              f"| {r[key + '_speedup_full_sweep']:.0f}× |" if "student_seconds" in r else "| — | — | — |")
+                    lo, hi = r[key + "_interval"]
+                    out.append(f"| {r['task']} | {r[key + '_seconds']:.2f} s ({label}) | {r[key + '_rank']} "
+                               f"({lo}, {hi}) {ratios}")
+            out.append("")
+    if not res.get("scaling_n"):
+        return "\n".join(out) + "\n"
     out += ["| T | d | n (streamed) | fit | time | sample generation | peak traced memory | r̂ (r* = %d) |"
             % res["scaling_n"][0]["r"], "|---|---|---|---|---|---|---|---|"]
     for r in res["scaling_n"]:
@@ -322,6 +361,8 @@ def main(argv=None):
     p.add_argument("--shapes", metavar="TxDxR,...",
                    help="only the shape scan at these points (n = 2000), e.g. 64x128x8,64x384x8; rows printed and "
                         "written to shapes.json")
+    p.add_argument("--head-to-head", action="store_true",
+                   help="only the head-to-head part (with the students unless --no-students); head_to_head.json")
     p.add_argument("--stream-head", action="store_true",
                    help="only stream 10^4, 10^5 and 10^6 samples of T = d = 64 through partial_fit (about 30 min)")
     args = p.parse_args(argv)
@@ -358,6 +399,12 @@ def main(argv=None):
     if not quick:
         # linear QK: the students' sweep there costs about 10 minutes more (--qk-students)
         res["head_to_head"] += head_to_head([("linear_qk", 64, 32, 3)], 2000, students and args.qk_students, seed)
+    if args.head_to_head:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "head_to_head.json").write_text(json.dumps(res, indent=1, default=float))
+        print(_markdown(res))
+        return
     ns = [1000, 10_000, 100_000] if quick else [1000, 10_000, 100_000, 1_000_000]
     passes_max = args.passes_max_n or (10_000 if quick else 30_000)
     res["scaling_n"] = scaling_n(32, 16, 3, ns, passes_max, seed)
