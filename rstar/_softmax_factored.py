@@ -52,6 +52,8 @@ __all__ = [
     "value_map_given_kernel",
     "fit_factored_pair",
     "token_metric_roots",
+    "token_metric_roots_of_sums",
+    "token_metric_sums",
     "token_metric_cost",
     "factored_eval_cost",
     "factored_start_cost",
@@ -527,6 +529,28 @@ def token_metric_cost(n, T, d):
     return float(2 * n * T * d * d + 20 * d**3)
 
 
+def token_metric_sums(X, Y=None):
+    """A chunk's shares of the token metrics: ``(sum_i X_i^T X_i, sum_i (P X_i)^T P X_i, tokens)``, P the centring
+    within each sequence (``Y`` unused: a :meth:`rstar.streaming.Samples.map_sum` function)."""
+    n, T, d = X.shape
+    Mq, Mk = np.zeros((d, d)), np.zeros((d, d))
+    for part in _chunks(n, T, d):
+        Xp = X[part].reshape(-1, d)
+        Mq += Xp.T @ Xp
+        Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
+        Mk += Xc.T @ Xc
+    return Mq, Mk, n * T
+
+
+def token_metric_roots_of_sums(sums, ridge=1e-12):
+    """:func:`token_metric_roots` from the summed :func:`token_metric_sums`."""
+    Mq, Mk, count = sums
+    out = []
+    for M in (Mq / count, Mk / count):
+        out += [psd_power(M, 0.5, rcond=ridge), psd_power(M, -0.5, rcond=ridge)]
+    return tuple(out)
+
+
 def token_metric_roots(X, ridge=1e-12):
     """Square roots and pseudo-inverse square roots of the query- and key-side token metrics.
 
@@ -538,14 +562,4 @@ def token_metric_roots(X, ridge=1e-12):
     -------
     (Mq_half, Mq_inv_half, Mk_half, Mk_inv_half) : tuple of ndarray of shape (d, d)
     """
-    n, T, d = X.shape
-    Mq, Mk = np.zeros((d, d)), np.zeros((d, d))
-    for part in _chunks(n, T, d):
-        Xp = X[part].reshape(-1, d)
-        Mq += Xp.T @ Xp
-        Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
-        Mk += Xc.T @ Xc
-    out = []
-    for M in (Mq / (n * T), Mk / (n * T)):
-        out += [psd_power(M, 0.5, rcond=ridge), psd_power(M, -0.5, rcond=ridge)]
-    return tuple(out)
+    return token_metric_roots_of_sums(token_metric_sums(X), ridge)

@@ -12,7 +12,7 @@ from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_f
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
-from .._softmax_factored import causal_mask as sf_causal_mask
+from .._softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
 from .query_key import QueryKeyInversion
 from .softmax_factored import (
     FACTORED_NAME,
@@ -365,14 +365,22 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
 
     def _fit(self, samples, K0=None, basis=None, ops=NUMPY):
         """Least-squares ``(K, V, sigma2, converged)`` on samples scaled to unit RMS (so the optimiser's path does
-        not depend on the units, e.g. the first ``partial_fit`` batch's scaling), returned in the units given."""
+        not depend on the units, e.g. the first ``partial_fit`` batch's scaling), returned in the units given.
+        L-BFGS runs in the tokens' metric, ``K = M_q^{-1/2} M M_k^{-1/2}``
+        (:func:`rstar._softmax_factored.token_metric_roots`, one more pass): the same minimum, reached in fewer
+        evaluations on anisotropic tokens (MiniLM layer-0 tokens projected to d = 64, T = 32, planted rank 3:
+        152 instead of 237 with V known, 142 instead of 227 with V fitted; d = 16: 102 and 100 instead of 123
+        and 112)."""
         T, d, d_v = samples.dims
         mx, my = samples.mean_squares()
         sx = max(float(np.sqrt(mx)), np.finfo(float).tiny)
         sy = max(float(np.sqrt(my)), np.finfo(float).tiny)
         V0 = None if self.value_map is None else self.value_map * (sx / sy)
+        scaled = samples.rescaled(sx, sy)
+        _, Mq_inv_half, _, Mk_inv_half = token_metric_roots_of_sums(scaled.map_sum(token_metric_sums, T))
         K, V, rss, converged = _softmax_ls.fit_softmax_least_squares(
-            samples.rescaled(sx, sy), None, V0, None if K0 is None else K0 * sx**2, basis, ops=ops)
+            scaled, None, V0, None if K0 is None else K0 * sx**2, basis, ops=ops,
+            precondition=(Mq_inv_half, Mk_inv_half))
         sigma2 = rss * sy**2 / self.residual_dof(samples.n_samples, T, d, d_v, self.value_map is not None)
         return K / sx**2, V * (sy / sx), sigma2, converged
 
