@@ -318,3 +318,42 @@ def test_update_temporaries_are_bounded_by_the_d_by_d_grams():
     tracemalloc.stop()
     # 300 per-sample 512 x 512 Grams at once would be 600 MiB
     assert peak < 250 * 2**20
+
+
+@pytest.mark.parametrize("centred, T, d", [(True, 12, 5), (True, 4, 9), (False, 12, 5), (False, 6, 7)])
+def test_first_order_sums_equal_their_per_sample_definitions(centred, T, d):
+    # the sums are formed as single matrix products over a chunk; they must be the per-sample sums
+    # C = sum w_i M_i M_i^T, N = sum w_i (X_i^T X_i)^+, N_coherent = sum w_i^2 (X_i^T X_i)^+, s1 = sum w_i tr(.)
+    from rstar.inversions import QueryKeyInversion
+
+    rng = np.random.default_rng(3)
+    n, d_v = 40, 3
+    X, Y = rng.standard_normal((n, T, d)), rng.standard_normal((n, T, d_v))
+    X[2] = 0.0                      # an empty sample
+    X[3, :, 1] = X[3, :, 0]         # a rank-deficient one
+    inv = QueryKeyInversion(centred=centred)
+    stats = inv.new_stats(T, d, d_v)
+    inv.update(stats, X, Y)
+    Xc = X - X.mean(axis=1, keepdims=True) if centred else X
+    Yc = Y - Y.mean(axis=1, keepdims=True) if centred else Y
+    C, N, N2, s1 = np.zeros((d, d)), np.zeros((d, d)), np.zeros((d, d)), 0.0
+    weights = []
+    for i in range(n):
+        s = np.linalg.svd(Xc[i], compute_uv=False)
+        kept = s[s > 1e-10 * s[0]] if s[0] > 0 else s[:0]
+        G_pinv = np.linalg.pinv(Xc[i].T @ Xc[i], rcond=1e-15) if kept.size else np.zeros((d, d))
+        M = np.linalg.pinv(Xc[i], rcond=1e-10) @ Yc[i]
+        weights.append((kept.min() ** 2 if kept.size else 0.0, M, G_pinv))
+    # (these shapes do not reweight the samples by their residual power: the weights are the smallest squared
+    # singular values)
+    assert stats["w1"] == pytest.approx(sum(w for w, _, _ in weights), rel=1e-12)
+    for w, M, G_pinv in weights:
+        C += w * M @ M.T
+        N += w * G_pinv
+        N2 += w**2 * G_pinv
+        s1 += w * np.trace(G_pinv)
+    np.testing.assert_allclose(stats["C"], C, rtol=1e-9, atol=1e-12 * np.abs(C).max())
+    np.testing.assert_allclose(stats["N"], N, rtol=1e-9, atol=1e-12 * np.abs(N).max())
+    assert stats["s1"] == pytest.approx(s1, rel=1e-9)
+    if stats.get("N_coherent") is not None:
+        np.testing.assert_allclose(stats["N_coherent"], N2, rtol=1e-9, atol=1e-12 * np.abs(N2).max())

@@ -85,6 +85,13 @@ def coherent_spectrum(M_sum, N_coherent):
     return lam, float(max(d, d_v))
 
 
+def _weighted_gram(R, scale):
+    """``sum_i sum_k scale[i, k]^2 r_ik r_ik^T`` for rows ``r_ik = R[i, k]`` (R of shape (n, k, d), scale of shape
+    (n, k) or (n, 1)): one matrix product over the stacked scaled rows."""
+    B = (R * scale[:, :, None]).reshape(-1, R.shape[2])
+    return B.T @ B
+
+
 def pseudo_inverse_fit(Xc, Yc, tokens_eff):
     """Per sample, from one SVD of ``X_i`` (``batched_pseudo_inverse``): ``M_i = X_i^+ Y_i``, the SVD factors, and
     the residual power of ``Y_i`` outside ``col(X_i)`` with its degrees of freedom ``(tokens_eff - rank) d_v``.
@@ -275,10 +282,8 @@ class QueryKeyInversion(Inversion):
             Xc, Yc = X - xbar[:, None, :], Y - ybar[:, None, :]
         else:
             Xc, Yc = X, Y
-        G = np.einsum("nta,ntb->nab", Xc, Xc, optimize=True)
-        # M_i = X_i^+ Y_i and (X_i^T X_i)^+ from one SVD per sample
+        # M_i = X_i^+ Y_i and (X_i^T X_i)^+ = Wt_i^T diag(inv_s_i^2) Wt_i from one SVD per sample
         M, (U, inv_s, Wt, smallest, rank), y_sq, res_i, dof_i = pseudo_inverse_fit(Xc, Yc, self._tokens_eff(T))
-        G_pinv = np.einsum("nka,nk,nkb->nab", Wt, inv_s**2, Wt, optimize=True)
         w = smallest
         if self._reweighted(T, d, d_v):
             power = y_sq / (T * d_v)
@@ -286,13 +291,15 @@ class QueryKeyInversion(Inversion):
             # a sample whose outputs are exactly zero carries no information on K (and 1 / rho would overflow)
             w = np.divide(w, rho, out=np.zeros_like(w), where=y_sq > 0)
         stats["n"] += n
-        stats["C"] += np.einsum("n,nav,nbv->ab", w, M, M, optimize=True)
-        stats["N"] += np.einsum("n,nab->ab", w, G_pinv)
+        # the weighted sums as single matrix products over the chunk (no per-sample d x d temporaries):
+        # sum_i w_i M_i M_i^T and sum_i w_i (X_i^T X_i)^+ (the rows of Wt_i are orthonormal)
+        stats["C"] += _weighted_gram(np.swapaxes(M, 1, 2), np.sqrt(w)[:, None])
+        stats["N"] += _weighted_gram(Wt, np.sqrt(w)[:, None] * inv_s)
         # first moment: sum_i w_i M_i = K (sum_i w_i G_i) V + noise of covariance sigma2 sum_i w_i^2 G_i^+
         if stats.get("M_sum") is not None:
             stats["M_sum"] += np.einsum("n,nav->av", w, M)
-            stats["N_coherent"] += np.einsum("n,nab->ab", w**2, G_pinv)
-        tr = np.trace(G_pinv, axis1=1, axis2=2) * w
+            stats["N_coherent"] += _weighted_gram(Wt, w[:, None] * inv_s)
+        tr = np.sum(inv_s**2, axis=1) * w
         stats["s1"] += float(tr.sum())
         stats["s2"] += float(np.sum(tr**2))
         stats["s2_within"] += float(np.sum(w**2 * np.sum(inv_s**4, axis=1)))
@@ -305,6 +312,7 @@ class QueryKeyInversion(Inversion):
         stats["res_dof"] += float(dof_i.sum())
         stats["n_deficient"] += int(np.sum(rank < min(self._tokens_eff(T), d)))
         if stats["HZ"] is not None:
+            G = np.einsum("nta,ntb->nab", Xc, Xc, optimize=True)
             HZ, FZ = _bilinear.moment_sums(G, M, w)
             stats["HZ"] += HZ
             stats["FZ"] += FZ
