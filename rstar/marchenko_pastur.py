@@ -24,6 +24,7 @@ values is 4/sqrt(3). IEEE Trans. Inf. Theory 60(8).
 """
 
 import functools
+import math
 
 import numpy as np
 from scipy import optimize, stats
@@ -188,6 +189,19 @@ def mp_quantile(q, ratio, sigma2=1.0):
     return _check_sigma2(sigma2) * float(_unit_quantile(float(q), _check_ratio(ratio)))
 
 
+def _unit_cdf_inside(x, ratio, a, b, atom):
+    """:func:`mp_cdf` (``sigma2 = 1``) at one point ``a <= x <= b``: the same quadrature on scalars (the root
+    finders below call it tens of thousands of times at large p, where the array version's overhead dominated)."""
+    mid, half = (a + b) / 2, (b - a) / 2
+    phi_end = math.acos(min(1.0, max(-1.0, (mid - x) / half)))
+    phi = (phi_end / 2) * (_GL_NODES + 1)
+    xs = mid - half * np.cos(phi)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        integrand = np.where(xs > 0, half**2 * np.sin(phi) ** 2 / (2 * np.pi * ratio * xs),
+                             2 * half / (2 * np.pi * ratio))
+    return min(1.0, max(0.0, atom + (phi_end / 2) * float(integrand @ _GL_WEIGHTS)))
+
+
 @functools.lru_cache(maxsize=4096)
 def _unit_quantile(q, ratio):
     a, b = mp_edges(ratio)
@@ -198,7 +212,7 @@ def _unit_quantile(q, ratio):
         return b
     if q <= 0.0:
         return a
-    return optimize.brentq(lambda x: float(mp_cdf(x, ratio)) - q, a, b, xtol=1e-13 * b, rtol=1e-12)
+    return optimize.brentq(lambda x: _unit_cdf_inside(x, ratio, a, b, atom) - q, a, b, xtol=1e-13 * b, rtol=1e-12)
 
 
 def mp_median(ratio, sigma2=1.0):

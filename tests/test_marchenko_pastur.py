@@ -150,3 +150,14 @@ def test_most_of_the_spectrum_counted_from_a_small_bulk_reaches_down_to_zero():
     assert num.rank == 30 and num.rank_interval == (0, 30)
     assert num.warnings and all(c is UnidentifiableRankWarning for c, _ in num.warnings)
     assert "noise-aware test beside the numerical rank" in num.warnings[0][1]
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.3, 1.0, 1.5, 7.0])
+def test_scalar_cdf_of_the_root_finders_is_mp_cdf(ratio):
+    # the quantiles' root finders use a scalar copy of mp_cdf's quadrature: it must be the same function
+    from rstar.marchenko_pastur import _unit_cdf_inside
+
+    a, b = mp_edges(ratio)
+    atom = max(0.0, 1.0 - 1.0 / ratio)
+    for x in np.linspace(a, b, 41):
+        assert _unit_cdf_inside(x, ratio, a, b, atom) == pytest.approx(float(mp_cdf(x, ratio)), abs=1e-14)
