@@ -152,15 +152,7 @@ def mp_cdf(x, ratio, sigma2=1.0):
     atom = max(0.0, 1.0 - 1.0 / ratio)
     xc = np.clip(x, a, b)
     phi_end = np.arccos(np.clip((mid - xc) / half, -1.0, 1.0))
-    # nodes on [0, phi_end] for every x at once
-    phi = (np.asarray(phi_end)[..., None] / 2) * (_GL_NODES + 1)
-    xs = mid - half * np.cos(phi)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        integrand = np.where(
-            xs > 0, half**2 * np.sin(phi) ** 2 / (2 * np.pi * ratio * xs), 2 * half / (2 * np.pi * ratio)
-        )
-    cont = (np.asarray(phi_end) / 2) * np.sum(integrand * _GL_WEIGHTS, axis=-1)
-    out = np.where(x < 0, 0.0, atom + cont)
+    out = np.where(x < 0, 0.0, atom + _continuous_mass(phi_end, ratio, mid, half))
     out = np.where(x >= b, 1.0, out)
     return np.clip(out, 0.0, 1.0)
 
@@ -189,17 +181,24 @@ def mp_quantile(q, ratio, sigma2=1.0):
     return _check_sigma2(sigma2) * float(_unit_quantile(float(q), _check_ratio(ratio)))
 
 
-def _unit_cdf_inside(x, ratio, a, b, atom):
-    """:func:`mp_cdf` (``sigma2 = 1``) at one point ``a <= x <= b``: the same quadrature on scalars (the root
-    finders below call it tens of thousands of times at large p, where the array version's overhead dominated)."""
-    mid, half = (a + b) / 2, (b - a) / 2
-    phi_end = math.acos(min(1.0, max(-1.0, (mid - x) / half)))
-    phi = (phi_end / 2) * (_GL_NODES + 1)
+def _continuous_mass(phi_end, ratio, mid, half):
+    """The MP law's continuous mass below ``x = mid - half cos(phi_end)`` (``sigma2 = 1``), by Gauss–Legendre
+    quadrature in ``phi`` on ``[0, phi_end]`` (``phi_end`` a float or an array: one set of nodes per entry)."""
+    phi = (np.asarray(phi_end)[..., None] / 2) * (_GL_NODES + 1)
     xs = mid - half * np.cos(phi)
     with np.errstate(invalid="ignore", divide="ignore"):
-        integrand = np.where(xs > 0, half**2 * np.sin(phi) ** 2 / (2 * np.pi * ratio * xs),
-                             2 * half / (2 * np.pi * ratio))
-    return min(1.0, max(0.0, atom + (phi_end / 2) * float(integrand @ _GL_WEIGHTS)))
+        integrand = np.where(
+            xs > 0, half**2 * np.sin(phi) ** 2 / (2 * np.pi * ratio * xs), 2 * half / (2 * np.pi * ratio)
+        )
+    return (np.asarray(phi_end) / 2) * (integrand @ _GL_WEIGHTS)
+
+
+def _unit_cdf_inside(x, ratio, a, b, atom):
+    """:func:`mp_cdf` (``sigma2 = 1``) at one point ``a <= x <= b``, without its array handling (the root finders
+    below call it tens of thousands of times at large p, where that overhead dominated)."""
+    mid, half = (a + b) / 2, (b - a) / 2
+    phi_end = math.acos(min(1.0, max(-1.0, (mid - x) / half)))
+    return min(1.0, max(0.0, atom + float(_continuous_mass(phi_end, ratio, mid, half))))
 
 
 @functools.lru_cache(maxsize=4096)
