@@ -268,8 +268,10 @@ def _markdown(res):
                     % one[0]["n"], "|---|---|---|---|---|---|"]
             for r in one:
                 for key, label in (("one_pass", "predict sums (default)"), ("one_pass_rank_only", "rank only")):
-                    ratios = (f"| {r[key + '_speedup_student']:.0f}× | {r[key + '_speedup_sweep']:.0f}× "
-                              f"| {r[key + '_speedup_full_sweep']:.0f}× |" if "student_seconds" in r else "| — | — | — |")
+                    ratios = "| — | — | — |"
+                    if "student_seconds" in r:
+                        ratios = (f"| {r[key + '_speedup_student']:.0f}× | {r[key + '_speedup_sweep']:.0f}× "
+                                  f"| {r[key + '_speedup_full_sweep']:.0f}× |")
                     lo, hi = r[key + "_interval"]
                     out.append(f"| {r['task']} | {r[key + '_seconds']:.2f} s ({label}) | {r[key + '_rank']} "
                                f"({lo}, {hi}) {ratios}")

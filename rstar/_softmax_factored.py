@@ -462,8 +462,8 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         With V fitted, L-BFGS runs on ``G^{1/2} V`` with ``G = sum_i (P_i X_i)^T (P_i X_i) / (n T)`` the value
         map's normal matrix at the start (each half its own), rather than in the token metric: attention averages
         the tokens, so ``G`` is far more anisotropic than the tokens' second moment (the within-sequence
-        variation shrinks, the sequence mean stays), and a V fitted in the token metric lags the kernel. At T = 128 on MiniLM's tokens
-        (d = 384, planted rank 3) the fit in the token metric carried a fourth direction shared by both halves at
+        variation shrinks, the sequence mean stays), and a V fitted in the token metric lags the kernel. At
+        T = 128 on MiniLM's tokens (d = 384, planted rank 3) the fit in the token metric carried a fourth direction shared by both halves at
         0.8-3 times the split-half noise for 350 iterations (n = 2000; 1.3-1.7 for 500 at n = 1260); in this
         metric it stood at 0.07-0.14 from the first check.
 

@@ -141,10 +141,12 @@ class SoftmaxLeastSquaresLoss:
         matrix M with ``K = Q^T M`` (a fit of rank at most k).
     ops : back-end operations, default=numpy
         :func:`rstar._backend.resolve_backend` of a device.
-    precondition : tuple (P, R) of ndarray of shape (d, d), or None
-        The loss as a function of M with ``K = P M R`` (``K = Q^T M R`` with a
-        basis, P unused): the metric L-BFGS runs in
-        (:func:`kernel_precondition`). None: ``K = M``.
+    precondition : tuple (A_half, A_inv_half, B_half, B_inv_half) of ndarray of shape (d, d), or None
+        Square roots and pseudo-inverse square roots of symmetric PSD metrics
+        A (query side) and B (key side), e.g. the tokens' metric
+        (:func:`rstar._softmax_factored.token_metric_roots`): the loss is a
+        function of M with ``K = A^{-1/2} M B^{-1/2}`` (``K = Q^T M B^{-1/2}``
+        with a basis, A unused), the metric L-BFGS runs in. None: ``K = M``.
     """
 
     def __init__(self, X, Y=None, value_map=None, basis=None, ops=NUMPY, precondition=None):
@@ -153,9 +155,10 @@ class SoftmaxLeastSquaresLoss:
         self.known_value_map = value_map
         self.basis = basis
         self.ops = ops
-        left, right = (None, None) if precondition is None else precondition
-        self._left = basis.T if basis is not None else left
-        self._right = right
+        # K = left M right, and M = left_pinv K right_pinv for a K that the parameters reach
+        A_half, A_inv_half, B_half, B_inv_half = (None,) * 4 if precondition is None else precondition
+        self._left, self._left_pinv = (basis.T, basis) if basis is not None else (A_inv_half, A_half)
+        self._right, self._right_pinv = B_inv_half, B_half
         in_memory = isinstance(self.samples, ArraySamples)
         self._cache = in_memory and self.samples.n_samples * self.T**2 <= MAX_CACHED_WEIGHTS
         self.n_evaluations = 0
@@ -170,18 +173,16 @@ class SoftmaxLeastSquaresLoss:
 
     def parameters(self, K):
         """A parameter vector whose kernel is K's projection on what the parameters reach (``Q Q^T K`` with a
-        basis; through pseudo-inverses of P and R where preconditioned)."""
+        basis; ``A^{1/2} K B^{1/2}`` preconditioned, the metrics' null spaces dropped)."""
         M = np.asarray(K, dtype=float)
-        if self.basis is not None:
-            M = self.basis @ M
-        elif self._left is not None:
-            M = np.linalg.pinv(self._left) @ M
-        if self._right is not None:
-            M = M @ np.linalg.pinv(self._right)
+        if self._left_pinv is not None:
+            M = self._left_pinv @ M
+        if self._right_pinv is not None:
+            M = M @ self._right_pinv
         return M.ravel()
 
     def _parameter_gradient(self, grad):
-        """The gradient in the parameters of a gradient in K (``P^T G R^T``)."""
+        """The gradient in the parameters of a gradient G in K (``left^T G right^T``)."""
         if self._left is not None:
             grad = self._left.T @ grad
         return grad if self._right is None else grad @ self._right.T
@@ -268,10 +269,12 @@ def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, ma
     max_iter : int or None, default=None
         None means ``SOFTMAX_MAX_ITER``.
     ops : back-end operations, default=numpy
-    precondition : tuple (P, R) of ndarray of shape (d, d), or None
-        L-BFGS runs on M with ``K = P M R`` (:class:`SoftmaxLeastSquaresLoss`),
-        e.g. :func:`kernel_precondition`; the minimum is the same, the path
-        to it shorter where the tokens are anisotropic.
+    precondition : tuple of 4 ndarray of shape (d, d), or None
+        Metric roots ``(A^{1/2}, A^{-1/2}, B^{1/2}, B^{-1/2})``: L-BFGS runs on
+        M with ``K = A^{-1/2} M B^{-1/2}`` (:class:`SoftmaxLeastSquaresLoss`),
+        e.g. the tokens' :func:`rstar._softmax_factored.token_metric_roots`;
+        the minimum is the same, the path to it shorter where the tokens are
+        anisotropic.
 
     Returns
     -------

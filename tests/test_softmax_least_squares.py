@@ -146,7 +146,7 @@ def test_token_metric_shortens_the_fit_on_anisotropic_tokens(known_v, monkeypatc
     plain_call = sls.SoftmaxLeastSquaresLoss.__call__
     monkeypatch.setattr(sls.SoftmaxLeastSquaresLoss, "__call__", lambda self, m: calls.append(1) or plain_call(self, m))
     fits = []
-    for precondition in (None, (Pq, Pk)):
+    for precondition in (None, (Hq, Pq, Hk, Pk)):
         calls.clear()
         K, _, rss, converged = sls.fit_softmax_least_squares(X, Y, V if known_v else None, precondition=precondition)
         fits.append((len(calls), rss, K))
@@ -172,10 +172,13 @@ def test_token_metric_shortens_the_fit_on_anisotropic_tokens(known_v, monkeypatc
 
 
 def test_preconditioned_parameters_round_trip():
+    from rstar._linalg import psd_power
+
     rng = np.random.default_rng(1)
     X, Y = rng.standard_normal((20, 5, 4)), rng.standard_normal((20, 5, 3))
-    P, R = rng.standard_normal((4, 4)) + 3 * np.eye(4), rng.standard_normal((4, 4)) + 3 * np.eye(4)
-    loss = sls.SoftmaxLeastSquaresLoss(X, Y, precondition=(P, R))
+    A, B = (np.cov(rng.standard_normal((4, 30))) + 0.1 * np.eye(4) for _ in range(2))
+    P, R = psd_power(A, -0.5), psd_power(B, -0.5)
+    loss = sls.SoftmaxLeastSquaresLoss(X, Y, precondition=(psd_power(A, 0.5), P, psd_power(B, 0.5), R))
     K = rng.standard_normal((4, 4))
     np.testing.assert_allclose(loss.kernel(loss.parameters(K)), K, atol=1e-10)
     # the gradient in the parameters is the chain rule of the gradient in K
@@ -184,6 +187,7 @@ def test_preconditioned_parameters_round_trip():
     f_K, g_K = sls.SoftmaxLeastSquaresLoss(X, Y)(K.ravel())
     assert f == pytest.approx(f_K)
     np.testing.assert_allclose(g, (P.T @ g_K.reshape(4, 4) @ R.T).ravel(), rtol=1e-10, atol=1e-12)
+
 
 @pytest.mark.parametrize("tokens", ["gaussian", "student_t", "correlated"])
 @pytest.mark.parametrize("T, d", [(6, 6), (7, 6), (12, 6), (5, 6)])

@@ -377,10 +377,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         sy = max(float(np.sqrt(my)), np.finfo(float).tiny)
         V0 = None if self.value_map is None else self.value_map * (sx / sy)
         scaled = samples.rescaled(sx, sy)
-        _, Mq_inv_half, _, Mk_inv_half = token_metric_roots_of_sums(scaled.map_sum(token_metric_sums, T))
         K, V, rss, converged = _softmax_ls.fit_softmax_least_squares(
             scaled, None, V0, None if K0 is None else K0 * sx**2, basis, ops=ops,
-            precondition=(Mq_inv_half, Mk_inv_half))
+            precondition=token_metric_roots_of_sums(scaled.map_sum(token_metric_sums, T)))
         sigma2 = rss * sy**2 / self.residual_dof(samples.n_samples, T, d, d_v, self.value_map is not None)
         return K / sx**2, V * (sy / sx), sigma2, converged
 
