@@ -57,9 +57,6 @@ __all__ = [
     "token_metric_cost",
     "factored_eval_cost",
     "factored_start_cost",
-    "FACTORED_MAX_ITER",
-    "FACTORED_MAX_ITER_FITTED_V",
-    "FACTORED_LOSS_TOL",
 ]
 
 #: L-BFGS iterations of one factored fit at one rank at most, V known.

@@ -43,8 +43,6 @@ from dataclasses import dataclass
 
 __all__ = [
     "CostBudget",
-    "DEFAULT_MEMORY_BUDGET",
-    "DEFAULT_COMPUTE_BUDGET",
     "sample_bytes",
     "kernel_matrix_bytes",
     "cross_fit_als_cost",

@@ -18,8 +18,7 @@ curve).
 import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
-           "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance",
-           "CURVE_RESOLUTION_FRACTION"]
+           "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance"]
 
 #: A curve measured on models fitted on half the samples (the factored least squares) resolves a tolerance only
 #: where the two halves' full models disagree by at most this fraction of it (relative to Var(Y), a quarter of

@@ -28,7 +28,7 @@ import numpy as np
 
 from ._validation import check_X_Y
 
-__all__ = ["Samples", "ArraySamples", "BatchSamples", "DaskSamples", "is_dask_collection", "CHUNK_ENTRIES"]
+__all__ = ["Samples", "ArraySamples", "BatchSamples", "DaskSamples", "is_dask_collection"]
 
 #: Float entries of one chunk's largest temporary (e.g. its attention weights, ``chunk x T^2``).
 CHUNK_ENTRIES = 2**20

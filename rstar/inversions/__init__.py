@@ -29,7 +29,10 @@ One module per inversion:
   ``d^2 x d^2`` information exceeds the memory budget (real layers).
 """
 
-from ._base import DEFAULT_NULL_DRAWS, DEFAULT_SEED, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion, merge_stats
+# the numeric constants are importable by name (rstar.inversions.DEFAULT_SEED ...), not in __all__: tuned values,
+# not API
+from ._base import DEFAULT_NULL_DRAWS, DEFAULT_SEED, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF  # noqa: F401
+from ._base import Inversion, merge_stats
 from ._kernel import nearest_kronecker_product
 from ._statistic import (
     CoherentEvidence,
@@ -80,10 +83,6 @@ __all__ = [
     "nearest_kronecker_product",
     "INVERSIONS",
     "METHODS",
-    "MIN_NOISE_DOF",
-    "ILL_CONDITIONED_ASPECT",
-    "DEFAULT_SEED",
-    "DEFAULT_NULL_DRAWS",
 ]
 
 

@@ -5,7 +5,7 @@ import numpy as np
 from .._linalg import psd_power, sym
 from ..budgets import DEFAULT_BUDGET
 
-__all__ = ["Inversion", "merge_stats", "MIN_NOISE_DOF", "ILL_CONDITIONED_ASPECT", "DEFAULT_SEED", "DEFAULT_NULL_DRAWS"]
+__all__ = ["Inversion", "merge_stats"]
 
 #: Residual degrees of freedom needed before a residual noise estimate is used.
 MIN_NOISE_DOF = 50

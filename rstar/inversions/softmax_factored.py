@@ -27,10 +27,8 @@ from ..budgets import DEFAULT_BUDGET, largest_count
 from ._base import MIN_NOISE_DOF
 from ._statistic import SplitHalfNull, WhitenedStatistic
 
-__all__ = ["FACTORED_NAME", "FACTORED_START_RANK", "FACTORED_SEGMENT_ITER", "FACTORED_STABLE_RTOL",
-           "FACTORED_UNSETTLED_SEGMENTS", "FACTORED_FILL_RATIO", "FACTORED_CLEAR_GAP", "FACTORED_CLEAR_CHECKS",
-           "factored_fit_blocker", "factored_capacity", "factored_statistic", "factored_rank_residuals",
-           "factored_half_disagreement", "factored_output_distances",
+__all__ = ["FACTORED_NAME", "factored_fit_blocker", "factored_capacity", "factored_statistic",
+           "factored_rank_residuals", "factored_half_disagreement", "factored_output_distances",
            "factored_operator", "truncated_kernel", "first_order_count", "first_order_start_rank"]
 
 #: The name of this inversion (``inversion_``).

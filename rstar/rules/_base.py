@@ -13,7 +13,7 @@ import numpy as np
 from ..inversions._statistic import UnsupportedNullModelError
 from ..marchenko_pastur import MEDIAN_EFFICIENCY
 
-__all__ = ["RuleResult", "RankRule", "interval_levels", "INTERVAL_FACTOR"]
+__all__ = ["RuleResult", "RankRule", "interval_levels"]
 
 
 @dataclass

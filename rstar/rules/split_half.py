@@ -6,7 +6,7 @@ from ..exceptions import UnidentifiableRankWarning
 from ..spectral import entropy_effective_rank_from_singular_values
 from ._base import RuleResult
 
-__all__ = ["split_half_result", "SPLIT_HALF_MARGIN", "SPLIT_HALF_NOISE_EDGE"]
+__all__ = ["split_half_result"]
 
 #: A direction of the half-sum counts where its singular value exceeds this many times the half-difference's
 #: largest (``rank_``). Measured on null directions (``benchmarks/factored_calibration.py``; Gaussian tokens,
