@@ -1004,6 +1004,53 @@ def _fallback_message(ws):
     return "a fallback while the inversion ran"
 
 
+_P_VALUES_DOC = """
+    p_values_ : ndarray of shape (n_tests,)
+        p-values of the sequential spike tests, in order (entry k: is
+        eigenvalue k+1 signal, given k spikes?); the first one at or above
+        ``alpha`` stopped the count. Tests go on up to the first one not
+        significant at the lenient level ``min(10 alpha, 0.5)``. Their law
+        follows ``null_model_``: ``"wishart"`` and ``"structured_bulk"``,
+        approximate Tracy–Widom p-values, each the smaller of the test from
+        the top and the multiplicity-adjusted top-down one
+        (:func:`rstar.rules.top_down_p_values`; conservative with a fitted
+        bulk); ``"simulated"`` (least-squares inversions), Monte Carlo
+        p-values against ``n_null_draws`` draws of the noise,
+        ``(1 + #{draws >= observed}) / (n_null_draws + 1)``
+        (:func:`rstar.rules.simulated_null_p_values`), at least
+        ``1 / (n_null_draws + 1)``; ``"cross_fit_union"`` (linear QK with V
+        unknown and T <= d or d_v < d), twice the smaller of the two halves'
+        Monte Carlo p-values, capped at 1, at least
+        ``2 / (n_null_draws + 1)``; ``"split_half"`` (the factored least
+        squares), none: an empty array (its test is a margin, not a level).
+        Under pure noise ``p_values_[0]`` is close to uniform on (0, 1)
+        (see docs/rules/marchenko_pastur.md)."""
+
+# RStarEstimator's default inversions are tested against simulated nulls: its p-values say so first
+_RSTAR_P_VALUES_DOC = """
+    p_values_ : ndarray of shape (n_tests,)
+        p-values of the sequential spike tests, in order (entry k: is
+        eigenvalue k+1 signal, given k spikes?); the first one at or above
+        ``alpha`` stopped the count. Tests go on up to the first one not
+        significant at the lenient level ``min(10 alpha, 0.5)``. With the
+        least-squares inversions (``softmax`` below the factored fit's
+        sizes, and ``linear_qk`` with V known: ``null_model_ ==
+        "simulated"``) they are Monte Carlo p-values against a simulated
+        null, not Tracy–Widom ones: ``(1 + #{draws >= observed}) /
+        (n_null_draws + 1)`` over ``n_null_draws`` draws of the fit's noise
+        (:func:`rstar.rules.simulated_null_p_values`), so the smallest is
+        ``1 / (n_null_draws + 1)`` (0.000999 = 1/1001 at the default 1000
+        draws). With ``linear_qk``, V unknown and T <= d or d_v < d
+        (``"cross_fit_union"``), each is twice the smaller of the two
+        halves' Monte Carlo p-values, capped at 1 (smallest
+        ``2 / (n_null_draws + 1)``). The ``linear_proxy`` and first-order
+        inversions, and a fallback to them (``"wishart"``,
+        ``"structured_bulk"``), give approximate Tracy–Widom p-values as
+        :class:`MPRankEstimator` does. The factored least squares (real
+        sizes, ``"split_half"``) gives none: an empty array (its test is a
+        margin, not a level). Under pure noise ``p_values_[0]`` is close to
+        uniform on (0, 1)."""
+
 _FITTED_DOC = """
     Attributes
     ----------
@@ -1021,18 +1068,7 @@ _FITTED_DOC = """
     noise_variance_ : float
         Noise variance used (given, residual-based or bulk-based; see ``noise_source_``).
     spike_strengths_ : ndarray of shape (n_spikes,)
-        BBP-debiased population spikes (units of the noise variance).
-    p_values_ : ndarray of shape (n_tests,)
-        Approximate Tracy–Widom p-values of the sequential spike tests, in
-        order (entry k: is eigenvalue k+1 signal, given k spikes?), each the
-        smaller of the test from the top and the multiplicity-adjusted
-        top-down one (:func:`rstar.rules.top_down_p_values`); the first one
-        at or above ``alpha`` stopped the count. Tests go on up to the
-        first one not significant at the lenient level ``min(10 alpha, 0.5)``.
-        Under pure noise ``p_values_[0]`` is close to uniform on (0, 1)
-        (conservative with a fitted bulk; for linear QK with V unknown and
-        T <= d or d_v < d it is twice the smaller of two such p-values, one
-        per half of the samples, capped at 1; see docs/rules/marchenko_pastur.md).
+        BBP-debiased population spikes (units of the noise variance).""" + _P_VALUES_DOC + """
     rank_interval_ : tuple of two ints
         ``(lower, upper)``: the counts of the same sequential test at the
         strict level ``alpha / 10`` and the lenient level ``min(10 alpha, 0.5)``
@@ -1103,7 +1139,8 @@ _FITTED_DOC = """
         the message of the warning that says why the preferred one did not.
     null_model_ : str
         The null model the rule tested against: ``"wishart"``,
-        ``"structured_bulk"``, ``"simulated"`` or ``"cross_fit_union"``.
+        ``"structured_bulk"``, ``"simulated"``, ``"cross_fit_union"`` or
+        ``"split_half"``.
     noise_source_ : str
         Where ``noise_variance_`` comes from (``"user"``, ``"regression
         residual"``, ``"residual outside col(X_i)"``, ``"least-squares
@@ -1340,7 +1377,7 @@ class RStarEstimator(MPRankEstimator):
         (``softmax`` only). Only the factored least squares models the mask,
         so it runs whatever d; where it cannot (too few samples, the budgets,
         samples read in passes) ``fit`` raises ``ValueError``.
-""" + _FITTED_DOC + """
+""" + _FITTED_DOC.replace(_P_VALUES_DOC, _RSTAR_P_VALUES_DOC) + """
     Examples
     --------
     >>> from rstar import RStarEstimator
