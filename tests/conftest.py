@@ -1,5 +1,15 @@
+import os
+
 import numpy as np
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run and keep no example database: one unlucky draw can then
+# neither fail a single run at random nor be replayed into every later run of a checkout. To explore with fresh
+# random draws (and a local database), run with HYPOTHESIS_PROFILE=explore.
+settings.register_profile("reproducible", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))
 
 from rstar.datasets import make_attention_task, make_linear_proxy
 
