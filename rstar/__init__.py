@@ -13,7 +13,8 @@ from .estimators import (
     RStarEstimator,
     SoftmaxInversionEstimator,
 )
-from .exceptions import IllConditionedInversionWarning, InversionFallbackWarning, UnidentifiableRankWarning
+from .exceptions import (IllConditionedInversionWarning, InversionFallbackWarning, OperatorMisfitWarning,
+                         UnidentifiableRankWarning)
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "RStarEstimator",
     "IllConditionedInversionWarning",
     "InversionFallbackWarning",
+    "OperatorMisfitWarning",
     "UnidentifiableRankWarning",
     "__version__",
 ]

@@ -67,6 +67,10 @@ def check_tokens(X, name="X", *, allow_2d=True):
 
 def check_X_Y(X, Y):
     """Validate a pair ``(X, Y)``: shapes ``(n, T, d)`` and ``(n, T, d_v)``."""
+    try:
+        x_2d = np.ndim(X) == 2   # a 2-D X is read as T = 1 below
+    except Exception:   # ragged nested lists: check_tokens says so
+        x_2d = False
     X = check_tokens(X, "X")
     x_ndim = 3 if X.shape[1] != 1 else None  # a 2-D X was read as T = 1
     if Y is None:
@@ -88,8 +92,15 @@ def check_X_Y(X, Y):
             f"X and Y have different numbers of samples: X has {X.shape[0]}, Y has {Y.shape[0]}."
         )
     if X.shape[1] != Y.shape[1]:
+        if x_2d:
+            raise ValueError(
+                f"X is 2-D, shape {(X.shape[0], X.shape[2])} (read as T = 1 token per sample), but Y has "
+                f"T = {Y.shape[1]} tokens, shape {Y.shape}: expected X of shape (n_samples, T, d) and Y of shape "
+                "(n_samples, T, d_v), or both 2-D for T = 1."
+            )
         raise ValueError(
-            f"X and Y have different numbers of tokens T: X has shape {X.shape}, Y has shape {Y.shape}."
+            f"X and Y have different numbers of tokens T: X has shape {X.shape}, Y has shape {Y.shape}; "
+            "expected X of shape (n_samples, T, d) and Y of shape (n_samples, T, d_v)."
         )
     return X, Y
 

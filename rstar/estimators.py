@@ -29,10 +29,12 @@ from sklearn.utils.validation import check_is_fitted
 from ._backend import check_device, resolve_backend
 from ._validation import check_positive, check_rank_param, check_tokens, check_value_map, check_X_Y
 from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
-from .exceptions import InversionFallbackWarning, UnidentifiableRankWarning
+from .exceptions import InversionFallbackWarning, OperatorMisfitWarning, UnidentifiableRankWarning
 from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
 from .inversions._base import sample_capacity, stop_keeping_samples
+from .inversions._statistic import ModelMisfitEvidence
 from .metrics import token_r2_score
+from .model_check import operator_class_check
 from .risk import (CURVE_RESOLUTION_FRACTION, centred_sums, excess_risk_standard_error, excess_risk_upper_bound,
                    rank_at_tolerance, relative_excess_risk, total_sum_of_squares)
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
@@ -616,6 +618,20 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                           f"bulk cannot be told from signal and rank_ may be far off; rank_interval_ is (0, "
                           f"{ws.dim}). What would help: more than {need:.0f} "
                           "samples."))
+        T = self._dims[0]
+        if T == 1 and self._config["operator"] in ("softmax", "linear_qk"):
+            # one token per sample: softmax attention of one token is 1 whatever K, and linear query-key
+            # attention sees K only through x^T K x (its symmetric part), whose rank is not K's
+            bounds = (0, ws.dim) if bounds is None else (min(bounds[0], 0), max(bounds[1], ws.dim))
+            what = ("softmax attention over one token is 1 whatever K (Y does not depend on K)"
+                    if self._config["operator"] == "softmax" else
+                    "linear query-key attention over one token sees K only through x^T K x (its symmetric "
+                    "part), whose rank is not K's")
+            notes.append((UnidentifiableRankWarning,
+                          f"X has T = 1 token per sample (a 2-D X of shape (n, d) is read as T = 1): {what}, so "
+                          f"r* is not identified by these data; rank_interval_ is (0, {ws.dim}). What would "
+                          "help: sequences of T >= 2 tokens, X of shape (n_samples, T, d) and Y of shape "
+                          "(n_samples, T, d_v)."))
         res = self._make_rule(unit)(ws, user_noise, self.max_rank)
         for category, message in notes + list(ws.warnings) + list(res.warnings):
             warnings.warn(message, category, stacklevel=4)
@@ -655,6 +671,74 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self._operator_cache = {}
         if curve_samples is not None and ws.inversion == "softmax_first_order" and bounds is None:
             self._check_first_order_fit(ws, res, curve_samples)
+        self.model_check_ = None
+        if curve_samples is not None and bounds is None:
+            self._check_operator_class(ws, curve_samples)
+
+    def _check_operator_class(self, ws, samples):
+        """Do the samples follow the operator's class (:func:`rstar.model_check.operator_class_check`)? If not,
+        warn with what would fit and widen the intervals to (0, d).
+
+        Runs for linear query-key attention with T > d (any inversion: its test needs no operator) and for
+        softmax attention where the least squares ran (its full-rank fit is the class's least-squares operator;
+        not the factored least squares at real sizes, and not the first order, which has model checks of its
+        own). ``model_check_`` records the outcome (None where it did not run)."""
+        operator_name = self._config["operator"]
+        if operator_name == "linear_proxy" or self._inv.space == "tokens":
+            return
+        misfit = ws.evidence_of(ModelMisfitEvidence)
+        if misfit is not None and misfit.model == "softmax" and ws.inversion in _FIRST_ORDER:
+            # the least squares rejected softmax attention and fell back to the first order, which holds for
+            # linear query-key attention too: do the data follow that class? (said already if not testable)
+            check = operator_class_check(samples, None, exact_in_span=True)
+            if check["span_p"] is None:
+                return
+            operator_name = "softmax or linear_qk"
+        elif operator_name == "softmax" and ws.inversion != "softmax_least_squares":
+            return   # the check needs the class's least-squares fit; the first order has its own model checks
+        elif any(issubclass(w, UnidentifiableRankWarning) for w, _ in list(ws.warnings)):
+            return   # already out of the class or not identified: said once, by the inversion
+        elif operator_name == "linear_qk":
+            # the exact-in-span test needs no operator (a moment estimator's would not do for the baseline test)
+            check = operator_class_check(samples, None, exact_in_span=True)
+            if check["span_p"] is None:
+                return   # T <= d: no span left outside col(X_i)
+        else:
+            basis = np.eye(ws.dim)
+            if getattr(self._inv, "reads_sample_passes", False):
+                operator = self._inv.fit_operator(self._stats, basis, ops=resolve_backend(self.device))
+            else:
+                operator = self._inv.fit_operator(self._stats, basis)
+            check = operator_class_check(samples, operator, exact_in_span=False)
+        self.model_check_ = check
+        if not check["rejected"]:
+            return
+        reasons = []
+        if "baseline" in check["rejected"]:
+            reasons.append(f"a regression with no attention at all (each token's features, its sequence's and "
+                           f"prefix's means and its position) leaves {100 * check['baseline_gain']:.1f}% less "
+                           f"residual on samples it was not fitted on than the full-rank {operator_name} fit on "
+                           f"its own samples (one-sided p = {check['baseline_p']:.2g})")
+        if "span" in check["rejected"]:
+            reasons.append(f"the power of Y outside the span of each sample's tokens, which this class leaves to "
+                           f"the noise alone, grows with the tokens' norm (correlation "
+                           f"{check['span_correlation']:.2f} over samples, one-sided p = {check['span_p']:.2g}): "
+                           "there is signal outside the span")
+        alternative = {"linear_qk": "operator='softmax' or 'linear_proxy'",
+                       "softmax": "operator='linear_qk' or 'linear_proxy'"}.get(operator_name, "operator='linear_proxy'")
+        what = (f"the {operator_name} operator's class" if " or " not in operator_name else
+                "softmax attention (its least squares misfit, see the fallback warning) nor linear query-key "
+                "attention, whose first-order statistic is in use")
+        wide = (0, int(ws.dim))
+        warnings.warn(
+            f"the data do not follow {what}: {'; and '.join(reasons)}. rank_ is a "
+            f"count inside a class these data lie outside, so it may be far off; rank_interval_ is {wide}. Check "
+            "that X holds the inputs (n, T, d) and Y the outputs (n, T, d_v), not swapped, and that the operator "
+            f"matches how Y was made (try {alternative}; a decoder head needs causal=True).",
+            OperatorMisfitWarning, stacklevel=5)
+        for attr in ("rank_interval_", "noise_floor_interval_"):
+            lo, hi = getattr(self, attr)
+            setattr(self, attr, (min(lo, wide[0]), max(hi, wide[1])))
 
     def _check_first_order_fit(self, ws, res, samples):
         """Where the samples are at hand: does the first-order softmax model hold
@@ -1137,6 +1221,14 @@ _FITTED_DOC = """
     inversion_reason_ : str
         Why that inversion ran: the choice's reason, or, after a fallback,
         the message of the warning that says why the preferred one did not.
+    model_check_ : dict or None
+        The model check of the operator's class (:func:`rstar.model_check.operator_class_check`):
+        ``baseline_gain``, ``baseline_p``, ``span_correlation``, ``span_p`` and ``rejected`` (the tests that
+        reject the class; non-empty: an :class:`~rstar.OperatorMisfitWarning` was issued and
+        ``rank_interval_`` is (0, d)). It runs for linear query-key attention with T > d and for softmax
+        attention where the least squares ran (small d); None elsewhere: the linear proxy, ``partial_fit``
+        (no samples at hand), the factored least squares (real sizes), the first order (its own model checks),
+        and fits already warned as not identified.
     null_model_ : str
         The null model the rule tested against: ``"wishart"``,
         ``"structured_bulk"``, ``"simulated"``, ``"cross_fit_union"`` or

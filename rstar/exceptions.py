@@ -1,6 +1,7 @@
 """Warnings raised when the data cannot identify r* reliably."""
 
-__all__ = ["IllConditionedInversionWarning", "UnidentifiableRankWarning", "InversionFallbackWarning"]
+__all__ = ["IllConditionedInversionWarning", "UnidentifiableRankWarning", "InversionFallbackWarning",
+           "OperatorMisfitWarning"]
 
 
 class IllConditionedInversionWarning(UserWarning):
@@ -15,3 +16,10 @@ class UnidentifiableRankWarning(UserWarning):
 class InversionFallbackWarning(UserWarning):
     """The preferred inversion could not run (a cost budget, too few samples); the message names the
     inversion that ran instead and why (also recorded as ``inversion_`` and ``inversion_reason_``)."""
+
+
+class OperatorMisfitWarning(UnidentifiableRankWarning):
+    """The data do not follow the operator's model class (e.g. X and Y swapped, or softmax data fitted as
+    linear query-key attention): the count is not a rank of that class. The message says which test rejected
+    the class and what would fit; ``rank_interval_`` is widened to (0, d) and ``model_check_`` holds the
+    tests' outcome (:mod:`rstar.model_check`)."""

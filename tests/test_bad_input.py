@@ -126,3 +126,87 @@ def test_too_few_samples_for_the_inversion():
     # exact softmax with a known V: 3 * 4 * 3 equations < 256 unknowns
     with pytest.raises(ValueError, match="needs at least 23 samples"):
         SoftmaxInversionEstimator(value_map=np.eye(16)).fit(Xs, Ys)
+
+
+# -- data that cannot identify r*, or lie outside the operator's class -------------------------------------------
+
+
+def test_two_dimensional_x_with_three_dimensional_y_says_which_shapes():
+    with pytest.raises(ValueError, match=r"X is 2-D, shape \(30, 4\) \(read as T = 1.*expected X of shape "
+                                         r"\(n_samples, T, d\) and Y of shape \(n_samples, T, d_v\)"):
+        RStarEstimator().fit(X[:, 0], Y)
+
+
+@pytest.mark.parametrize("Est, operator", [(RStarEstimator, "softmax"), (RStarEstimator, "linear_qk"),
+                                           (MPRankEstimator, "linear_qk"), (NumericalRankEstimator, "softmax"),
+                                           (EnergyRankEstimator, "softmax")])
+def test_one_token_per_sample_is_not_a_confident_rank(Est, operator):
+    # 2-D X and Y are read as T = 1: softmax over one token is 1 whatever K (and linear QK sees only x^T K x)
+    from rstar import UnidentifiableRankWarning
+    from rstar.datasets import make_attention_task
+
+    X1, Y1 = make_attention_task(400, kind="softmax", seq_len=16, n_features=6, rank=2, random_state=0)
+    with pytest.warns(UnidentifiableRankWarning) as record:
+        est = Est(operator=operator).fit(X1[:, 0], Y1[:, 0])
+    assert any("T = 1 token per sample" in str(w.message) for w in record)
+    assert est.rank_interval_ == (0, 6)
+
+
+def test_one_token_linear_proxy_is_still_answered():
+    # the linear proxy's T x T token mixing is 1 x 1 at T = 1: r* in {0, 1} is identified, no warning
+    import warnings as _w
+
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        est = RStarEstimator(operator="linear_proxy").fit(X[:, 0], Y[:, 0] + X[:, 0, :3])
+    assert est.rank_ == 1
+
+
+@pytest.fixture(scope="module")
+def softmax_pair():
+    from rstar.datasets import make_attention_task
+
+    return make_attention_task(1000, kind="softmax", seq_len=32, n_features=8, rank=2, random_state=0)
+
+
+@pytest.mark.parametrize("swap, operator", [(True, "softmax"), (True, "linear_qk"), (False, "linear_qk")])
+def test_data_outside_the_operators_class_are_warned(softmax_pair, swap, operator):
+    """X and Y swapped, or softmax data fitted as linear query-key attention: a model check says the data do not
+    fit the operator, with what would, and the interval covers every rank."""
+    from rstar import OperatorMisfitWarning
+
+    Xs, Ys = softmax_pair
+    if swap:
+        Xs, Ys = Ys, Xs
+    with pytest.warns(OperatorMisfitWarning, match="do not follow the .* operator's class") as record:
+        est = RStarEstimator(operator=operator).fit(Xs, Ys)
+    assert any("not swapped" in str(w.message) for w in record)
+    assert est.rank_interval_ == (0, 8) and est.model_check_["rejected"]
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear_qk"])
+def test_data_inside_the_class_pass_the_model_check(kind):
+    import warnings as _w
+
+    from rstar.datasets import make_attention_task
+
+    Xs, Ys, teacher = make_attention_task(1000, kind=kind, seq_len=32, n_features=8, rank=2, random_state=1,
+                                          return_teacher=True)
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        est = RStarEstimator(operator=kind).fit(Xs, Ys)
+    assert est.rank_ == teacher.rank and est.rank_interval_ == (2, 2)
+    check = est.model_check_
+    assert check["rejected"] == []
+    if kind == "linear_qk":   # the exact-in-span test, which needs no operator
+        assert check["baseline_p"] is None and check["span_p"] > 0.01 and abs(check["span_correlation"]) < 0.1
+    else:                     # the least squares against the no-attention regression
+        assert check["span_p"] is None and check["baseline_p"] > 0.01 and check["baseline_gain"] < 0
+
+
+def test_model_check_is_not_run_where_it_has_no_test():
+    from rstar.datasets import make_attention_task
+
+    Xs, Ys = make_attention_task(300, kind="linear_qk", seq_len=8, n_features=8, rank=1, random_state=0)
+    assert RStarEstimator(operator="linear_qk").fit(Xs, Ys).model_check_ is None      # T <= d: no span left
+    assert RStarEstimator(operator="linear_proxy").fit(Xs, Ys).model_check_ is None   # a model of any tokens

@@ -11,6 +11,7 @@ from ..streaming import ArraySamples
 from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_fit_cost
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
+from ._statistic import ModelMisfitEvidence
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
 from .._softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
 from .query_key import QueryKeyInversion
@@ -312,6 +313,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             self._factored_cache = (self._stats_key(stats), ws)   # for predict's operator: fitted once
             return ws
         K, V, sigma2, converged = self._fit(source, ops=ops)
+        if samples is None:
+            # the full-rank fit from K = 0, as fit_operator starts from: fitted once for both
+            self._full_fit_cache = (self._stats_key(stats), K)
         if converged and softmax_fit_starts(T, d, self.value_map is not None) > 1:
             K, V, sigma2, converged = self._best_of_restarts(source, (K, V, sigma2, converged), ops)
         dof = self.residual_dof(source.n_samples, T, d, d_v, self.value_map is not None)
@@ -319,7 +323,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
                 and sigma2 > SOFTMAX_MISFIT * stats["res"] / stats["res_dof"]):
             # softmax data leave at least the noise outside col(P X_i) (plus the higher-order terms), and
             # the model's own fit no more than the noise: a larger residual says the model does not hold
-            return with_warning(first_order(stats), UnidentifiableRankWarning,
+            fallback = first_order(stats)
+            fallback.evidence = tuple(fallback.evidence) + (
+                ModelMisfitEvidence("softmax", float(sigma2 * stats["res_dof"] / stats["res"])),)
+            return with_warning(fallback, UnidentifiableRankWarning,
                 f"the least-squares fit of softmax attention leaves {sigma2 * stats['res_dof'] / stats['res']:.2f} "
                 "times the residual power found outside col(P X_i): the data do not follow "
                 "softmax(X K X^T / sqrt(d)) X V (e.g. linear query-key attention: use "
@@ -474,6 +481,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             K = np.zeros((d, d))
             V, _ = _softmax_ls.SoftmaxLeastSquaresLoss(source, None, self.value_map, ops=ops).value_map(K)
             return SoftmaxOperator(K, V)
-        K_full = self._fit(source, ops=ops)[0]
+        cached = getattr(self, "_full_fit_cache", None) if samples is None else None
+        if cached is not None and cached[0] == self._stats_key(stats):
+            K_full = cached[1]
+        else:
+            K_full = self._fit(source, ops=ops)[0]
         K, V, _, _ = self._fit(source, K0=K_full, basis=basis, ops=ops)
         return SoftmaxOperator(K, V)

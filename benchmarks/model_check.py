@@ -1,0 +1,70 @@
+"""The model check of the operator's class (``rstar.model_check``, ``OperatorMisfitWarning``): how often it
+fires on data inside the class (false alarms, level 0.001 per test) and on data outside it (X and Y swapped,
+softmax data fitted as linear query-key attention, linear query-key data fitted as softmax).
+
+    python benchmarks/model_check.py                 # 200 in-class linear-QK tasks, 40 softmax, 20 of each misfit
+    python benchmarks/model_check.py --quick         # a tenth of that
+
+Public API only; prints one table (markdown).
+"""
+
+import argparse
+import time
+import warnings
+
+import numpy as np
+
+from rstar import OperatorMisfitWarning, RStarEstimator
+from rstar.datasets import make_attention_task
+
+
+def _fit(operator, X, Y):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = RStarEstimator(operator=operator).fit(X, Y)
+    fired = any(issubclass(w.category, OperatorMisfitWarning) for w in caught)
+    return est, fired
+
+
+def _row(name, operator, make, seeds):
+    fired, ran, t0 = 0, 0, time.perf_counter()
+    for seed in seeds:
+        X, Y = make(seed)
+        est, warned = _fit(operator, X, Y)
+        ran += est.model_check_ is not None
+        fired += warned
+    return {"case": name, "operator": operator, "tasks": len(seeds), "check ran": ran, "warned": fired,
+            "rate": fired / len(seeds), "s/task": (time.perf_counter() - t0) / len(seeds)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    k = 10 if args.quick else 1
+    qk = dict(kind="linear_qk", seq_len=32, n_features=16, rank=3)
+    sm = dict(kind="softmax", seq_len=32, n_features=8, rank=2)
+    cases = [
+        ("linear QK, Gaussian tokens", "linear_qk", lambda s: make_attention_task(1000, random_state=s, **qk), 200),
+        ("linear QK, Student-t(3) tokens", "linear_qk",
+         lambda s: make_attention_task(1000, random_state=s, token_distribution="student_t", df=3.0, **qk), 200),
+        ("linear QK, pure noise (r* = 0)", "linear_qk",
+         lambda s: make_attention_task(1000, random_state=s, **dict(qk, rank=0)), 200),
+        ("softmax, Gaussian tokens", "softmax", lambda s: make_attention_task(1000, random_state=s, **sm), 40),
+        ("softmax, pure noise (r* = 0)", "softmax",
+         lambda s: make_attention_task(1000, random_state=s, **dict(sm, rank=0)), 40),
+        ("softmax data as linear QK", "linear_qk", lambda s: make_attention_task(1000, random_state=s, **sm), 20),
+        ("softmax, X and Y swapped", "softmax", lambda s: make_attention_task(1000, random_state=s, **sm)[::-1], 20),
+        ("linear QK, X and Y swapped", "linear_qk",
+         lambda s: make_attention_task(1000, random_state=s, **qk)[::-1], 20),
+    ]
+    rows = [_row(name, op, make, range(max(count // k, 2))) for name, op, make, count in cases]
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
