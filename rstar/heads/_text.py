@@ -68,6 +68,8 @@ def token_windows(token_ids, seq_len, n_samples, *, random_state=None, prefix=()
     ``suffix`` token ids (e.g. BERT's ``[CLS]`` and ``[SEP]``) are placed around each and count in ``seq_len``.
     """
     ids = np.asarray(token_ids, dtype=np.int64)
+    if isinstance(n_samples, bool) or not isinstance(n_samples, (int, np.integer)) or n_samples < 1:
+        raise ValueError(f"n_samples must be an integer >= 1 (token windows), got {n_samples!r}.")
     body = seq_len - len(prefix) - len(suffix)
     if body < 1:
         raise ValueError(f"seq_len={seq_len} leaves no room for text between the prefix and suffix.")
@@ -85,7 +87,9 @@ def token_windows(token_ids, seq_len, n_samples, *, random_state=None, prefix=()
 def text_windows(tokenizer, seq_len, n_samples, *, text=None, random_state=None):
     """:func:`token_windows` over ``text`` (default :func:`stdlib_text`) tokenised by a Hugging Face
     ``tokenizer``, framed by its ``[CLS]`` and ``[SEP]`` tokens where it has them, shape (n_samples, seq_len)."""
-    ids = tokenizer(stdlib_text() if text is None else text, add_special_tokens=False)["input_ids"]
+    # the text is tokenised as one long sequence and cut into windows afterwards: no window passes the model
+    # longer than seq_len, so the tokenizer's "longer than the maximum sequence length" warning is not for us
+    ids = tokenizer(stdlib_text() if text is None else text, add_special_tokens=False, verbose=False)["input_ids"]
     frame = {key: [] if tok is None else [tok] for key, tok in (("prefix", tokenizer.cls_token_id),
                                                                  ("suffix", tokenizer.sep_token_id))}
     return token_windows(ids, seq_len, n_samples, random_state=random_state, **frame)
