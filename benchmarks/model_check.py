@@ -12,8 +12,6 @@ import argparse
 import time
 import warnings
 
-import numpy as np
-
 from rstar import OperatorMisfitWarning, RStarEstimator
 from rstar.datasets import make_attention_task
 
@@ -27,19 +25,21 @@ def _fit(operator, X, Y):
 
 
 def _row(name, operator, make, seeds):
-    fired, ran, t0 = 0, 0, time.perf_counter()
+    fired, ran, wide, t0 = 0, 0, 0, time.perf_counter()
     for seed in seeds:
         X, Y = make(seed)
         est, warned = _fit(operator, X, Y)
         ran += est.model_check_ is not None
         fired += warned
-    return {"case": name, "operator": operator, "tasks": len(seeds), "check ran": ran, "warned": fired,
-            "rate": fired / len(seeds), "s/task": (time.perf_counter() - t0) / len(seeds)}
+        wide += tuple(est.rank_interval_) == (0, X.shape[2])
+    return {"case": name, "operator": operator, "tasks": len(seeds), "check ran": ran, "misfit warned": fired,
+            "rate": fired / len(seeds), "interval (0, d)": wide, "s/task": (time.perf_counter() - t0) / len(seeds)}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cases", default=None, help="comma-separated row numbers to run (1-based; default: all)")
     args = parser.parse_args(argv)
     k = 10 if args.quick else 1
     qk = dict(kind="linear_qk", seq_len=32, n_features=16, rank=3)
@@ -58,6 +58,8 @@ def main(argv=None):
         ("linear QK, X and Y swapped", "linear_qk",
          lambda s: make_attention_task(1000, random_state=s, **qk)[::-1], 20),
     ]
+    if args.cases:
+        cases = [cases[int(i) - 1] for i in args.cases.split(",")]
     rows = [_row(name, op, make, range(max(count // k, 2))) for name, op, make, count in cases]
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")

@@ -83,6 +83,8 @@ API_MODULES = [
     ("rstar.budgets", "Cost budgets"),
     ("rstar.streaming", "Samples read in passes (batches, dask arrays)"),
     ("rstar.risk", "Risk against rank (the tolerance rank r*(ε))"),
+    ("rstar.model_check", "Model checks of the operator's class"),
+    ("rstar.model_selection", "Choosing the rank of a rank sweep"),
     ("rstar.heads", "Real transformer heads (torch models)"),
     ("rstar.baselines", "Published baselines"),
     ("rstar.datasets", "Task generators"),

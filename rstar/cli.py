@@ -15,9 +15,13 @@ else 1) sets the CPU threads of torch and of numpy/scipy's BLAS.
 and prints its rank, interval, inversion and warnings.
 
 ``rstar heads [--model minilm|PATH] [--seq-len T] [--n-samples n] [--layers 0,1] [--heads 0,3]
-[--tolerance 0.01 0.05] [--out DIR]`` collects every self-attention head's inputs and outputs on English text that ships with Python,
-fits each head, prints the table, and writes ``heads.csv``/``heads.json`` and a layer x head heatmap
-(:mod:`rstar.heads`).
+[--tolerance 0.01 0.05] [--out DIR] [--resume]`` collects every self-attention head's inputs and outputs on
+English text that ships with Python, fits each head (a progress bar with the time left; each head's row appended
+to ``DIR/heads.jsonl`` when fitted, so ``--resume`` continues an interrupted run), prints the table, and writes
+``heads.csv``/``heads.json`` and a layer x head heatmap (:mod:`rstar.heads`).
+
+Every subcommand's ``--help`` lists its options with their defaults; a user's mistake (a missing or unreadable
+file, an option out of range) ends with one line ``rstar: error: ...`` and exit status 2.
 """
 
 import argparse
@@ -85,6 +89,9 @@ def _parser():
                        help="tolerances of the r*(EPS) columns; the heatmap shows the first")
     heads.add_argument("--seed", type=int, default=0, help="random seed of the token windows")
     heads.add_argument("--out", default="rstar-heads", help="output folder")
+    heads.add_argument("--resume", action="store_true",
+                       help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
+                            "(the other options must be the same)")
     return parser
 
 
@@ -197,8 +204,6 @@ def _demo(args):
 
 def _estimate(args):
     import warnings
-
-    import numpy as np
 
     from . import estimators as _pkg
 
@@ -325,6 +330,33 @@ def _check_heads_args(args, model=None):
                          f"(max_position_embeddings): use --seq-len {positions} or less.")
 
 
+def _run_record(args, layers, heads):
+    """What defines a heads run: a resumed run must match it."""
+    from . import __version__
+
+    return {"model": args.model, "seq_len": args.seq_len, "n_samples": args.n_samples, "seed": args.seed,
+            "tolerance": [float(t) for t in args.tolerance], "layers": layers, "heads": heads, "rstar": __version__}
+
+
+def _read_progress(path):
+    """``(record, rows)`` of a heads run's row file (``heads.jsonl``): its first line and the rows written."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        first = json.loads(lines[0]) if lines else {}
+        rows = [json.loads(line) for line in lines[1:]]
+    except json.JSONDecodeError:
+        # a line cut by the interruption is lost, the rows before it are kept
+        first, rows = json.loads(lines[0]), []
+        for line in lines[1:]:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    if "run" not in first:
+        raise ValueError(f"{path} is not a heads run's row file (no run record on its first line).")
+    return first["run"], first.get("total"), rows
+
+
 def _heads(args):
     from .experiments import markdown_table
     from .heads import collect_attention, estimate_heads, plot_head_rank_panels, text_windows
@@ -332,22 +364,73 @@ def _heads(args):
     layers = None if args.layers is None else _index_list(args.layers, "--layers")
     heads = None if args.heads is None else _index_list(args.heads, "--heads")
     _check_heads_args(args)
+    out = Path(args.out)
+    progress_file = out / "heads.jsonl"
+    record = _run_record(args, layers, heads)
+    done = []
+    if progress_file.exists():
+        previous, total, rows = _read_progress(progress_file)
+        if args.resume:
+            differ = [key for key in record if key != "rstar" and previous.get(key) != record[key]]
+            if differ:
+                raise ValueError(f"cannot resume the run in {progress_file}: its " + ", ".join(
+                    f"{key} was {previous.get(key)!r}, not {record[key]!r}" for key in differ)
+                    + ". Give the same options, or another --out.")
+            done = rows
+        elif total is not None and len(rows) < total:
+            raise ValueError(f"{progress_file} holds an unfinished run ({len(rows)} of {total} heads): rerun with "
+                             f"--resume to continue it, or delete the file (or give another --out) to start over.")
+    elif args.resume:
+        print(f"(nothing to resume in {out}/: starting the run)", flush=True)
     model, tokenizer = _load_model(args.model)
     _check_heads_args(args, model)
     windows = text_windows(tokenizer, args.seq_len, args.n_samples, random_state=args.seed)
     t0 = time.perf_counter()
+    print(f"reading the attention inputs of {args.n_samples} windows of {args.seq_len} tokens ...", flush=True)
     collected = collect_attention(model, windows, layers=layers)
     if heads is not None:
         collected = [layer.select_heads(heads) for layer in collected]
-    table = estimate_heads(collected, tolerances=tuple(args.tolerance))
-    out = Path(args.out)
+    total = sum(len(list(layer.heads())) for layer in collected)
+    skip = {(int(r["layer"]), int(r["head"])) for r in done}
+    todo = total - len(skip)
+    print(f"{total} heads in {len(collected)} layers ({time.perf_counter() - t0:.1f} s to read them)"
+          + (f"; {len(skip)} done before, {todo} to fit" if skip else "")
+          + ". Each head's row is written to " + str(progress_file) + " when it is fitted; the first head's time "
+          "gives the estimate of the total.", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    rows = table.to_dict("records") if hasattr(table, "to_dict") else table
+    with open(progress_file, "w" if not done else "a") as fh:
+        if not done:
+            fh.write(json.dumps({"run": record, "total": total}) + "\n")
+        t_fit, fitted = time.perf_counter(), []
+
+        def write(row):
+            fh.write(json.dumps(row, default=float) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            fitted.append(row)
+            if len(fitted) == 1 and todo > 1:
+                per_head = time.perf_counter() - t_fit
+                print(f"\nfirst head fitted in {per_head:.1f} s: about {per_head * todo / 60:.1f} minutes for the "
+                      f"{todo} heads", file=sys.stderr, flush=True)
+
+        try:
+            estimate_heads(collected, tolerances=tuple(args.tolerance), skip=skip, on_row=write, progress=True)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: {len(done) + len(fitted)} of {total} heads are in {progress_file}; rerun the "
+                  "same command with --resume to fit the rest.", file=sys.stderr, flush=True)
+            return 130
+    order = {key: k for k, key in enumerate((layer.index, head.head) for layer in collected
+                                             for head in layer.heads())}
+    rows = sorted(done + fitted, key=lambda r: order.get((int(r["layer"]), int(r["head"])), len(order)))
     print(markdown_table(rows, list(rows[0])))
-    (out / "heads.json").write_text(json.dumps({"command": sys.argv, "model": args.model, "seq_len": args.seq_len,
-                                                "n_samples": args.n_samples, "rows": rows,
+    (out / "heads.json").write_text(json.dumps({"command": sys.argv, **record, "rows": rows,
                                                 "elapsed_s": time.perf_counter() - t0}, indent=1, default=float))
-    if hasattr(table, "to_csv"):
+    try:
+        import pandas as pd
+    except ImportError:   # pragma: no cover - depends on the environment
+        table = rows
+    else:
+        table = pd.DataFrame(rows)
         table.to_csv(out / "heads.csv", index=False)
     try:
         import matplotlib
@@ -357,7 +440,7 @@ def _heads(args):
         fig.savefig(out / "heads_rank.png", dpi=110, bbox_inches="tight")
     except ImportError:
         print('(matplotlib is not installed: no heatmap; pip install "rstar[plot]")')
-    print(f"\n[{len(rows)} heads in {time.perf_counter() - t0:.1f} s; wrote {out}/]")
+    print(f"\n[{len(rows)} heads ({len(fitted)} fitted now) in {time.perf_counter() - t0:.1f} s; wrote {out}/]")
     return 0
 
 

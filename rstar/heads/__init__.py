@@ -41,8 +41,8 @@ from ._text import stdlib_text, text_windows, token_windows
 
 __all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_modules", "attention_rows",
            "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve", "load_minilm",
-           "plot_head_rank_panels", "plot_head_ranks", "stdlib_text", "text_windows", "token_windows", "truncation_rank",
-           "weight_mp_spike_count"]
+           "plot_head_rank_panels", "plot_head_ranks", "stdlib_text", "text_windows", "token_windows",
+           "truncation_rank", "weight_mp_spike_count"]
 
 #: Tolerances of the table's r*(ε) columns by default (relative excess risk: 1% and 5% of Var(Y)).
 DEFAULT_TOLERANCES = (0.01, 0.05)
@@ -122,7 +122,7 @@ def _truncation_rank(curve, tolerance, d_head):
 
 
 def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, value_map_known=True,
-                   truncation=True):
+                   truncation=True, skip=(), on_row=None, progress=False):
     """Fit a data-only estimator on every head and return one row per head.
 
     Parameters
@@ -141,77 +141,137 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     truncation : bool, default=True
         Add the truncation-rank columns (``truncation_rank_at_<ε>``, :func:`truncation_rank`, from the real
         kernel): the upper bound the estimates are checked against.
+    skip : collection of (int, int), default=()
+        ``(layer, head)`` pairs already fitted (e.g. by an interrupted run): left out of the table.
+    on_row : callable or None
+        Called with each head's row as soon as it is fitted (e.g. to write it to disk, so an interrupted run
+        keeps what was done).
+    progress : bool, default=False
+        Show a progress bar (tqdm, where installed) with the heads done and the time left.
 
     Returns
     -------
     table : pandas.DataFrame, or list of dict without pandas
         Columns ``layer, head, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
         kernel_rank, truncation_rank_at_<ε> ..., warnings, note``: ``rank`` and its interval are the
-        noise-floor estimate, the interval capped at ``d_head`` (what the class allows: a head's kernel has
-        rank at most ``d_head``; ``note`` says so where the fit's interval reached beyond); ``rank_at_<ε>`` is
+        noise-floor estimate, within what the class allows (a head's kernel has rank at most ``d_head``: an
+        interval reaching beyond is capped, and a count beyond makes the interval ``(0, d_head)``; ``note``
+        says which); ``rank_at_<ε>`` (at most ``d_head``) is
         None where the estimator has no rank-r operators at this size (the first-order inversion over its
         memory budget for ``d^4`` moment sums), with the reason in ``note``; ``warnings`` holds each distinct
-        warning the fit issued as ``Category: message`` (the reason), separated by `` | ``.
+        warning the fit issued as ``Category: message`` (the reason), separated by a vertical bar.
     """
-    from sklearn.base import clone
-
-    from ..estimators import RStarEstimator
-
     tolerances = tuple(float(t) for t in tolerances)
+    skip = {(int(layer), int(head)) for layer, head in skip}
+    todo = [(layer, head) for layer in layers for head in layer.heads() if (layer.index, head.head) not in skip]
     rows = []
     # shapes at which the estimator has no rank-r operators: later heads of that shape skip the tolerance fit
     no_operators = {}
-    for layer in layers:
-        for head in layer.heads():
-            est = clone(RStarEstimator() if estimator is None else estimator)
-            if head.causal:
-                if "causal" not in est.get_params():
-                    raise ValueError(f"layer {layer.index} ({layer.name}) is causal, and {type(est).__name__}'s "
-                                     "operator attends to every token: use RStarEstimator, whose factored least "
-                                     "squares models the mask (causal=True).")
-                est.set_params(causal=True)
-            shape = (head.X.shape, head.Y.shape)
-            note = no_operators.get(shape, "")
-            params = {"tolerance": min(tolerances) if tolerances and not note else None}
-            if value_map_known and "value_map" in est.get_params():
-                params["value_map"] = head.value_map()
-            est.set_params(**params)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    est.fit(head.features(), head.Y)
-                except ValueError as err:
-                    if params["tolerance"] is None or "closed-form operators" not in str(err):
-                        raise
-                    # no rank-r operators at this size: the noise-floor estimate alone, and say why
-                    note = no_operators[shape] = f"no r*(tolerance): {err}"
-                    est.set_params(tolerance=None).fit(head.features(), head.Y)
-            lower, upper = (int(v) for v in est.noise_floor_interval_)
-            if upper > head.d_head:
-                # the class allows no more: a head's kernel W_Q W_K^T has rank <= d_head
-                note = "; ".join(filter(None, [note, f"rank_upper capped at d_head = {head.d_head} (a head's kernel "
-                                                     f"has rank <= d_head; the fit's interval reached {upper}: see "
-                                                     "warnings for why it is wide)"]))
-                upper = head.d_head
-            row = dict(layer=layer.index, head=head.head, d_head=head.d_head, rank=int(est.noise_floor_rank_),
-                       rank_lower=min(lower, upper), rank_upper=upper,
-                       effective_rank=float(est.effective_rank_), inversion=est.inversion_)
-            for tol in tolerances:
-                row[f"rank_at_{tol:g}"] = None if note else est.rank_at_tolerance(tol)
-            sv = head.kernel_singular_values()
-            row["kernel_rank"] = int(np.sum(sv > sv[0] * 1e-10)) if sv.size and sv[0] > 0 else 0
-            if truncation:
-                curve = kernel_truncation_curve(head)
-                for tol in tolerances:
-                    row[f"truncation_rank_at_{tol:g}"] = _truncation_rank(curve, tol, head.d_head)
-            row["warnings"] = _warning_reasons(caught)
-            row["note"] = note
+    bar = _progress_bar(len(todo)) if progress else None
+    try:
+        for layer, head in todo:
+            row = _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators)
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
+            if bar is not None:
+                bar.set_postfix_str(f"layer {layer.index} head {head.head}: r*={row['rank']}", refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
     try:
         import pandas as pd
     except ImportError:   # pragma: no cover - depends on the environment
         return rows
     return pd.DataFrame(rows)
+
+
+def _progress_bar(total):
+    """A tqdm bar over heads (heads done, time left), or a plain line per head without tqdm."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:   # pragma: no cover - depends on the environment
+        return _LineProgress(total)
+    return tqdm(total=total, desc="heads", unit="head", dynamic_ncols=True)
+
+
+class _LineProgress:
+    """Without tqdm: one line per head, with the time left extrapolated from the heads done."""
+
+    def __init__(self, total):
+        import time
+
+        self.total, self.done, self.start, self.note, self._time = total, 0, time.perf_counter(), "", time
+
+    def set_postfix_str(self, note, refresh=True):
+        self.note = note
+
+    def update(self, k=1):
+        self.done += k
+        elapsed = self._time.perf_counter() - self.start
+        left = elapsed / self.done * (self.total - self.done)
+        print(f"heads {self.done}/{self.total}  {elapsed:.0f} s elapsed, about {left:.0f} s left  {self.note}",
+              flush=True)
+
+    def close(self):
+        pass
+
+
+def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators):
+    """One head's row of :func:`estimate_heads`."""
+    from sklearn.base import clone
+
+    from ..estimators import RStarEstimator
+
+    est = clone(RStarEstimator() if estimator is None else estimator)
+    if head.causal:
+        if "causal" not in est.get_params():
+            raise ValueError(f"layer {layer.index} ({layer.name}) is causal, and {type(est).__name__}'s "
+                             "operator attends to every token: use RStarEstimator, whose factored least "
+                             "squares models the mask (causal=True).")
+        est.set_params(causal=True)
+    shape = (head.X.shape, head.Y.shape)
+    note = no_operators.get(shape, "")
+    params = {"tolerance": min(tolerances) if tolerances and not note else None}
+    if value_map_known and "value_map" in est.get_params():
+        params["value_map"] = head.value_map()
+    est.set_params(**params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            est.fit(head.features(), head.Y)
+        except ValueError as err:
+            if params["tolerance"] is None or "closed-form operators" not in str(err):
+                raise
+            # no rank-r operators at this size: the noise-floor estimate alone, and say why
+            note = no_operators[shape] = f"no r*(tolerance): {err}"
+            est.set_params(tolerance=None).fit(head.features(), head.Y)
+    # the class allows no more: a head's kernel W_Q W_K^T has rank <= d_head
+    rank, (lower, upper), cap = int(est.noise_floor_rank_), (int(v) for v in est.noise_floor_interval_), ""
+    if rank > head.d_head:
+        cap = (f"the fit read {rank}, more than a head's kernel can have (rank <= d_head = {head.d_head}): the "
+               f"estimator's count is off for this head, so rank is capped at d_head and the interval is every "
+               f"rank the class allows, (0, {head.d_head})")
+        rank, lower, upper = head.d_head, 0, head.d_head
+    elif upper > head.d_head:
+        cap = (f"rank_upper capped at d_head = {head.d_head} (a head's kernel has rank <= d_head; the fit's "
+               f"interval reached {upper}: see warnings for why it is wide)")
+        upper = head.d_head
+    row = dict(layer=layer.index, head=head.head, d_head=head.d_head, rank=rank, rank_lower=min(lower, upper),
+               rank_upper=upper, effective_rank=float(est.effective_rank_), inversion=est.inversion_)
+    for tol in tolerances:
+        # r*(eps) <= d_head: the head's own kernel (rank <= d_head) reproduces it exactly
+        row[f"rank_at_{tol:g}"] = None if note else min(est.rank_at_tolerance(tol), head.d_head)
+    sv = head.kernel_singular_values()
+    row["kernel_rank"] = int(np.sum(sv > sv[0] * 1e-10)) if sv.size and sv[0] > 0 else 0
+    if truncation:
+        curve = kernel_truncation_curve(head)
+        for tol in tolerances:
+            row[f"truncation_rank_at_{tol:g}"] = _truncation_rank(curve, tol, head.d_head)
+    row["warnings"] = _warning_reasons(caught)
+    row["note"] = "; ".join(filter(None, [note, cap]))
+    return row
 
 
 def _warning_reasons(caught):
@@ -319,8 +379,8 @@ def plot_head_rank_panels(table, tolerance=None):
         plot_head_ranks(rows, column, ax=ax, vmin=0, vmax=top)
     if at:
         eps = at[0][len("rank_at_"):]
-        axes[0][0].set_title(f"estimated r*(ε = {eps}) (data only)")
+        axes[0][0].set_title(f"estimated r*(ε = {eps})\n(data only)", fontsize=9)
         if len(columns) > 1:
-            axes[0][1].set_title(f"truncation rank at ε = {eps} (upper bound)")
+            axes[0][1].set_title(f"truncation rank at ε = {eps}\n(upper bound)", fontsize=9)
     fig.tight_layout()
     return fig
