@@ -25,10 +25,9 @@ rougher than the full run's.
 
 import textwrap
 
-import matplotlib.pyplot as plt
 from transformers.utils import logging as hf_logging
 
-from rstar.heads import collect_attention, estimate_heads, load_minilm, plot_head_ranks, text_windows
+from rstar.heads import collect_attention, estimate_heads, load_minilm, plot_head_rank_panels, text_windows
 
 hf_logging.disable_progress_bar()   # no progress bar while the weights load
 model, tokenizer = load_minilm()
@@ -66,15 +65,10 @@ for reason in table["warnings"][0].split(" | "):
 # %%
 # The heatmaps
 # ------------
-# :func:`~rstar.heads.plot_head_ranks` draws one column of the table as a layer x head grid; the column is named
-# explicitly: the data-only r*(0.05), and beside it the truncation bound (each panel with its own colour scale;
-# the numbers are the ranks). An estimate above its head's bound would count more directions than the head's own
-# kernel needs; the line printed checks that none does.
+# :func:`~rstar.heads.plot_head_rank_panels` draws, on one colour scale from 0 to ``d_head``, the data-only r*(0.05)
+# of every head beside its truncation bound (the numbers are the ranks); it is the figure ``rstar heads`` writes.
+# An estimate above its head's bound would count more directions than the head's own kernel needs; the line printed
+# checks that none does.
 within = bool((table["rank_at_0.05"] <= table["truncation_rank_at_0.05"]).all())
 print(f"every r*(0.05) at or below its head's truncation bound: {within}")
-fig, axes = plt.subplots(1, 2, figsize=(8, 2.8))
-for ax, column in zip(axes, ["rank_at_0.05", "truncation_rank_at_0.05"]):
-    plot_head_ranks(table, column, ax=ax)
-axes[0].set_title("r*(0.05), data only")
-axes[1].set_title("SVD truncation at 0.05 (bound)")
-fig.tight_layout()
+fig = plot_head_rank_panels(table, tolerance=0.05)
