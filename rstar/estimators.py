@@ -704,11 +704,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
             if check["span_p"] is None:
                 return   # T <= d: no span left outside col(X_i)
         else:
-            basis = np.eye(ws.dim)
-            if getattr(self._inv, "reads_sample_passes", False):
-                operator = self._inv.fit_operator(self._stats, basis, ops=resolve_backend(self.device))
-            else:
-                operator = self._inv.fit_operator(self._stats, basis)
+            operator = self._inv.full_rank_operator(self._stats)   # the fit whiten made: no second fit
+            if operator is None:
+                return
             check = operator_class_check(samples, operator, exact_in_span=False)
         self.model_check_ = check
         if not check["rejected"]:

@@ -1,8 +1,18 @@
 import os
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one thread per worker: the workers already fill the cores (set before numpy, scipy or torch load their
+    # thread pools; threadpoolctl below for any that loaded earlier)
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 import numpy as np
 import pytest
 from hypothesis import settings
+from threadpoolctl import threadpool_limits
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    threadpool_limits(limits=1)
 
 # Property tests draw the same examples on every run and keep no example database: one unlucky draw can then
 # neither fail a single run at random nor be replayed into every later run of a checkout. To explore with fresh

@@ -318,6 +318,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             self._full_fit_cache = (self._stats_key(stats), K)
         if converged and softmax_fit_starts(T, d, self.value_map is not None) > 1:
             K, V, sigma2, converged = self._best_of_restarts(source, (K, V, sigma2, converged), ops)
+        # the least-squares operator at full rank (the model check's), in the units of the sums
+        self._full_rank_operator = (self._stats_key(stats), SoftmaxOperator(K, V) if converged else None)
         dof = self.residual_dof(source.n_samples, T, d, d_v, self.value_map is not None)
         if (converged and stats["res_dof"] >= MIN_NOISE_DOF
                 and sigma2 > SOFTMAX_MISFIT * stats["res"] / stats["res_dof"]):
@@ -461,6 +463,12 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         if cached is not None and cached[0] == self._stats_key(stats):
             return cached[1]
         return self.whiten(stats, self.factored_name)   # a fallback (e.g. no value signal) is returned as is
+
+    def full_rank_operator(self, stats):
+        """The full-rank least-squares operator :meth:`whiten` fitted on these sums (its best start), or None
+        where it did not run, did not converge, or the sums changed since."""
+        cached = getattr(self, "_full_rank_operator", None)
+        return cached[1] if cached is not None and cached[0] == self._stats_key(stats) else None
 
     def fit_operator(self, stats, basis, samples=None, ops=NUMPY):
         if samples is None and self.default_run(stats) == self.factored_name:
