@@ -1087,12 +1087,14 @@ def _fallback_message(ws):
     return "a fallback while the inversion ran"
 
 
-_P_VALUES_DOC = """
+_P_VALUES_HEAD = """
     p_values_ : ndarray of shape (n_tests,)
         p-values of the sequential spike tests, in order (entry k: is
         eigenvalue k+1 signal, given k spikes?); the first one at or above
         ``alpha`` stopped the count. Tests go on up to the first one not
-        significant at the lenient level ``min(10 alpha, 0.5)``. Their law
+        significant at the lenient level ``min(10 alpha, 0.5)``."""
+
+_P_VALUES_DOC = _P_VALUES_HEAD + """ Their law
         follows ``null_model_``: ``"wishart"`` and ``"structured_bulk"``,
         approximate Tracy–Widom p-values, each the smaller of the test from
         the top and the multiplicity-adjusted top-down one
@@ -1110,12 +1112,7 @@ _P_VALUES_DOC = """
         (see docs/rules/marchenko_pastur.md)."""
 
 # RStarEstimator's default inversions are tested against simulated nulls: its p-values say so first
-_RSTAR_P_VALUES_DOC = """
-    p_values_ : ndarray of shape (n_tests,)
-        p-values of the sequential spike tests, in order (entry k: is
-        eigenvalue k+1 signal, given k spikes?); the first one at or above
-        ``alpha`` stopped the count. Tests go on up to the first one not
-        significant at the lenient level ``min(10 alpha, 0.5)``. With the
+_RSTAR_P_VALUES_DOC = _P_VALUES_HEAD + """ With the
         least-squares inversions (``softmax`` below the factored fit's
         sizes, and ``linear_qk`` with V known: ``null_model_ ==
         "simulated"``) they are Monte Carlo p-values against a simulated
