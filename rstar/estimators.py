@@ -32,7 +32,6 @@ from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
 from .exceptions import InversionFallbackWarning, OperatorMisfitWarning, UnidentifiableRankWarning
 from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
 from .inversions._base import sample_capacity, stop_keeping_samples
-from .inversions._statistic import ModelMisfitEvidence
 from .metrics import token_r2_score
 from .model_check import operator_class_check
 from .risk import (CURVE_RESOLUTION_FRACTION, centred_sums, excess_risk_standard_error, excess_risk_upper_bound,
@@ -686,19 +685,11 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         operator_name = self._config["operator"]
         if operator_name == "linear_proxy" or self._inv.space == "tokens":
             return
-        misfit = ws.evidence_of(ModelMisfitEvidence)
-        if misfit is not None and misfit.model == "softmax" and ws.inversion in _FIRST_ORDER:
-            # the least squares rejected softmax attention and fell back to the first order, which holds for
-            # linear query-key attention too: do the data follow that class? (said already if not testable)
-            check = operator_class_check(samples, None, exact_in_span=True)
-            if check["span_p"] is None:
-                return
-            operator_name = "softmax or linear_qk"
-        elif operator_name == "softmax" and ws.inversion != "softmax_least_squares":
+        if operator_name == "softmax" and ws.inversion != "softmax_least_squares":
             return   # the check needs the class's least-squares fit; the first order has its own model checks
-        elif any(issubclass(w, UnidentifiableRankWarning) for w, _ in list(ws.warnings)):
+        if any(issubclass(w, UnidentifiableRankWarning) for w, _ in list(ws.warnings)):
             return   # already out of the class or not identified: said once, by the inversion
-        elif operator_name == "linear_qk":
+        if operator_name == "linear_qk":
             # the exact-in-span test needs no operator (a moment estimator's would not do for the baseline test)
             check = operator_class_check(samples, None, exact_in_span=True)
             if check["span_p"] is None:
@@ -723,11 +714,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
                            f"{check['span_correlation']:.2f} over samples, one-sided p = {check['span_p']:.2g}): "
                            "there is signal outside the span")
         alternative = {"linear_qk": "operator='softmax' or 'linear_proxy'",
-                       "softmax": "operator='linear_qk' or 'linear_proxy'"}.get(operator_name,
-                                                                                "operator='linear_proxy'")
-        what = (f"the {operator_name} operator's class" if " or " not in operator_name else
-                "softmax attention (its least squares misfit, see the fallback warning) nor linear query-key "
-                "attention, whose first-order statistic is in use")
+                       "softmax": "operator='linear_qk' or 'linear_proxy'"}[operator_name]
+        what = f"the {operator_name} operator's class"
         wide = (0, int(ws.dim))
         warnings.warn(
             f"the data do not follow {what}: {'; and '.join(reasons)}. rank_ is a "

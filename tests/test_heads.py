@@ -397,3 +397,15 @@ def test_text_windows_do_not_warn_about_the_tokenizers_maximum_length(capfd):
     assert "Token indices sequence length" not in capfd.readouterr().err
     with pytest.raises(ValueError, match="n_samples must be an integer >= 1"):
         text_windows(tok, 16, 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_swapped_real_token_arrays_are_never_a_confident_rank(minilm_layer, seed):
+    # planted softmax outputs on real tokens (d = 16), given as X and the tokens as Y: warned, and the interval
+    # covers every rank of the class (the least squares misfit, then the linear-QK reading fails its own check)
+    Z, _, Y = _planted_on_top_directions(minilm_layer.X, 16, 3, seed=seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = RStarEstimator().fit(Y, Z)
+    assert any(issubclass(w.category, UnidentifiableRankWarning) for w in caught)
+    assert est.rank_interval_ == (0, 8), (est.rank_, est.rank_interval_, est.inversion_, est.model_check_)

@@ -328,12 +328,16 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             fallback = first_order(stats)
             fallback.evidence = tuple(fallback.evidence) + (
                 ModelMisfitEvidence("softmax", float(sigma2 * stats["res_dof"] / stats["res"])),)
+            # the softmax class's r* is not defined for data outside it: every rank stays possible (the
+            # first-order count is a linear-QK reading, which operator='linear_qk' makes and checks)
+            fallback.rank_bounds = (0, d)
             return with_warning(fallback, UnidentifiableRankWarning,
                 f"the least-squares fit of softmax attention leaves {sigma2 * stats['res_dof'] / stats['res']:.2f} "
                 "times the residual power found outside col(P X_i): the data do not follow "
                 "softmax(X K X^T / sqrt(d)) X V (e.g. linear query-key attention: use "
-                "operator='linear_qk'). Fallback in use: the first-order inversion, which holds for "
-                "both.")
+                "operator='linear_qk'; or X and Y swapped: X the inputs, Y the outputs). Fallback in use: the "
+                "first-order inversion, which holds for "
+                f"both; as a rank of softmax attention its count is not identified: rank_interval_ is (0, {d}).")
         if not converged:
             # the null draws are the noise of a minimum: an unconverged K holds the optimiser's error too
             # (on a held-out Student-t task, r* = 4 read 62)
