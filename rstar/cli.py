@@ -346,7 +346,10 @@ def _read_progress(path):
         rows = [json.loads(line) for line in lines[1:]]
     except json.JSONDecodeError:
         # a line cut by the interruption is lost, the rows before it are kept
-        first, rows = json.loads(lines[0]), []
+        try:
+            first, rows = json.loads(lines[0]), []
+        except json.JSONDecodeError:
+            raise ValueError(f"{path} is not a heads run's row file (its first line is not JSON).") from None
         for line in lines[1:]:
             try:
                 rows.append(json.loads(line))

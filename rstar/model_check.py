@@ -31,6 +31,9 @@ it runs where the operator is one: the softmax least squares.
 import numpy as np
 from scipy import stats as _stats
 
+from ._linalg import solve_psd
+from .inversions.query_key import pseudo_inverse_fit
+
 __all__ = ["no_attention_features", "operator_class_check", "outside_span_residuals", "paired_excess"]
 
 #: Level of the model checks' one-sided z tests (a false alarm on data in the class at most this often, per
@@ -72,26 +75,16 @@ def _baseline_normal_sums(X, Y):
     return tuple(out)
 
 
-def _solve(G, C):
-    ridge = 1e-10 * max(float(np.trace(G)) / G.shape[0], np.finfo(float).tiny)
-    return np.linalg.lstsq(G + ridge * np.eye(G.shape[0]), C, rcond=None)[0]
-
-
 def outside_span_residuals(X, Y):
     """Per sample: the residual power per degree of freedom of the free regression of ``Y_i`` on ``X_i``
-    (``(T - rank X_i) d_v`` degrees of freedom), and those degrees of freedom.
+    (:func:`rstar.inversions.query_key.pseudo_inverse_fit`, ``(T - rank X_i) d_v`` degrees of freedom; nan
+    where none is left), and those degrees of freedom.
 
     Returns
     -------
     power, dof : ndarray of shape (n,)
     """
-    U, s, _ = np.linalg.svd(X, full_matrices=False)
-    tol = s[:, :1] * max(X.shape[1:]) * np.finfo(float).eps
-    keep = s > tol
-    rank = keep.sum(axis=1)
-    proj = np.einsum("ntk,ntv->nkv", U * keep[:, None, :], Y)
-    res = np.maximum(np.sum(Y**2, axis=(1, 2)) - np.sum(proj**2, axis=(1, 2)), 0.0)
-    dof = (X.shape[1] - rank) * Y.shape[2]
+    _, _, _, res, dof = pseudo_inverse_fit(X, Y, X.shape[1])
     return np.where(dof > 0, res / np.maximum(dof, 1), np.nan), dof
 
 
@@ -187,7 +180,7 @@ def operator_class_check(samples, operator=None, *, exact_in_span, alpha=MODEL_C
         p = 3 * d + T
         per_sample = T * (p + d_v)
         G0, C0, G1, C1 = samples.map_sum(_baseline_normal_sums, per_sample)
-        W = (_solve(G0, C0), _solve(G1, C1))
+        W = (solve_psd(G0, C0), solve_psd(G1, C1))
         total, total_sq, own, count = samples.map_sum(_baseline_check_sums, per_sample, operator, W)
         mean, _, p_value = paired_excess(total, total_sq, count)
         own_mean = own / max(count, 1)

@@ -46,7 +46,6 @@ import numpy as np
 from .._linalg import orthonormal_rows
 
 __all__ = [
-    "ModelMisfitEvidence",
     "WhitenedStatistic",
     "NullModel",
     "WishartNull",
@@ -210,23 +209,6 @@ class CrossFitNull(NullModel):
     @property
     def noise_source(self):
         return self.directions[0].noise_source
-
-
-@dataclass
-class ModelMisfitEvidence:
-    """The inversion's own model check rejected its class (a fact; the estimator decides what it means).
-
-    Attributes
-    ----------
-    model : str
-        The class rejected (e.g. ``"softmax"``).
-    ratio : float
-        The check's statistic (for the softmax least squares: its residual over the power per degree of freedom
-        found outside ``col(P X_i)``).
-    """
-
-    model: str
-    ratio: float
 
 
 @dataclass

@@ -11,7 +11,6 @@ from ..streaming import ArraySamples
 from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_fit_cost
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
-from ._statistic import ModelMisfitEvidence
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
 from .._softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
 from .query_key import QueryKeyInversion
@@ -326,8 +325,6 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             # softmax data leave at least the noise outside col(P X_i) (plus the higher-order terms), and
             # the model's own fit no more than the noise: a larger residual says the model does not hold
             fallback = first_order(stats)
-            fallback.evidence = tuple(fallback.evidence) + (
-                ModelMisfitEvidence("softmax", float(sigma2 * stats["res_dof"] / stats["res"])),)
             # the softmax class's r* is not defined for data outside it: every rank stays possible (the
             # first-order count is a linear-QK reading, which operator='linear_qk' makes and checks)
             fallback.rank_bounds = (0, d)
