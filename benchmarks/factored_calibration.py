@@ -22,7 +22,7 @@ import numpy as np
 
 from rstar import RStarEstimator
 from rstar.datasets import make_attention_task
-from rstar.experiments import markdown_table
+from rstar.paper.experiments import markdown_table
 from rstar.rules import SPLIT_HALF_MARGIN, SPLIT_HALF_NOISE_EDGE
 
 SHAPES = ((8, 48, 600), (16, 96, 600))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rstar.experiments import markdown_table
+from rstar.paper.experiments import markdown_table
 
 
 def _args():

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rstar.experiments import markdown_table
+from rstar.paper.experiments import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_heads import _outcome, planted_task  # noqa: E402  (the same kernels and outcomes as real_heads.py)

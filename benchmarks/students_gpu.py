@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np  # noqa: E402
 
 from rstar.cli import _default_threads  # noqa: E402
-from rstar.experiments import run_experiment  # noqa: E402
+from rstar.paper.experiments import run_experiment  # noqa: E402
 
 
 def _devices(torch):

@@ -92,7 +92,7 @@ API_MODULES = [
     ("rstar.spectral", "Spectral measures"),
     ("rstar.marchenko_pastur", "Marchenko–Pastur and Tracy–Widom"),
     ("rstar.students", "Trained students (torch)"),
-    ("rstar.experiments", "The paper's experiments"),
+    ("rstar.paper.experiments", "The paper's experiments"),
     ("rstar.cli", "Command line"),
 ]
 

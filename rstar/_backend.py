@@ -1,6 +1,6 @@
 """Array back-ends of the heavy numerics: numpy on the CPU (the default) or torch on a device.
 
-The chunk functions of the least-squares softmax fit (:mod:`rstar._softmax_ls`)
+The chunk functions of the least-squares softmax fit (:mod:`rstar.inversions._numerics.softmax_ls`)
 are written once against the few operations collected here, so the numpy and
 torch paths compute the same thing. ``device="cpu"`` (the estimators' default)
 is numpy; ``"auto"``, ``"cuda"``, ``"cuda:N"`` or any ``torch.device`` (a

@@ -88,11 +88,16 @@ def softmax_fit_cost(n, T, d, d_v):
 
 
 def information_cost(n, T, d, d_v, value_map_fitted=True):
-    """Multiply-adds to form and factor the softmax kernel's information
-    (:func:`rstar._softmax_ls.information_matrix_cost`)."""
-    from ._softmax_ls import information_matrix_cost
+    """Multiply-adds to form the softmax kernel's Gauss-Newton information
+    (:func:`rstar.inversions._numerics.softmax_ls.softmax_kernel_information_matrix`) and factor it (``d^6``).
 
-    return information_matrix_cost(n, T, d, d_v, value_map_fitted)
+    ``n T d^4 / 4`` for the Kronecker part, ``n T d^3 min(d_v, d / 2)`` for the
+    cross term with V (if fitted) and ``d^5 min(d, d_v)`` for its Schur complement.
+    """
+    cost = n * T * d**4 / 4 + d**6
+    if value_map_fitted:
+        cost += n * T * d**3 * min(d_v, d / 2) + d**5 * min(d, d_v)
+    return cost
 
 
 def largest_count(fits, hi):

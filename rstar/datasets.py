@@ -8,7 +8,7 @@ describing the teacher (true r*, its operator, value map and noise floor).
 import numpy as np
 from sklearn.utils import Bunch, check_random_state
 
-from ._softmax_ls import attention_weights
+from .inversions._numerics.softmax_ls import attention_weights
 from ._validation import check_int, check_positive, check_rank_param
 
 __all__ = ["make_linear_proxy", "make_attention_task", "sample_tokens", "softmax_attention"]

@@ -30,14 +30,14 @@ from ._backend import check_device, resolve_backend
 from ._validation import check_positive, check_rank_param, check_tokens, check_value_map, check_X_Y
 from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
 from .exceptions import InversionFallbackWarning, OperatorMisfitWarning, UnidentifiableRankWarning
-from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion, merge_stats
-from .inversions._base import sample_capacity, stop_keeping_samples
+from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion
+from .inversions._base import sample_capacity
 from .metrics import token_r2_score
 from .model_check import operator_class_check
 from .risk import (CURVE_RESOLUTION_FRACTION, centred_sums, excess_risk_standard_error, excess_risk_upper_bound,
                    rank_at_tolerance, relative_excess_risk, total_sum_of_squares)
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
-from .streaming import ArraySamples, BatchSamples, DaskSamples, is_dask_collection
+from .streaming import ArraySamples, BatchSamples, DaskSamples, is_dask_collection, merge_stats, stop_keeping_samples
 
 __all__ = [
     "NumericalRankEstimator",

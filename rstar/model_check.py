@@ -31,7 +31,7 @@ it runs where the operator is one: the softmax least squares.
 import numpy as np
 from scipy import stats as _stats
 
-from ._linalg import solve_psd
+from .inversions._numerics.linalg import solve_psd
 from .inversions.query_key import pseudo_inverse_fit
 
 __all__ = ["no_attention_features", "operator_class_check", "outside_span_residuals", "paired_excess"]

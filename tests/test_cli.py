@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import rstar
-from rstar import cli, experiments
+from rstar import cli
+from rstar.paper import experiments
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

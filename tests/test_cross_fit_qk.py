@@ -6,7 +6,8 @@ import warnings
 import numpy as np
 import pytest
 
-from rstar import RStarEstimator, _bilinear
+from rstar import RStarEstimator
+from rstar.inversions._numerics import bilinear as _bilinear
 from rstar.budgets import DEFAULT_COMPUTE_BUDGET, CostBudget
 from rstar.datasets import make_attention_task
 from rstar.exceptions import InversionFallbackWarning, UnidentifiableRankWarning

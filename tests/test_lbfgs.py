@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from rstar._lbfgs import minimize_lbfgs
+from rstar.inversions._numerics.lbfgs import minimize_lbfgs
 
 
 def _rosen(x):

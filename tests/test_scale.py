@@ -203,7 +203,7 @@ def test_torch_backend_agrees_with_numpy(softmax_task):
 
 def test_torch_chunk_terms_agree_with_numpy():
     torch = pytest.importorskip("torch")
-    from rstar import _softmax_ls as sls
+    from rstar.inversions._numerics import softmax_ls as sls
     from rstar._backend import resolve_backend
 
     X, Y, t = make_attention_task(60, seq_len=7, n_features=5, value_dim=3, rank=2, random_state=2,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from rstar import RStarEstimator, UnidentifiableRankWarning
-from rstar import _softmax_factored as sf
-from rstar._linalg import psd_power
+from rstar.inversions._numerics import softmax_factored as sf
+from rstar.inversions._numerics.linalg import psd_power
 from rstar.budgets import CostBudget
 from rstar.datasets import make_attention_task
 from rstar.inversions import SplitHalfNull, WhitenedStatistic, choose_inversion

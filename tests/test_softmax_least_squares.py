@@ -1,4 +1,4 @@
-"""Least-squares softmax inversion (rstar._softmax_ls and SoftmaxLeastSquaresInversion)."""
+"""Least-squares softmax inversion (rstar.inversions._numerics.softmax_ls and SoftmaxLeastSquaresInversion)."""
 
 import warnings
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rstar import RStarEstimator, SoftmaxInversionEstimator
-from rstar import _softmax_ls as sls
+from rstar.inversions._numerics import softmax_ls as sls
 from rstar import streaming
 from rstar.budgets import CostBudget, information_cost, softmax_fit_cost
 from rstar.datasets import make_attention_task, softmax_attention
@@ -138,7 +138,7 @@ def _anisotropic_task(seed=0, n=300, T=12, d=6, d_v=4):
 
 @pytest.mark.parametrize("known_v", [False, True])
 def test_token_metric_shortens_the_fit_on_anisotropic_tokens(known_v, monkeypatch):
-    from rstar._softmax_factored import token_metric_roots
+    from rstar.inversions._numerics.softmax_factored import token_metric_roots
 
     X, Y, V = _anisotropic_task()
     Hq, Pq, Hk, Pk = token_metric_roots(X)
@@ -172,7 +172,7 @@ def test_token_metric_shortens_the_fit_on_anisotropic_tokens(known_v, monkeypatc
 
 
 def test_preconditioned_parameters_round_trip():
-    from rstar._linalg import psd_power
+    from rstar.inversions._numerics.linalg import psd_power
 
     rng = np.random.default_rng(1)
     X, Y = rng.standard_normal((20, 5, 4)), rng.standard_normal((20, 5, 3))

@@ -261,7 +261,7 @@ def test_import_without_torch(tmp_path):
                     raise ImportError("No module named 'torch'")
 
         sys.meta_path.insert(0, BlockTorch())
-        import rstar, rstar.students, rstar.experiments, rstar.cli
+        import rstar, rstar.students, rstar.paper.experiments, rstar.cli
         assert "torch" not in sys.modules
         from rstar.students import AttentionStudent
         import numpy as np

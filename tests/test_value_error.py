@@ -1,4 +1,4 @@
-"""The linearised error of a fitted value map and its move of a least-squares kernel (rstar._value_error),
+"""The linearised error of a fitted value map and its move of a least-squares kernel (rstar.inversions._numerics.value_error),
 and the rule's null shift that carries it."""
 
 import warnings
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from scipy import linalg
 
-from rstar import RStarEstimator, _bilinear
-from rstar import _value_error as ve
+from rstar import RStarEstimator
+from rstar.inversions._numerics import bilinear as _bilinear
+from rstar.inversions._numerics import value_error as ve
 from rstar.datasets import make_attention_task
 from rstar.inversions import CrossFitNull, QueryKeyCrossFitInversion, QueryKeyLeastSquaresInversion
 from rstar.rules import simulated_null_p_values

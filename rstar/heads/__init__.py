@@ -33,9 +33,11 @@ Examples
 import warnings
 
 import numpy as np
+from sklearn.base import clone
 
-from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
+from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
+from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
 from ._collect import AttentionLayer, HeadTask, attention_modules, attention_rows, collect_attention
 from ._text import stdlib_text, text_windows, token_windows
 
@@ -220,10 +222,6 @@ class _LineProgress:
 
 def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators):
     """One head's row of :func:`estimate_heads`."""
-    from sklearn.base import clone
-
-    from ..estimators import RStarEstimator
-
     est = clone(RStarEstimator() if estimator is None else estimator)
     if head.causal:
         if "causal" not in est.get_params():

@@ -32,7 +32,8 @@ One module per inversion:
 # the numeric constants are importable by name (rstar.inversions.DEFAULT_SEED ...), not in __all__: tuned values,
 # not API
 from ._base import DEFAULT_NULL_DRAWS, DEFAULT_SEED, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF  # noqa: F401
-from ._base import Inversion, merge_stats
+from ..streaming import merge_stats
+from ._base import Inversion
 from ._kernel import nearest_kronecker_product
 from ._statistic import (
     CoherentEvidence,

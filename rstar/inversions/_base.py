@@ -2,10 +2,13 @@
 
 import numpy as np
 
-from .._linalg import psd_power, sym
+from ._numerics.linalg import psd_power, sym
 from ..budgets import DEFAULT_BUDGET
+from ..risk import operator_residual_sum
+from ..streaming import (drop_samples_over_budget, keep_half_samples, kept_half, sample_capacity,  # noqa: F401
+                         start_keeping_samples, truncate_kept_samples)
 
-__all__ = ["Inversion", "merge_stats"]
+__all__ = ["Inversion"]
 
 #: Residual degrees of freedom needed before a residual noise estimate is used.
 MIN_NOISE_DOF = 50
@@ -148,8 +151,6 @@ class Inversion:
 def operator_residuals(fit, ws, ranks, samples):
     """Residual sums of squares of ``fit(basis)`` in the span of ``ws``'s top-r components for r in ``ranks``
     (None: the whole space), each measured in one pass over ``samples``; None if ``fit`` gives no operator."""
-    from ..risk import operator_residual_sum
-
     out = []
     for r in ranks:
         operator = fit(ws.components(ws.dim if r is None else r))
@@ -176,139 +177,6 @@ def with_warning(ws, category, message):
     """``ws`` (a fallback's whitened statistic) with the warning that says why it is in use."""
     ws.warnings.append((category, message))
     return ws
-
-
-# -- samples kept for least-squares fits ---------------------------------------------------------------
-
-
-def start_keeping_samples(stats, budget, prefix=False):
-    """Mark ``stats`` as keeping its samples in halves (odd / even global index), within ``budget``.
-
-    With ``prefix=True`` the first samples that fit the budget are kept (``stats["n_kept"]`` of them) once the
-    others no longer do; otherwise all of them are dropped then."""
-    stats["samples_odd"] = []
-    stats["samples_even"] = []
-    stats["sample_budget_bytes"] = int(budget.memory_bytes)
-    if prefix:
-        stats["n_kept"] = 0
-
-
-def stop_keeping_samples(stats):
-    """Keep no samples in these sums (a pass over a source: they are read again, or materialised, after it)."""
-    if "samples_odd" in stats:
-        stats["samples_odd"] = stats["samples_even"] = None
-
-
-def keep_half_samples(stats, X, Y, odd):
-    """Append a batch's samples to ``stats["samples_odd"]`` / ``stats["samples_even"]`` (lists, so
-    :func:`merge_stats` concatenates), or drop both for good once they exceed the memory budget.
-    ``stats["n"]`` must already count the batch."""
-    if stats.get("samples_odd") is None:
-        return
-    if "n_kept" in stats:
-        room = sample_capacity(stats) - stats["n_kept"]
-        if room <= 0:
-            return
-        X, Y, odd = X[:room], Y[:room], odd[:room]
-        stats["n_kept"] += X.shape[0]
-    elif drop_samples_over_budget(stats):
-        return
-    for key, mask in (("samples_odd", odd), ("samples_even", ~odd)):
-        if mask.any():
-            stats[key].append((np.asarray(X[mask], dtype=float), np.asarray(Y[mask], dtype=float)))
-
-
-def sample_capacity(stats):
-    """How many samples of these dimensions are kept at most: those that fit the sample budget, or fewer where
-    the inversion says so (``stats["prefix_capacity"]``)."""
-    T, d, d_v = stats["dims"]
-    capacity = int(stats["sample_budget_bytes"] // (8 * T * (d + d_v)))
-    return min(capacity, int(stats.get("prefix_capacity", capacity)))
-
-
-def truncate_kept_samples(stats):
-    """Keep only the leading samples (in list order, each half) that fit the budget (``n_kept`` mode)."""
-    room = sample_capacity(stats)
-    if stats["n_kept"] <= room:
-        return
-    # split the room between the halves as the samples came, odd and even alternating
-    counts = [sum(x.shape[0] for x, _ in stats[key]) for key in ("samples_odd", "samples_even")]
-    take_odd = min(counts[0], room // 2)
-    take = {"samples_odd": take_odd, "samples_even": min(counts[1], room - take_odd)}
-    for key, left in take.items():
-        kept = []
-        for X, Y in stats[key]:
-            if left <= 0:
-                break
-            kept.append((X[:left], Y[:left]))
-            left -= min(left, X.shape[0])
-        stats[key] = kept
-    stats["n_kept"] = take["samples_odd"] + take["samples_even"]
-
-
-def drop_samples_over_budget(stats):
-    """Drop the kept samples for good once ``8 n T (d + d_v)`` bytes exceed the budget; True if dropped."""
-    T, d, d_v = stats["dims"]
-    if 8 * stats["n"] * T * (d + d_v) > stats["sample_budget_bytes"]:
-        stats["samples_odd"] = stats["samples_even"] = None
-        return True
-    return False
-
-
-def kept_half(stats, key):
-    """``(X, Y)`` of the samples kept under ``key``, concatenated."""
-    X, Y = zip(*stats[key])
-    return np.concatenate(X), np.concatenate(Y)
-
-
-def merge_stats(a, b):
-    """Sum two statistics dicts from the same inversion (map-reduce).
-
-    Parameters
-    ----------
-    a, b : dict
-        From ``inversion.new_stats`` + ``inversion.update`` on two shards.
-
-    Returns
-    -------
-    dict
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from rstar.datasets import make_linear_proxy
-    >>> from rstar.inversions import TokenInversion, merge_stats
-    >>> X, Y = make_linear_proxy(400, random_state=0)
-    >>> inv = TokenInversion()
-    >>> shards = []
-    >>> for part in (slice(0, 200), slice(200, 400)):
-    ...     stats = inv.new_stats(16, 12, 12)
-    ...     inv.update(stats, X[part], Y[part])
-    ...     shards.append(stats)
-    >>> merged = merge_stats(*shards)
-    >>> merged["n"], round(float(inv.whiten(merged).noise_variance), 4)
-    (400, 0.0025)
-    """
-    if a.keys() != b.keys():
-        raise ValueError(f"cannot merge statistics accumulated differently (e.g. under different budgets): keys "
-                         f"{sorted(set(a) ^ set(b))} are in one only.")
-    out = {}
-    for key in a:
-        if key in ("dims", "sample_budget_bytes", "prefix_capacity"):
-            if a[key] != b[key]:
-                raise ValueError(f"cannot merge statistics with different {key}: {a[key]} and {b[key]}.")
-            out[key] = a[key]
-        elif a[key] is None or b[key] is None:
-            out[key] = None
-        else:
-            out[key] = a[key] + b[key]
-    if out.get("samples_odd") is not None:
-        # each shard kept its samples within the budget; together they may not (as in one pass)
-        if "n_kept" in out:
-            truncate_kept_samples(out)
-        else:
-            drop_samples_over_budget(out)
-    return out
 
 
 class KeptSamplesMixin:

@@ -4,8 +4,9 @@ draws, the nearest Kronecker product of a normal matrix, and the closed-form ope
 import numpy as np
 from scipy import linalg
 
-from .. import _softmax_ls
-from .._linalg import kronecker_rearranged, psd_power, solve_psd, sym
+from ._numerics import softmax_ls as _softmax_ls
+from ._numerics.softmax_factored import causal_attention_weights
+from ._numerics.linalg import kronecker_rearranged, psd_power, solve_psd, sym
 from ._base import eigh_descending
 from ._statistic import SimulatedNull, WhitenedStatistic
 
@@ -58,8 +59,6 @@ class SoftmaxOperator:
 
     def predict(self, X):
         if getattr(self, "causal", False):
-            from .._softmax_factored import causal_attention_weights
-
             return causal_attention_weights(X, self.K) @ (X @ self.V)
         return _softmax_ls.attention_weights(X, self.K) @ (X @ self.V)
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._linalg import orthonormal_rows
+from ._numerics.linalg import orthonormal_rows
 
 __all__ = [
     "WhitenedStatistic",
@@ -160,7 +160,7 @@ class SimulatedNull(NullModel):
         the normal matrix (or information) and the whitening factors.
     shift : object or None
         Noise that grows with the signal (the fitted value map's error of
-        the cross-fit, :class:`rstar._value_error.ValueMapErrorLeak`), the
+        the cross-fit, :class:`rstar.inversions._numerics.value_error.ValueMapErrorLeak`), the
         ``null_shift`` of :func:`rstar.rules.simulated_null_p_values`.
     poor_fit : bool
         Cross-fit only: the value map this direction is tested with comes
@@ -328,7 +328,7 @@ class SplitHalfNull(NullModel):
     kernel, value_map : ndarray
         The half-sum kernel ``(d, d)`` and the value map (known, or the mean of the halves' fits), internal units.
     metric : tuple of ndarray
-        ``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})`` (:func:`rstar._softmax_factored.token_metric_roots`).
+        ``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})`` (:func:`rstar.inversions._numerics.softmax_factored.token_metric_roots`).
     singular_vectors : tuple of ndarray
         ``(U, S, W)``: the thin SVD of the whitened half-sum ``M_q^{1/2} K M_k^{1/2}``.
     half_kernels : tuple of two (A, B)

@@ -19,7 +19,7 @@ while it runs and reported in the same way; ``inversion_`` names what ran.
 
 from dataclasses import dataclass
 
-from ..budgets import DEFAULT_BUDGET
+from ..budgets import DEFAULT_BUDGET, CostBudget
 from ._base import MIN_NOISE_DOF
 from .query_key_cross_fit import cross_fit_blocker
 from .query_key_least_squares import least_squares_sizes_fit
@@ -352,8 +352,6 @@ def decision_table(method="auto", n_samples=10_000):
     >>> rows[2]["shape"], rows[2]["inversion"], rows[2]["with 4 samples"]
     ('T <= d', 'query_key_cross_fit', 'query_key_first_order')
     """
-    from ..budgets import CostBudget
-
     tiny = CostBudget(memory_bytes=1024, multiply_adds=1)
     rows = []
     for operator, known, shape, condition in _TABLE_CASES:

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from .. import _bilinear
-from .._linalg import batched_pseudo_inverse, psd_power, solve_psd, sym
+from ._numerics import bilinear as _bilinear
+from ._numerics.linalg import batched_pseudo_inverse, psd_power, solve_psd, sym
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ._base import (FIRST_ORDER_MAX_ASPECT, FIRST_ORDER_MAX_KURTOSIS, FIRST_ORDER_MISFIT, FIRST_ORDER_QK_MAX_ASPECT,
                     ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion,

@@ -3,8 +3,8 @@
 import numpy as np
 from sklearn.exceptions import ConvergenceWarning
 
-from .. import _bilinear, _value_error
-from .._linalg import batched_pseudo_inverse
+from ._numerics import bilinear as _bilinear, value_error as _value_error
+from ._numerics.linalg import batched_pseudo_inverse
 from ..budgets import DEFAULT_BUDGET, cross_fit_als_cost, cross_fit_profiled_cost
 from ..exceptions import UnidentifiableRankWarning
 from ._base import DEFAULT_SEED, MIN_NOISE_DOF, KeptSamplesMixin, kept_half
@@ -23,9 +23,9 @@ CROSS_FIT_MISFIT = 1.1
 
 def cross_fit_method(n, T, d, d_v, budget=DEFAULT_BUDGET):
     """How each half's ``(K, V)`` is fitted for n samples in all: ``"als"`` (alternating least squares,
-    :func:`rstar._bilinear.fit_query_key_restarts`) while :func:`rstar.budgets.cross_fit_als_cost` is within
+    :func:`rstar.inversions._numerics.bilinear.fit_query_key_restarts`) while :func:`rstar.budgets.cross_fit_als_cost` is within
     the compute budget; else ``"profiled"`` (L-BFGS on the profile loss,
-    :func:`rstar._bilinear.fit_query_key_profiled`) while :func:`rstar.budgets.cross_fit_profiled_cost` is;
+    :func:`rstar.inversions._numerics.bilinear.fit_query_key_profiled`) while :func:`rstar.budgets.cross_fit_profiled_cost` is;
     else None (no cross-fit)."""
     if budget.allows_compute(cross_fit_als_cost(n, d)):
         return "als"
@@ -90,7 +90,7 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
     outside range(K*). Each direction's :class:`~rstar.inversions.SimulatedNull` carries it (``shift``): draws of the fitted V's
     error from the delta method (profiled over K) and the exact move of the
     other half's K that each makes, for the rank-k truncation that test k
-    assumes (:mod:`rstar._value_error`). The same is done with the halves
+    assumes (:mod:`rstar.inversions._numerics.value_error`). The same is done with the halves
     swapped; the two form a :class:`~rstar.inversions.CrossFitNull`, and
     the rule counts a spike where either direction does at half the level
     (a Bonferroni union). An
@@ -171,8 +171,8 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
             Seed of the random starting kernels (None: ``DEFAULT_SEED + 1``).
         method : {"als", "profiled"}, default="als"
             The optimiser: alternating least squares
-            (:func:`rstar._bilinear.fit_query_key_restarts`) or L-BFGS on
-            the profile loss (:func:`rstar._bilinear.fit_query_key_profiled`),
+            (:func:`rstar.inversions._numerics.bilinear.fit_query_key_restarts`) or L-BFGS on
+            the profile loss (:func:`rstar.inversions._numerics.bilinear.fit_query_key_profiled`),
             which never forms a ``d^2 x d^2`` matrix.
 
         Returns
@@ -223,8 +223,8 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
     def _value_map_error(self, ws, fit, G_fit, G_test):
         """The null shift of ``ws`` (the least squares on the half with grams ``G_test``, with the V of ``fit``,
         made on the half with grams ``G_fit``): draws of that V's linearised error
-        (:func:`rstar._value_error.value_map_error_draws`) and what they move the kernel by
-        (:class:`rstar._value_error.ValueMapErrorLeak`)."""
+        (:func:`rstar.inversions._numerics.value_error.value_map_error_draws`) and what they move the kernel by
+        (:class:`rstar.inversions._numerics.value_error.ValueMapErrorLeak`)."""
         K, V, sigma2 = fit
         Vr = _value_error.reduced_value_map(V)
         draws = _value_error.value_map_error_draws(G_fit, K, Vr, sigma2, self.n_null_draws, self.seed + 1)

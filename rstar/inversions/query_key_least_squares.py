@@ -3,7 +3,7 @@
 import numpy as np
 from scipy import linalg
 
-from .._linalg import kronecker_rearranged
+from ._numerics.linalg import kronecker_rearranged
 from ..exceptions import IllConditionedInversionWarning
 from ._base import MIN_NOISE_DOF
 from ._kernel import LinearQKOperator, _kronecker_factors, kernel_in_basis, kernel_statistic_with_null_draws

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .._linalg import psd_power, solve_psd, sym
+from ._numerics.linalg import psd_power, solve_psd, sym
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ..marchenko_pastur import MEDIAN_EFFICIENCY, mp_median
 from ._base import ILL_CONDITIONED_ASPECT, Inversion, eigh_descending

@@ -4,10 +4,10 @@ The full-rank least squares (:mod:`rstar.inversions.softmax_least_squares`)
 tests its kernel against draws from the ``d^2 x d^2`` information, out of
 reach at d = 385 (175 GB). Here each half of the samples (odd and even global
 index, as the least squares keeps them) is fitted with a rank-q kernel
-``K = A B^T`` (:func:`rstar._softmax_factored.fit_factored_pair`), V known
+``K = A B^T`` (:func:`rstar.inversions._numerics.softmax_factored.fit_factored_pair`), V known
 or fitted, and the statistic is the whitened half-sum
 ``M_q^{1/2} (K_1 + K_2) / 2 M_k^{1/2}`` in the token metric
-(:func:`rstar._softmax_factored.token_metric_roots`), tested against the
+(:func:`rstar.inversions._numerics.softmax_factored.token_metric_roots`), tested against the
 whitened half-difference ``(K_1 - K_2) / 2`` — one draw of the half-sum's
 noise, since the halves share the signal and carry independent noise of one
 law (:class:`SplitHalfNull`, :func:`rstar.rules.split_half_result`).
@@ -22,8 +22,10 @@ stopped at.
 
 import numpy as np
 
-from .. import _softmax_factored as sf
+from ._numerics import softmax_factored as sf
 from ..budgets import DEFAULT_BUDGET, largest_count
+from ..exceptions import UnidentifiableRankWarning
+from ..risk import centred_sums, total_sum_of_squares
 from ._base import MIN_NOISE_DOF
 from ._statistic import SplitHalfNull, WhitenedStatistic
 
@@ -146,14 +148,14 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     value_map : ndarray of shape (d, d_v) or None
     budget : CostBudget
     max_iter : int or None
-        L-BFGS iterations of each rank's fit at most (None: :data:`rstar._softmax_factored.FACTORED_MAX_ITER`, or
-        :data:`rstar._softmax_factored.FACTORED_MAX_ITER_FITTED_V` with V fitted).
+        L-BFGS iterations of each rank's fit at most (None: :data:`rstar.inversions._numerics.softmax_factored.FACTORED_MAX_ITER`, or
+        :data:`rstar.inversions._numerics.softmax_factored.FACTORED_MAX_ITER_FITTED_V` with V fitted).
     margin : float or None
         The test's margin (None: :data:`rstar.rules.SPLIT_HALF_MARGIN`).
     start_rank : int or None
         The first rank q (None: :func:`first_order_start_rank`, at least ``FACTORED_START_RANK``).
     mask : ndarray of bool, shape (T, T), or None
-        The logits the attention keeps (causal: :func:`rstar._softmax_factored.causal_mask`); None keeps all.
+        The logits the attention keeps (causal: :func:`rstar.inversions._numerics.softmax_factored.causal_mask`); None keeps all.
 
     Returns
     -------
@@ -260,8 +262,6 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     sigma2 = rss / max(dof, 1)
     warnings = []
     if not stable:
-        from ..exceptions import UnidentifiableRankWarning
-
         warnings.append((UnidentifiableRankWarning,
                          f"the factored least squares ran {iters} L-BFGS iterations per half at rank q = {q} "
                          f"{'(the compute budget ran out) ' if budget_out else ''}and the split-half count was "
@@ -343,8 +343,6 @@ def factored_half_disagreement(ws, halves, value_map, mask=None):
     with a count of 3, 0.026 — and the rank the curve read at 1% (8) held out 1.46% over the half-sum model.
     V unknown: each half's V given its kernel, as the curve refits it.
     """
-    from ..risk import centred_sums, total_sum_of_squares
-
     models = []
     for (A, B), (X, Y) in zip(ws.null.half_kernels, halves):
         models.append((A, B, value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask)))

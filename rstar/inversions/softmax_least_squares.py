@@ -4,15 +4,15 @@ import numpy as np
 from scipy import linalg
 from scipy.stats import f as f_dist
 
-from .. import _softmax_ls
+from ._numerics import softmax_ls as _softmax_ls
 from .._backend import NUMPY
-from .._linalg import solve_psd
+from ._numerics.linalg import solve_psd
 from ..streaming import ArraySamples
 from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_fit_cost
 from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
-from .._softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
+from ._numerics.softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
 from .query_key import QueryKeyInversion
 from .softmax_factored import (
     FACTORED_NAME,
@@ -97,7 +97,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
 
     ``K`` is fitted at full rank by least squares on the model itself,
     ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V + E_i``, with V known or
-    profiled out (:func:`rstar._softmax_ls.fit_softmax_least_squares`, L-BFGS
+    profiled out (:func:`rstar.inversions._numerics.softmax_ls.fit_softmax_least_squares`, L-BFGS
     from ``K = 0``; with V unknown and ``T - 1 <= d`` also from
     ``SOFTMAX_RESTARTS`` seeded random kernels, the lowest residual kept).
     Unlike the first-order inversion it leaves no
@@ -105,7 +105,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     inversion it needs neither ``T <= d`` nor a known V. To first order the
     fitted K has noise ``N(0, sigma2 F^{-1})``, with F the Gauss–Newton
     information of K with V profiled out
-    (:func:`rstar._softmax_ls.softmax_kernel_information_matrix`) and
+    (:func:`rstar.inversions._numerics.softmax_ls.softmax_kernel_information_matrix`) and
     ``sigma2 = RSS / (n T d_v - d^2 - d d_v)`` (``d d_v`` only when V is
     fitted). The statistic is ``K~ K~^T / d`` with ``K~ = A^{1/2} K B^{1/2}``,
     ``A (x) B`` the nearest Kronecker product to F, and it carries
@@ -377,7 +377,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """Least-squares ``(K, V, sigma2, converged)`` on samples scaled to unit RMS (so the optimiser's path does
         not depend on the units, e.g. the first ``partial_fit`` batch's scaling), returned in the units given.
         L-BFGS runs in the tokens' metric, ``K = M_q^{-1/2} M M_k^{-1/2}``
-        (:func:`rstar._softmax_factored.token_metric_roots`, one more pass): the same minimum, reached in fewer
+        (:func:`rstar.inversions._numerics.softmax_factored.token_metric_roots`, one more pass): the same minimum, reached in fewer
         evaluations on anisotropic tokens (MiniLM layer-0 tokens projected to d = 64, T = 32, planted rank 3:
         152 instead of 237 with V known, 142 instead of 227 with V fitted; d = 16: 102 and 100 instead of 123
         and 112)."""

@@ -3,8 +3,8 @@
 import numpy as np
 from scipy import linalg
 
-from .. import _bilinear
-from .._linalg import sym
+from ._numerics import bilinear as _bilinear
+from ._numerics.linalg import sym
 from ._base import (
     MIN_NOISE_DOF,
     Inversion,
@@ -154,7 +154,7 @@ def proxy_coherent_spectrum(stats):
     regression that pools the samples adds their signal *coherently*, while
     ``Σ Y_i Y_i^T`` adds it incoherently. V is estimated from the samples
     with odd global index, by alternating least squares of the bilinear model
-    with a full-rank A (:func:`rstar._bilinear.fit_bilinear` on their moment
+    with a full-rank A (:func:`rstar.inversions._numerics.bilinear.fit_bilinear` on their moment
     sums; it needs far fewer than the ``T d`` samples of the unconstrained
     regression of ``vec Y`` on ``vec X``), and normalised to ``U``. Given
     ``U``, the model on the other samples is *linear* in A:
@@ -174,7 +174,7 @@ def proxy_coherent_spectrum(stats):
     the samples of each half instead (while they number at most
     the memory budget): the same fit, each
     iteration a pass over the odd samples
-    (:func:`rstar._bilinear.fit_bilinear_samples`), and ``Ω``, ``R`` from one
+    (:func:`rstar.inversions._numerics.bilinear.fit_bilinear_samples`), and ``Ω``, ``R`` from one
     pass over the even ones. The bilinear fit stops after
     ``COHERENT_MAX_ITER`` iterations or once one adds less than
     ``COHERENT_FIT_TOL`` of the explained sum of squares: U only sets the

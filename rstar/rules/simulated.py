@@ -45,7 +45,7 @@ def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None, null_
         noise level with it). Test ``k`` then draws
         ``S_k + N_j + L_j(S_k)`` (the cross-fitted query–key inversion: the
         error of the fitted value map,
-        :class:`rstar._value_error.ValueMapErrorLeak`). Test 0 is unchanged.
+        :class:`rstar.inversions._numerics.value_error.ValueMapErrorLeak`). Test 0 is unchanged.
 
     Returns
     -------

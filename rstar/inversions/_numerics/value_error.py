@@ -31,8 +31,8 @@ import copy
 import numpy as np
 from scipy import linalg
 
-from ._bilinear import query_key_normal_matrix
-from ._linalg import sym
+from .bilinear import query_key_normal_matrix
+from .linalg import sym
 
 #: Entries of the per-chunk work array in :meth:`ValueMapErrorLeak.right_hand_sides` (memory bound).
 _CHUNK_ENTRIES = 2**22

@@ -16,9 +16,9 @@ which :class:`rstar.inversions.SoftmaxLeastSquaresInversion` draws its null.
 import numpy as np
 from scipy import optimize
 
-from ._backend import NUMPY
-from ._linalg import solve_psd
-from .streaming import ArraySamples, Samples
+from ..._backend import NUMPY
+from .linalg import solve_psd
+from ...streaming import ArraySamples, Samples
 
 #: L-BFGS stops once an iteration lowers the residual sum of squares by less than this many times its
 #: value per observation (about the noise variance): an optimiser's error far below the noise's, whose
@@ -144,7 +144,7 @@ class SoftmaxLeastSquaresLoss:
     precondition : tuple (A_half, A_inv_half, B_half, B_inv_half) of ndarray of shape (d, d), or None
         Square roots and pseudo-inverse square roots of symmetric PSD metrics
         A (query side) and B (key side), e.g. the tokens' metric
-        (:func:`rstar._softmax_factored.token_metric_roots`): the loss is a
+        (:func:`rstar.inversions._numerics.softmax_factored.token_metric_roots`): the loss is a
         function of M with ``K = A^{-1/2} M B^{-1/2}`` (``K = Q^T M B^{-1/2}``
         with a basis, A unused), the metric L-BFGS runs in. None: ``K = M``.
     """
@@ -272,7 +272,7 @@ def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, ma
     precondition : tuple of 4 ndarray of shape (d, d), or None
         Metric roots ``(A^{1/2}, A^{-1/2}, B^{1/2}, B^{-1/2})``: L-BFGS runs on
         M with ``K = A^{-1/2} M B^{-1/2}`` (:class:`SoftmaxLeastSquaresLoss`),
-        e.g. the tokens' :func:`rstar._softmax_factored.token_metric_roots`;
+        e.g. the tokens' :func:`rstar.inversions._numerics.softmax_factored.token_metric_roots`;
         the minimum is the same, the path to it shorter where the tokens are
         anisotropic.
 
@@ -288,7 +288,7 @@ def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, ma
     --------
     >>> import numpy as np
     >>> from rstar.datasets import make_attention_task
-    >>> from rstar._softmax_ls import fit_softmax_least_squares
+    >>> from rstar.inversions._numerics.softmax_ls import fit_softmax_least_squares
     >>> X, Y, t = make_attention_task(300, seq_len=8, n_features=4, rank=1, noise=0.01,
     ...                               random_state=0, return_teacher=True)
     >>> K, V, rss, converged = fit_softmax_least_squares(X, Y)
@@ -306,18 +306,6 @@ def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, ma
     K = loss.kernel(res.x)
     V, rss = loss.value_map(K)
     return K, V, rss, bool(res.nit < max_iter)
-
-
-def information_matrix_cost(n, T, d, d_v, value_map_fitted=True):
-    """Multiply-adds to form :func:`softmax_kernel_information_matrix` and factor it (``d^6``).
-
-    ``n T d^4 / 4`` for the Kronecker part, ``n T d^3 min(d_v, d / 2)`` for the
-    cross term with V (if fitted) and ``d^5 min(d, d_v)`` for its Schur complement.
-    """
-    cost = n * T * d**4 / 4 + d**6
-    if value_map_fitted:
-        cost += n * T * d**3 * min(d_v, d / 2) + d**5 * min(d, d_v)
-    return cost
 
 
 def softmax_kernel_information_matrix(X, K, V, value_map_fitted=True, ops=NUMPY):

@@ -4,7 +4,7 @@ Model (theory §2, class B2), for samples ``X_i`` (T x d) and ``Y_i`` (T x d_v):
 
     Y_i = softmax(X_i A B^T X_i^T / sqrt(d)) X_i V + E_i,    A, B of shape (d, q)
 
-The full-rank least squares (:mod:`rstar._softmax_ls`) needs the ``d^2 x d^2``
+The full-rank least squares (:mod:`rstar.inversions._numerics.softmax_ls`) needs the ``d^2 x d^2``
 information of K for its null, which is out of reach at the sizes of real
 layers (d = 385: 175 GB). Here K is fitted as rank-``q`` factors, so nothing
 larger than ``d x max(q, d_v)`` per token or ``d x d`` in all is ever formed:
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import linalg
 
-from ._backend import NUMPY
-from ._lbfgs import minimize_lbfgs
-from ._linalg import psd_power, solve_psd
+from ..._backend import NUMPY
+from .lbfgs import minimize_lbfgs
+from .linalg import psd_power, solve_psd
 
 __all__ = [
     "FactoredSoftmaxFit",
@@ -66,7 +66,7 @@ FACTORED_MAX_ITER = 400
 #: whose count settled between 400 and 500).
 FACTORED_MAX_ITER_FITTED_V = 600
 #: L-BFGS stops once an iteration lowers the residual sum of squares by less than this many times its value per
-#: observation (as :data:`rstar._softmax_ls.SOFTMAX_LOSS_TOL`).
+#: observation (as :data:`rstar.inversions._numerics.softmax_ls.SOFTMAX_LOSS_TOL`).
 FACTORED_LOSS_TOL = 0.01
 #: Samples per chunk of a loss evaluation: bounds the T x T temporaries (a few of ``chunk T^2`` entries).
 _CHUNK_ENTRIES = 2**20
@@ -383,7 +383,7 @@ def extended_start(X, Y, fit, rank, mask=None, precondition=None):
 
 def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, check_every=None,
               block_precondition=None):
-    """L-BFGS (:func:`rstar._lbfgs.minimize_lbfgs`) on the blocks (each ``d x k``) in preconditioned coordinates
+    """L-BFGS (:func:`rstar.inversions._numerics.lbfgs.minimize_lbfgs`) on the blocks (each ``d x k``) in preconditioned coordinates
     ``block = P block~``.
 
     ``precondition = (P, P_inv)`` (symmetric ``d x d``, e.g. ``M^{-1/2}`` and ``M^{1/2}`` of the token second

@@ -1,6 +1,6 @@
 """Limited-memory BFGS for smooth unconstrained problems with many parameters (pure functions on arrays).
 
-The factored softmax fit (:mod:`rstar._softmax_factored`) minimises over tens of thousands of parameters (two
+The factored softmax fit (:mod:`rstar.inversions._numerics.softmax_factored`) minimises over tens of thousands of parameters (two
 halves' ``d x q`` factors: 49 280 at d = 385, q = 32) with a loss that costs tens of milliseconds. scipy's
 L-BFGS-B spent a quarter of such a fit in its bound-constrained Fortran step (20 ms per call on a MiniLM head:
 its generalised Cauchy point and subspace minimisation pass over every variable several times, with no bounds to

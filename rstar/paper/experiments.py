@@ -36,8 +36,8 @@ import numpy as np
 from sklearn.base import clone
 from sklearn.model_selection import KFold, cross_validate
 
-from .datasets import make_attention_task, make_linear_proxy
-from .metrics import make_rank_scorer, sample_risk, token_r2_score, token_r2_scorer
+from ..datasets import make_attention_task, make_linear_proxy
+from ..metrics import make_rank_scorer, sample_risk, token_r2_score, token_r2_scorer
 
 __all__ = ["ExperimentResult", "EXPERIMENTS", "CONFIGS", "table1", "table2", "table3", "frontier",
            "frontier_estimators", "run_experiment", "insufficiency_bound", "markdown_table", "plot_table1",
@@ -167,7 +167,7 @@ def markdown_table(rows, columns):
 
     Examples
     --------
-    >>> from rstar.experiments import markdown_table
+    >>> from rstar.paper.experiments import markdown_table
     >>> print(markdown_table([{"r": 1, "risk": 0.48}], ["r", "risk"]))
     | r | risk |
     |---|---|
@@ -212,7 +212,7 @@ def insufficiency_bound(singular_values, value_map, rank):
     Examples
     --------
     >>> import numpy as np
-    >>> from rstar.experiments import insufficiency_bound
+    >>> from rstar.paper.experiments import insufficiency_bound
     >>> insufficiency_bound([1.0, 1.0, 1.0], np.eye(2), 1)
     4.0
     """
@@ -232,7 +232,7 @@ def _config(name, quick, overrides):
 
 
 def _student(kind, rank, cfg, device, seed, verbose, **extra):
-    from .students import AttentionStudent
+    from ..students import AttentionStudent
 
     params = dict(cfg["student"], **extra)
     return AttentionStudent(kind=kind, rank=rank, device=device, random_state=seed, verbose=verbose, **params)
@@ -335,13 +335,13 @@ def table1(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
 
     Examples
     --------
-    >>> from rstar.experiments import table1
+    >>> from rstar.paper.experiments import table1
     >>> res = table1(quick=True, ranks=[3], n_train=300, n_test=100,
     ...              student=dict(max_epochs=200))  # doctest: +SKIP
     >>> res.summary[0]["r"]  # doctest: +SKIP
     3
     """
-    from . import MPRankEstimator, NumericalRankEstimator, RStarEstimator
+    from .. import MPRankEstimator, NumericalRankEstimator, RStarEstimator
 
     t0 = time.perf_counter()
     cfg = _config("table1", quick, overrides)
@@ -415,7 +415,7 @@ def table2(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
     -------
     ExperimentResult
     """
-    from . import RStarEstimator
+    from .. import RStarEstimator
 
     t0 = time.perf_counter()
     cfg = _config("table2", quick, overrides)
@@ -484,7 +484,7 @@ def table3(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
     -------
     ExperimentResult
     """
-    from . import EnergyRankEstimator, NumericalRankEstimator, RStarEstimator
+    from .. import EnergyRankEstimator, NumericalRankEstimator, RStarEstimator
 
     t0 = time.perf_counter()
     cfg = _config("table3", quick, overrides)
@@ -554,7 +554,7 @@ def frontier_estimators(operator, value_map=None, student=None, device="auto", r
     -------
     list of (str, estimator)
     """
-    from . import EnergyRankEstimator, MPRankEstimator, NumericalRankEstimator, RStarEstimator, \
+    from .. import EnergyRankEstimator, MPRankEstimator, NumericalRankEstimator, RStarEstimator, \
         SoftmaxInversionEstimator
 
     ests = [("numerical", NumericalRankEstimator(operator)), ("MP", MPRankEstimator(operator)),
@@ -562,7 +562,7 @@ def frontier_estimators(operator, value_map=None, student=None, device="auto", r
     if operator == "softmax" and value_map is not None:
         ests.append(("softmax-exact (V known)", SoftmaxInversionEstimator(value_map=value_map, method="exact")))
     if student is not None:
-        from .students import AttentionStudent
+        from ..students import AttentionStudent
 
         ests.append(("student", AttentionStudent(kind=operator, rank=None, device=device, random_state=random_state,
                                                  verbose=verbose, **student)))
@@ -595,7 +595,7 @@ def frontier(*, quick=False, device="auto", random_state=0, verbose=0, **overrid
     """
     import warnings
 
-    from .exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
+    from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 
     t0 = time.perf_counter()
     cfg = _config("frontier", quick, overrides)
@@ -674,7 +674,7 @@ def run_experiment(name, **kwargs):
 
     Examples
     --------
-    >>> from rstar.experiments import run_experiment
+    >>> from rstar.paper.experiments import run_experiment
     >>> run_experiment("table9")
     Traceback (most recent call last):
     ...

@@ -18,7 +18,7 @@ so that the fit streams with ``partial_fit``. The linear proxy is
 import numpy as np
 from scipy import optimize
 
-from ._linalg import kronecker_rearranged, solve_psd, sym
+from .linalg import kronecker_rearranged, solve_psd, sym
 
 #: :func:`fit_query_key_profiled` stops once an iteration lowers the loss by less than this fraction.
 PROFILE_FTOL = 1e-10
