@@ -3,8 +3,9 @@
 For each task (Gaussian tokens, softmax attention with a planted rank r*, 5% noise) ``RStarEstimator`` runs the
 factored least squares (``memory_budget`` set so that the d^2 x d^2 information does not fit, as at real
 sizes) and the script records, from the fitted statistic (``statistic_``), the ratio of the half-sum's first
-null singular value (index r*) to the half-difference's largest — the quantity ``SPLIT_HALF_MARGIN`` and
-``SPLIT_HALF_NOISE_EDGE`` must clear — and the weakest planted direction's ratio.
+null singular value (index r*) to the half-difference's largest — the quantity the calibration's
+``split_half_margin`` and ``split_half_noise_edge`` (:mod:`rstar.calibration`) must clear — and the weakest
+planted direction's ratio.
 
 Usage::
 
@@ -23,7 +24,7 @@ import numpy as np
 from rstar import RStarEstimator
 from rstar.datasets import make_attention_task
 from rstar.paper.experiments import markdown_table
-from rstar.rules import SPLIT_HALF_MARGIN, SPLIT_HALF_NOISE_EDGE
+from rstar.calibration import DEFAULT_CALIBRATION
 
 SHAPES = ((8, 48, 600), (16, 96, 600))
 
@@ -64,8 +65,8 @@ def main():
     nulls = np.array([row["null_ratio"] for row in rows])
     signals = np.array([row["weakest_signal_ratio"] for row in rows if row["weakest_signal_ratio"] is not None])
     summary = [dict(fits=len(rows), null_ratio_median=float(np.median(nulls)), null_ratio_max=float(nulls.max()),
-                    noise_edge=SPLIT_HALF_NOISE_EDGE, margin=SPLIT_HALF_MARGIN,
-                    nulls_above_edge=int(np.sum(nulls > SPLIT_HALF_NOISE_EDGE)),
+                    noise_edge=DEFAULT_CALIBRATION.split_half_noise_edge, margin=DEFAULT_CALIBRATION.split_half_margin,
+                    nulls_above_edge=int(np.sum(nulls > DEFAULT_CALIBRATION.split_half_noise_edge)),
                     weakest_signal_min=float(signals.min()) if signals.size else None,
                     exact=sum(row["rank"] == row["r"] for row in rows))]
     out = Path(args.out)

@@ -70,7 +70,7 @@ def _fit(est, X, Y):
     return snapshot(est, caught)
 
 
-def grid_cases(profile, every=1):
+def grid_cases(profile, group, every=1):
     from threadpoolctl import threadpool_limits
 
     from recovery import _estimators
@@ -83,7 +83,7 @@ def grid_cases(profile, every=1):
         for task in tasks:
             X, Y, teacher, _ = generate(task)
             V = teacher.value_map if FAMILIES[task["family"]][2] else None
-            key = f"{profile}/{task['task_id']}"
+            key = f"{group}/{task['task_id']}"
             for name, est in _estimators(task, V, predict_sums=False):
                 out[f"{key}/{name}"] = _fit(est, X, Y)
             op = FAMILIES[task["family"]][1]
@@ -147,7 +147,7 @@ def head_cases():
     return out
 
 
-GROUPS = {"grid": lambda: grid_cases("quick"), "full": lambda: grid_cases("full", every=10),
+GROUPS = {"grid": lambda: grid_cases("quick", "grid"), "full": lambda: grid_cases("full", "full", every=10),
           "planted": planted_cases, "heads": head_cases}
 
 
@@ -212,6 +212,8 @@ def main(argv=None):
         return
     with open(args.compare, "rb") as fh:
         ref = pickle.load(fh)
+    # (the first recording keyed the quick grid by its profile's name)
+    ref = {("grid/" + k[len("quick/"):] if k.startswith("quick/") else k): v for k, v in ref.items()}
     ref = {k: v for k, v in ref.items() if k.split("/")[0] in groups}
     summary, detail = compare(ref, answers)
     lines = ["| group | cases | identical | answers differ | messages differ only |", "|---|---|---|---|---|"]

@@ -5,9 +5,9 @@ For each null regime, fits ``RStarEstimator`` at alpha = 0.01 on
 the strict and the lenient ends of ``rank_interval_`` are above 0, and how the
 first sequential p-value is distributed (a calibrated p-value is uniform:
 P(p < 0.1) = 0.1, P(p < 0.5) = 0.5). The estimator's default level
-``rstar.estimators.RSTAR_ALPHA`` (0.003) is too small for 1000 tasks to
+``rstar.calibration.DEFAULT_CALIBRATION.rstar_alpha`` (0.003) is too small for 1000 tasks to
 resolve its tails, so the levels are checked at 1%; the column "rank_ > 0 at
-the default" is P(p₀ < RSTAR_ALPHA), the false-alarm rate of the default
+the default" is P(p₀ < rstar_alpha), the false-alarm rate of the default
 estimator (``rank_ > 0`` exactly when the first p-value is below alpha). The regimes are those of
 ``tests/test_uncertainty.py::NULL_TASKS``, plus linear QK with a known V
 (the least-squares inversion, tested in ``tests/test_least_squares_qk.py``)
@@ -35,7 +35,9 @@ import numpy as np  # noqa: E402
 
 from rstar import RStarEstimator  # noqa: E402
 from rstar.datasets import make_attention_task, make_linear_proxy  # noqa: E402
-from rstar.estimators import RSTAR_ALPHA  # noqa: E402
+from rstar.calibration import DEFAULT_CALIBRATION  # noqa: E402
+
+RSTAR_ALPHA = DEFAULT_CALIBRATION.rstar_alpha
 
 def _known_v(task):
     X, Y, teacher = task

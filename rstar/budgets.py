@@ -41,6 +41,8 @@ True
 
 from dataclasses import dataclass
 
+from .calibration import DEFAULT_CALIBRATION
+
 __all__ = [
     "CostBudget",
     "sample_bytes",
@@ -52,14 +54,8 @@ __all__ = [
     "largest_count",
 ]
 
-#: Default ``memory_budget`` of the estimators, in bytes (512 MiB).
-DEFAULT_MEMORY_BUDGET = 2**29
-#: Default ``compute_budget`` of the estimators, in multiply-adds (about 5.5e11).
-DEFAULT_COMPUTE_BUDGET = 2**39
-
+#: Bytes of a float64 (a fact, not calibration).
 _FLOAT_BYTES = 8
-#: Iterations allowed for by the cost of an alternating least-squares or L-BFGS fit (per-iteration cost times this).
-_ITERATIONS = 512
 
 
 def sample_bytes(n, T, d, d_v):
@@ -72,19 +68,22 @@ def kernel_matrix_bytes(d):
     return _FLOAT_BYTES * d**4
 
 
-def cross_fit_als_cost(n, d):
-    """Multiply-adds of the cross-fit's alternating least squares: ``512 (n d^4 + d^6)``."""
-    return _ITERATIONS * (n * d**4 + d**6)
+def cross_fit_als_cost(n, d, *, calibration=DEFAULT_CALIBRATION):
+    """Multiply-adds of the cross-fit's alternating least squares: ``512 (n d^4 + d^6)`` (512 the calibration's
+    ``cost_iterations``)."""
+    return calibration.cost_iterations * (n * d**4 + d**6)
 
 
-def cross_fit_profiled_cost(n, T, d, d_v):
-    """Multiply-adds of the cross-fit's L-BFGS fit on the profile loss: ``1024 n T d (d + d_v)``."""
-    return 2 * _ITERATIONS * n * T * d * (d + d_v)
+def cross_fit_profiled_cost(n, T, d, d_v, *, calibration=DEFAULT_CALIBRATION):
+    """Multiply-adds of the cross-fit's L-BFGS fit on the profile loss: ``1024 n T d (d + d_v)`` (twice the
+    calibration's ``cost_iterations``)."""
+    return 2 * calibration.cost_iterations * n * T * d * (d + d_v)
 
 
-def softmax_fit_cost(n, T, d, d_v):
-    """Multiply-adds of the least-squares softmax fit: ``512 n T^2 (d + d_v)``."""
-    return _ITERATIONS * n * T * T * (d + d_v)
+def softmax_fit_cost(n, T, d, d_v, *, calibration=DEFAULT_CALIBRATION):
+    """Multiply-adds of the least-squares softmax fit: ``512 n T^2 (d + d_v)`` (512 the calibration's
+    ``cost_iterations``)."""
+    return calibration.cost_iterations * n * T * T * (d + d_v)
 
 
 def information_cost(n, T, d, d_v, value_map_fitted=True):
@@ -117,16 +116,17 @@ class CostBudget:
 
     Parameters
     ----------
-    memory_bytes : int, default=DEFAULT_MEMORY_BUDGET
+    memory_bytes : int, default=2**29
         Memory for the statistics an inversion keeps beyond its ``O(d^2)``
         sums: kept samples (at most all of it), each moment-sum array or
-        ``d^2 x d^2`` matrix (at most half of it).
-    multiply_adds : float, default=DEFAULT_COMPUTE_BUDGET
-        Arithmetic of one least-squares fit or information matrix.
+        ``d^2 x d^2`` matrix (at most half of it) (the calibration's
+        ``memory_budget``, :mod:`rstar.calibration`).
+    multiply_adds : float, default=2**39
+        Arithmetic of one least-squares fit or information matrix (the calibration's ``compute_budget``).
     """
 
-    memory_bytes: int = DEFAULT_MEMORY_BUDGET
-    multiply_adds: float = DEFAULT_COMPUTE_BUDGET
+    memory_bytes: int = DEFAULT_CALIBRATION.memory_budget
+    multiply_adds: float = DEFAULT_CALIBRATION.compute_budget
 
     def allows_array(self, entries):
         """Whether one float64 array of ``entries`` entries fits in half the memory budget."""

@@ -16,7 +16,6 @@ attributes. The numerics live in :mod:`rstar.inversions` and :mod:`rstar.rules`.
 | ``RStarEstimator`` | ``"least_squares"`` (softmax), ``"auto"`` | :class:`~rstar.rules.MarchenkoPasturRule` | 0.003 |
 """
 
-import copy
 import warnings
 from numbers import Integral, Real
 
@@ -24,20 +23,18 @@ import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils import check_random_state
 from sklearn.utils._param_validation import Interval, StrOptions
-from sklearn.utils.validation import check_is_fitted
 
 from ._backend import check_device, resolve_backend
-from ._validation import check_positive, check_rank_param, check_tokens, check_value_map, check_X_Y
-from .budgets import DEFAULT_COMPUTE_BUDGET, DEFAULT_MEMORY_BUDGET, CostBudget
-from .exceptions import InversionFallbackWarning, OperatorMisfitWarning, UnidentifiableRankWarning
-from .inversions import DEFAULT_NULL_DRAWS, DEFAULT_SEED, choose_inversion, make_inversion
-from .inversions._base import sample_capacity
-from .metrics import token_r2_score
-from .model_check import operator_class_check
-from .risk import (CURVE_RESOLUTION_FRACTION, centred_sums, excess_risk_standard_error, excess_risk_upper_bound,
-                   rank_at_tolerance, relative_excess_risk, total_sum_of_squares)
-from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule
-from .streaming import ArraySamples, BatchSamples, DaskSamples, is_dask_collection, merge_stats, stop_keeping_samples
+from ._validation import check_positive, check_rank_param, check_value_map
+from .budgets import CostBudget
+from .calibration import DEFAULT_CALIBRATION, Calibration
+from .exceptions import InversionFallbackWarning, UnidentifiableRankWarning
+from .inversions import choose_inversion, make_inversion
+from .model_check import model_check
+from .risk import tolerance_reading
+from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule, identifiability
+from ._fitted import FittedOperatorMixin
+from .streaming import StreamingFitMixin, is_dask_collection
 
 __all__ = [
     "NumericalRankEstimator",
@@ -48,23 +45,7 @@ __all__ = [
     "make_inversion",
 ]
 
-#: RStarEstimator's default false-alarm level per sequential test: the level with the highest exact
-#: recovery of r* on a held-out grid (seed 1 of benchmarks/recovery.py, recounted by
-#: benchmarks/alpha_calibration.py from the p-values at 0.01; docs/validation.md)
-RSTAR_ALPHA = 0.003
-
 _FIRST_ORDER = ("query_key_first_order", "softmax_first_order")
-
-#: The attributes :meth:`_RankEstimator._finalize` sets, computed on first access after ``partial_fit``.
-_LAZY_FITTED = ("rank_", "effective_rank_", "spectrum_", "threshold_", "noise_variance_", "spike_strengths_",
-                "p_values_", "rank_interval_", "n_columns_", "components_", "inversion_", "inversion_reason_",
-                "null_model_", "noise_source_", "noise_floor_rank_", "noise_floor_interval_", "_operator_cache")
-
-#: A batch is added to the sums in chunks of at most this many entries (32 MiB) of (X, Y) or of the per-sample
-#: d x d temporaries (pseudo-inverse Grams), whichever is larger per sample: an update's temporaries are a few times
-#: its chunk, so they do not grow with the batch (d = 768, T = 8: 200 samples peaked at 1.9 GiB when only X and Y
-#: were counted).
-UPDATE_CHUNK_ENTRIES = 2**22
 
 _SHARED_CONSTRAINTS = {
     "operator": [StrOptions({"linear_proxy", "linear_qk", "softmax"})],
@@ -80,21 +61,29 @@ _SHARED_CONSTRAINTS = {
     "compute_budget": [Interval(Real, 1, None, closed="left")],
     "predict_sums": ["boolean"],
     "device": "no_validation",   # validated by rstar._backend.check_device (imports torch only when needed)
+    "calibration": [Calibration, None],
 }
 
 
-def _resolve_seed(random_state):
-    """The integer seed of a fit's simulations: ``DEFAULT_SEED`` for None (a fit is then a deterministic function
-    of the data), the int itself, or one draw from a ``RandomState``."""
+def _resolve_seed(random_state, calibration=DEFAULT_CALIBRATION):
+    """The integer seed of a fit's simulations: the calibration's ``default_seed`` for None (a fit is then a
+    deterministic function of the data), the int itself, or one draw from a ``RandomState``."""
     if random_state is None:
-        return DEFAULT_SEED
+        return calibration.default_seed
     if isinstance(random_state, Integral) and not isinstance(random_state, bool):
         return int(random_state)
     return int(check_random_state(random_state).randint(0, 2**31 - 2))
 
 
-class _RankEstimator(RegressorMixin, BaseEstimator):
-    """The data-only estimator: inversion (``_method``) x rule (``_make_rule``) x level; the public classes are presets."""
+class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, BaseEstimator):
+    """The data-only estimator: inversion (``_method``) x rule (``_make_rule``) x level; the public classes are presets.
+
+    It validates, asks :func:`~rstar.inversions.choose_inversion`, accumulates the inversion's sums, whitens,
+    applies the rule and the identifiability gates (:mod:`rstar.rules.identifiability`) and stores the fitted
+    attributes. Batches, shards and dask arrays are :class:`~rstar.streaming.StreamingFitMixin`'s; the risk
+    curve is :func:`rstar.risk.tolerance_reading`'s; the fitted operator, ``predict`` and ``score`` are
+    :class:`rstar._fitted.FittedOperatorMixin`'s.
+    """
 
     _parameter_constraints = dict(_SHARED_CONSTRAINTS)
 
@@ -115,6 +104,9 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
     def _causal(self):
         """Causal attention (RStarEstimator's ``causal``; False for the other estimators)."""
         return False
+
+    def _calibration(self):
+        return DEFAULT_CALIBRATION if self.calibration is None else self.calibration
 
     # -- validation --------------------------------------------------------
     def _validate_params_(self):
@@ -173,264 +165,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         """
         self._reset()
         if is_dask_collection(X) or is_dask_collection(Y):
-            import dask.array as da
-
-            X, Y = (A if is_dask_collection(A) else da.from_array(np.asarray(A)) for A in (X, Y))
-            return self._fit_samples(DaskSamples(X, Y))
+            return self._fit_dask(X, Y)
         return self._fit_batch(X, Y)
-
-    def _reset(self):
-        for attr in ("_stats", "_inv", "_whitened", "_shared_statistic", "_samples_read_in_passes"):
-            if hasattr(self, attr):
-                delattr(self, attr)
-
-    def fit_batches(self, batches):
-        """Estimate r* from samples given in batches, read in as many passes as the inversion needs.
-
-        The first pass accumulates the sums every inversion is built on
-        (memory independent of the number of samples, as with
-        :meth:`partial_fit`). Where the inversion needs the samples
-        themselves, they are kept if they fit ``memory_budget`` (the result is
-        then that of ``partial_fit`` over the same batches); if they do not,
-        the least-squares softmax fit reads the batches again at every
-        evaluation of its loss (``O(n T^2 (d + d_v))`` each, usually tens to a
-        few hundred passes) instead of falling back to first order, and the
-        other inversions that need their samples (the query–key cross-fit,
-        the linear proxy's split-half statistic beyond its moment sums) fall
-        back with an :class:`~rstar.exceptions.InversionFallbackWarning` as
-        ``partial_fit`` does. The internal units are set by the first batch.
-
-        Parameters
-        ----------
-        batches : list of (X, Y) pairs, or callable
-            ``(X_b, Y_b)`` pairs of shapes ``(n_b, T, d)`` and
-            ``(n_b, T, d_v)``, or a function of no arguments returning a fresh
-            iterable of them at each call (e.g. ``lambda: read(files)``); every
-            pass must yield the same samples in the same order
-            (:class:`rstar.streaming.BatchSamples`).
-
-        Returns
-        -------
-        self
-
-        Examples
-        --------
-        >>> from rstar import RStarEstimator
-        >>> from rstar.datasets import make_attention_task
-        >>> X, Y = make_attention_task(1000, seq_len=32, n_features=16, rank=3, random_state=0)
-        >>> batches = lambda: ((X[i:i + 250], Y[i:i + 250]) for i in range(0, 1000, 250))
-        >>> est = RStarEstimator(memory_budget=2**20).fit_batches(batches)   # 1 MiB: the samples are not kept
-        >>> est.rank_, est.inversion_
-        (3, 'softmax_least_squares')
-        """
-        self._reset()
-        return self._fit_samples(BatchSamples(batches))
-
-    def new_shard(self):
-        """An empty copy of this fitted estimator, in its units and configuration, to ``partial_fit`` on a shard
-        of the data and :meth:`merge` back (map-reduce).
-
-        Returns
-        -------
-        shard : estimator
-            Unfitted sums (no sample seen) with this estimator's internal units
-            and inversion.
-
-        Examples
-        --------
-        >>> from rstar import MPRankEstimator
-        >>> from rstar.datasets import make_linear_proxy
-        >>> X, Y = make_linear_proxy(900, rank=3, random_state=0)
-        >>> est = MPRankEstimator().partial_fit(X[:300], Y[:300])
-        >>> shard = est.new_shard().partial_fit(X[300:], Y[300:])   # e.g. on another machine
-        >>> est.merge(shard).n_samples_seen_, est.rank_ == MPRankEstimator().fit(X, Y).rank_
-        (900, True)
-        """
-        check_is_fitted(self, "rank_")
-        shard = copy.copy(self)
-        shard._stats = self._inv.new_stats(*self._dims)
-        shard._shared_statistic = False
-        shard._whitened = None
-        shard._samples_read_in_passes = False
-        for attr in [a for a in vars(shard) if a.endswith("_") and not a.startswith("_") and a != "n_features_in_"]:
-            delattr(shard, attr)
-        return shard
-
-    def merge(self, *shards):
-        """Add the sums of other estimators fitted on other samples: afterwards this estimator is fitted on all
-        of them (equal to :meth:`fit` on the union up to round-off and the order of the samples).
-
-        Parameters
-        ----------
-        *shards : estimators
-            Made by :meth:`new_shard` of this estimator (or of one of its
-            shards) and fitted with ``partial_fit``: the same units and
-            inversion.
-
-        Returns
-        -------
-        self
-
-        Raises
-        ------
-        ValueError
-            A shard in other units or with another inversion.
-        """
-        check_is_fitted(self, "rank_")
-        for shard in (self,) + shards:
-            if getattr(shard, "_samples_read_in_passes", False):
-                raise ValueError("cannot merge an estimator that read its samples in passes (fit_batches or dask "
-                                 "arrays): its least-squares fit needs them, and they were not kept.")
-        for shard in shards:
-            if not isinstance(shard, _RankEstimator) or not hasattr(shard, "_stats"):
-                raise ValueError(f"merge needs shards fitted with partial_fit, got {type(shard).__name__}.")
-            if (shard._x_scale, shard._y_scale) != (self._x_scale, self._y_scale) or not _same_config(
-                    shard._config, self._config):
-                raise ValueError("cannot merge a shard in other units or with another inversion: make each shard "
-                                 "with new_shard() of one fitted estimator, then partial_fit it.")
-        if self._shared_statistic:
-            self._stats = copy.deepcopy(self._stats)
-            self._shared_statistic = False
-        for shard in shards:
-            self._stats = merge_stats(self._stats, shard._stats)
-        self._whitened = None
-        self._finalize()
-        return self
-
-    def _fit_samples(self, samples):
-        """Fit from a :class:`rstar.streaming.Samples` source: one pass of sums, then the kept samples or the
-        source read in passes."""
-        self._validate_params_()
-        if isinstance(samples, DaskSamples):
-            self._start(*self._validated(*samples.block(0)))
-            stats = samples.statistic(self._inv, self._x_scale, self._y_scale)
-            self._stats = merge_stats(self._stats, stats)
-        else:
-            for k, (X, Y) in enumerate(samples.batches()):
-                X, Y, y_ndim = self._validated(X, Y)
-                if k == 0:
-                    self._start(X, Y, y_ndim)
-                    stop_keeping_samples(self._stats)
-                else:
-                    self._check_next(X, Y)
-                self._update(X, Y)
-            if not hasattr(self, "_stats"):
-                raise ValueError("batches gave no (X, Y) batch.")
-        n = self._stats["n"]
-        samples.set_shape(n, self._dims).with_scales(self._x_scale, self._y_scale)
-        passes = False
-        stats = self._stats
-        if "samples_odd" in stats:
-            capacity = (sample_capacity(stats) if "sample_budget_bytes" in stats
-                        else self._budget.max_samples(*self._dims))
-            reads_passes = bool(getattr(self._inv, "reads_sample_passes", False))
-            if n <= capacity:
-                # within the budget: keep them, as partial_fit would
-                stats["samples_odd"], stats["samples_even"] = samples.halves()
-                if "n_kept" in stats:
-                    stats["n_kept"] = n
-            elif reads_passes and self._inv.fit_possible(stats, samples):
-                passes = True   # over the memory budget only: the least squares reads them in passes
-            elif "n_kept" in stats:
-                # over the compute budget: the first samples within it, as partial_fit would keep
-                stats["samples_odd"], stats["samples_even"] = samples.halves(capacity)
-                stats["n_kept"] = capacity
-        self._samples_read_in_passes = passes
-        self._check_enough_samples()
-        self._finalize(samples if passes else None, curve_samples=samples)
-        if passes and self.predict_sums:
-            # the operator needs the samples too: fitted now, while they can be read
-            self._operator_cache["operator"] = self._inv.fit_operator(
-                self._stats, self.components_, samples=samples, ops=resolve_backend(self.device))
-        return self
-
-    def partial_fit(self, X, Y):
-        """Add a batch of samples; after the last batch the fitted attributes
-        equal those of :meth:`fit` on all batches together (up to round-off).
-
-        Parameters
-        ----------
-        X : array-like of shape (n_batch, T, d)
-        Y : array-like of shape (n_batch, T, d_v)
-
-        Returns
-        -------
-        self
-
-        Notes
-        -----
-        The fitted attributes (``rank_``, ``spectrum_``, ``inversion_`` …)
-        are computed when first read after a batch, not at every batch: a
-        stream of many batches then costs one inversion and rule, not one per
-        batch (the least-squares softmax fit on all samples so far would
-        otherwise run again at each). The warnings of that computation are
-        issued then. ``n_samples_seen_`` is updated at once, and errors about
-        the data (shapes, values, too few samples, a ``rank`` or ``max_rank``
-        beyond the statistic's dimension) are raised by ``partial_fit``
-        itself.
-        """
-        return self._fit_batch(X, Y, lazy=True)
-
-    def __getattr__(self, name):
-        # after partial_fit the fitted attributes are computed on first access (see partial_fit)
-        if name in _LAZY_FITTED and self.__dict__.get("_pending_finalize", False):
-            self._finalize()
-            return getattr(self, name)
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-
-    def fit_from(self, fitted):
-        """Fit this estimator's rule on the statistic another estimator has accumulated.
-
-        The rule runs on ``fitted``'s sums and whitened statistic without a
-        pass over the data: the result equals ``fit`` on the same data.
-        ``fitted`` must have been fitted with the same inversion (operator,
-        method, value map, budgets, ``random_state``, ``n_null_draws``,
-        ``predict_sums``); later ``partial_fit`` calls on either continue
-        from a copy of the sums.
-
-        Parameters
-        ----------
-        fitted : fitted rstar data-only estimator
-
-        Returns
-        -------
-        self
-
-        Raises
-        ------
-        ValueError
-            If ``fitted`` would not build the same inversion.
-
-        Examples
-        --------
-        >>> from rstar import MPRankEstimator, RStarEstimator
-        >>> from rstar.datasets import make_linear_proxy
-        >>> X, Y = make_linear_proxy(500, rank=3, random_state=0)
-        >>> ref = RStarEstimator(operator="linear_proxy").fit(X, Y)
-        >>> MPRankEstimator(alpha=0.003).fit_from(ref).rank_ == MPRankEstimator(alpha=0.003).fit(X, Y).rank_
-        True
-        """
-        check_is_fitted(fitted, "rank_")
-        if not isinstance(fitted, _RankEstimator):
-            raise ValueError(f"fit_from needs a fitted rstar data-only estimator, got {type(fitted).__name__}.")
-        self._validate_params_()
-        if self.tolerance is not None:
-            raise ValueError("tolerance needs the samples (its risk curve measures each rank's model on them), "
-                             "which fit_from does not read: fit on the data instead.")
-        mine = self._inversion_config(fitted._dims, fitted._x_scale, fitted._y_scale)
-        # what fitted's statistic was built with (its parameters may have changed since)
-        theirs = fitted._config
-        if not _same_config(mine, theirs):
-            raise ValueError(f"{type(self).__name__} would build a different inversion than {type(fitted).__name__} "
-                             "(operator, method, value map, budgets, random_state, n_null_draws or predict_sums "
-                             "differ): fit it on the data instead.")
-        for attr in ("n_features_in_", "_dims", "_y_ndim", "_x_scale", "_y_scale", "_inv", "_stats", "_budget",
-                     "_seed", "_value_map_internal", "_config", "_samples_read_in_passes"):
-            setattr(self, attr, getattr(fitted, attr))
-        self._whitened = getattr(fitted, "_whitened", None)
-        self._shared_statistic = fitted._shared_statistic = True
-        self._finalize()
-        return self
 
     def _inversion_config(self, dims, x_scale, y_scale):
         """Everything that defines the inversion this estimator builds for data of this shape and scale."""
@@ -439,21 +175,10 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         return dict(operator=self._get_operator(), method=self._method(), clip=self._clip(), causal=self._causal(),
                     value_map=None if V is None else V * (x_scale / y_scale),
                     budget=(int(self.memory_budget), float(self.compute_budget)),
-                    seed=_resolve_seed(self.random_state) if not hasattr(self.random_state, "randint") else None,
-                    n_null_draws=int(self.n_null_draws), predict_sums=bool(self.predict_sums))
-
-    def _validated(self, X, Y):
-        """``(X, Y, y_ndim)``: X and Y as 3-D float arrays (a 2-D X read as T = 1, a 1-D Y as one output) and
-        the number of dimensions of the Y given (what ``predict`` returns)."""
-        if Y is not None and not hasattr(Y, "ndim"):
-            Y = np.asarray(Y)
-        if X is not None and not hasattr(X, "ndim"):
-            X = np.asarray(X)
-        y_ndim = None if Y is None else np.asarray(Y).ndim
-        if y_ndim == 1 and np.asarray(X).ndim == 2:
-            Y = np.asarray(Y)[:, None]
-        X, Y = check_X_Y(X, Y)
-        return X, Y, 3 if y_ndim == 3 else y_ndim
+                    seed=(_resolve_seed(self.random_state, self._calibration())
+                          if not hasattr(self.random_state, "randint") else None),
+                    n_null_draws=int(self.n_null_draws), predict_sums=bool(self.predict_sums),
+                    calibration=self._calibration())
 
     def _start(self, X, Y, y_ndim=3):
         """Set up from the first (validated) batch: dimensions, internal units, the frozen configuration and the
@@ -469,90 +194,23 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self._config = config = self._inversion_config(self._dims, self._x_scale, self._y_scale)
         self._value_map_internal = config["value_map"]
         self._budget = CostBudget(*config["budget"])
-        self._seed = _resolve_seed(self.random_state)
+        self._seed = _resolve_seed(self.random_state, config["calibration"])
         self._inv = make_inversion(config["operator"], config["value_map"], shape=(T, d, d_v),
                                    method=config["method"], clip=config["clip"], budget=self._budget,
                                    seed=self._seed, n_null_draws=config["n_null_draws"],
-                                   predict_sums=config["predict_sums"], causal=config["causal"])
+                                   predict_sums=config["predict_sums"], causal=config["causal"],
+                                   calibration=config["calibration"])
         self._stats = self._inv.new_stats(T, d, d_v)
         self._shared_statistic = False
         self._samples_read_in_passes = False
-
-    def _check_next(self, X, Y):
-        """A later batch must match the first one's shape and the configuration frozen then."""
-        n, T, d = X.shape
-        d_v = Y.shape[2]
-        T0, d0, dv0 = self._dims
-        if d != d0:
-            raise ValueError(f"X has {d} features, but {type(self).__name__} is expecting {d0} features "
-                             "as input (from the first partial_fit batch).")
-        if d_v != dv0:
-            raise ValueError(f"Y has {d_v} output features, but earlier batches had d_v={dv0}.")
-        if T != T0:
-            raise ValueError(f"X has T={T} tokens, but earlier batches had T={T0}; partial_fit batches "
-                             "must share the sequence length.")
-        if not _same_config(self._inversion_config(self._dims, self._x_scale, self._y_scale), self._config):
-            raise ValueError("a parameter that defines the inversion (operator, method, value_map, budgets, "
-                             "random_state, n_null_draws, predict_sums) changed since the first partial_fit "
-                             "batch: call fit to start again with the new parameters.")
-
-    def _update(self, X, Y):
-        """Add a batch to the sums, ``UPDATE_CHUNK_ENTRIES`` entries of (X, Y) at a time (so an update's
-        temporaries stay bounded whatever the batch size)."""
-        T, d, d_v = self._dims
-        step = max(1, UPDATE_CHUNK_ENTRIES // max(T * (d + d_v), d * d))
-        for start in range(0, X.shape[0], step):
-            part = slice(start, start + step)
-            self._inv.update(self._stats, X[part] / self._x_scale, Y[part] / self._y_scale)
-
-    def _check_enough_samples(self):
-        n_total = self._stats["n"]
-        need = self._inv.min_samples(*self._dims)
-        if n_total < need:
-            raise ValueError(f"Found {n_total} sample(s) so far, but {type(self).__name__} needs at least {need} "
-                             f"samples for this inversion at T={self._dims[0]}, d={self._dims[1]} (got {n_total} "
-                             "sample(s)).")
-
-    def _fit_batch(self, X, Y, lazy=False):
-        self._validate_params_()
-        if lazy and self.tolerance is not None:
-            raise ValueError("tolerance needs the samples at the end of the fit (its risk curve measures each rank's "
-                             "model on them), which partial_fit does not keep: use fit, or fit_batches with every "
-                             "batch.")
-        X, Y, y_ndim = self._validated(X, Y)
-        if not hasattr(self, "_stats"):
-            self._start(X, Y, y_ndim)
-        else:
-            self._check_next(X, Y)
-            if getattr(self, "_samples_read_in_passes", False):
-                raise ValueError("this estimator read its samples in passes (fit_batches or dask arrays) and did "
-                                 "not keep them, so partial_fit cannot add to its least-squares fit: call "
-                                 "fit_batches again with every batch.")
-            if self._shared_statistic:
-                # the sums came from another estimator (fit_from): continue from a copy
-                self._stats = copy.deepcopy(self._stats)
-                self._shared_statistic = False
-        self._update(X, Y)
-        self._whitened = None
-        self._check_enough_samples()
-        if lazy:
-            self._check_rank_params(self._inv.statistic_dim(*self._dims[:2]))
-            for attr in _LAZY_FITTED:
-                self.__dict__.pop(attr, None)
-            self.n_samples_seen_ = int(self._stats["n"])
-            self._pending_finalize = True
-        else:
-            self._finalize(curve_samples=ArraySamples(X / self._x_scale, Y / self._y_scale))
-        return self
 
     def _choose(self):
         """The inversion for the samples seen so far (:func:`rstar.inversions.choose_inversion`)."""
         config = self._config
         choice = choose_inversion(config["operator"], value_map_known=config["value_map"] is not None,
                                   shape=self._dims, n_samples=self._stats["n"], method=config["method"],
-                                  budget=self._budget,
-                                  samples_in_memory=not getattr(self, "_samples_read_in_passes", False),
-                                  causal=config.get("causal", False))
+                                  budget=self._budget, samples_in_memory=not self._samples_read_in_passes,
+                                  causal=config["causal"], calibration=config["calibration"])
         if choice.name not in self._inv.produces:   # pragma: no cover - a bug, not a user error
             raise RuntimeError(f"{type(self._inv).__name__} cannot produce the {choice.name} statistic.")
         return choice
@@ -563,8 +221,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         cached = getattr(self, "_whitened", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        if getattr(self._inv, "reads_sample_passes", False):
-            if samples is None and getattr(self, "_samples_read_in_passes", False):   # pragma: no cover - kept
+        if self._inv.capabilities.reads_sample_passes:
+            if samples is None and self._samples_read_in_passes:   # pragma: no cover - kept
                 raise ValueError("the statistic of a fit that read its samples in passes cannot be recomputed "
                                  "without them: fit again.")
             ws = self._inv.whiten(self._stats, choice.name, samples=samples, ops=resolve_backend(self.device))
@@ -584,68 +242,31 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self._pending_finalize = False
         choice = self._choose()
         ws = self._whiten(choice, samples)
-        notes = [(InversionFallbackWarning, message) for message in choice.messages()]
+        cal = self._config["calibration"]
         log_domain = ws.units in ("log-attention", "logit")
         unit = 1.0 if log_domain else self._y_scale**2
-        user_noise = None
-        if self.noise_variance is not None:
-            if log_domain:
-                notes.append((UserWarning, f"noise_variance is in units of Y**2 and does not apply to the {ws.inversion} "
-                              f"inversion, whose spectrum is in {ws.units} units: it is ignored (the split-half "
-                              "noise level is used). Use method='first_order' to test at a given noise level."))
-            else:
-                user_noise = self.noise_variance / unit
-        if self._value_map_internal is not None and ws.inversion in _FIRST_ORDER:
-            notes.append((UserWarning, f"the known value_map is not used by the {ws.inversion} inversion's statistic "
-                          "(only by predict): the rank is estimated as with V unknown. The least-squares inversions "
-                          "use it (see inversion_reason_ and the fallback warning, if any)."))
-        if not (isinstance(self.device, str) and self.device == "cpu"):
-            on_device = getattr(self._inv, "reads_sample_passes", False) and ws.inversion == self._inv.name
-            if not on_device and resolve_backend(self.device).device.type != "cpu":
-                notes.append((UserWarning, f"device={self.device!r} is used only by the least-squares softmax fit; "
-                              f"the {ws.inversion} inversion ran on numpy on the CPU."))
+        user_noise = None if self.noise_variance is None or log_domain else self.noise_variance / unit
+        notes = _usage_notes(self, choice, ws)
         self._check_rank_params(ws.dim)
-        bounds = ws.rank_bounds
-        if bounds is None and ws.n_columns < ws.dim:
-            # fewer noise columns than dimensions: the statistic's rank is at most n_columns, no bulk of the
-            # full dimension is left to set the noise level, and the rules would read every eigenvalue as signal
-            bounds = (0, ws.dim)
-            need = ws.dim / max(ws.n_columns / self._stats["n"], 1e-12)
-            notes.append((UnidentifiableRankWarning,
-                          f"the {ws.inversion} statistic has about {ws.n_columns:.0f} independent noise columns for "
-                          f"{ws.dim} dimensions (too few samples: each sample adds about d_v columns), so its noise "
-                          f"bulk cannot be told from signal and rank_ may be far off; rank_interval_ is (0, "
-                          f"{ws.dim}). What would help: more than {need:.0f} "
-                          "samples."))
-        T = self._dims[0]
-        if T == 1 and self._config["operator"] in ("softmax", "linear_qk"):
-            # one token per sample: softmax attention of one token is 1 whatever K, and linear query-key
-            # attention sees K only through x^T K x (its symmetric part), whose rank is not K's
-            bounds = (0, ws.dim) if bounds is None else (min(bounds[0], 0), max(bounds[1], ws.dim))
-            what = ("softmax attention over one token is 1 whatever K (Y does not depend on K)"
-                    if self._config["operator"] == "softmax" else
-                    "linear query-key attention over one token sees K only through x^T K x (its symmetric "
-                    "part), whose rank is not K's")
-            notes.append((UnidentifiableRankWarning,
-                          f"X has T = 1 token per sample (a 2-D X of shape (n, d) is read as T = 1): {what}, so "
-                          f"r* is not identified by these data; rank_interval_ is (0, {ws.dim}). What would "
-                          "help: sequences of T >= 2 tokens, X of shape (n_samples, T, d) and Y of shape "
-                          "(n_samples, T, d_v)."))
         res = self._make_rule(unit)(ws, user_noise, self.max_rank)
-        for category, message in notes + list(ws.warnings) + list(res.warnings):
+        # whether r* is identified: decided once, after the rule, by rstar.rules.identifiability
+        found = identifiability.statistic_verdicts(ws, cal)
+        identified = not any(v.bounds for v in found)
+        gates = found + identifiability.estimator_verdicts(ws, self._stats["n"], self._dims[0],
+                                                           self._config["operator"], identified)
+        for category, message in notes + list(ws.warnings) + list(res.warnings) + _issued(gates):
             warnings.warn(message, category, stacklevel=4)
-        rank = res.rank if self.rank is None else self.rank
-        interval = (int(res.rank_interval[0]), int(res.rank_interval[1]))
-        if bounds is not None:
-            # r* is not identified: the interval covers the range it is known to lie in
-            interval = (min(interval[0], int(bounds[0])), max(interval[1], int(bounds[1])))
+        interval = identifiability.covering((int(res.rank_interval[0]), int(res.rank_interval[1])), gates)
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
+        self.verdicts_ = list(gates) + [v for v in res.warnings if isinstance(v, identifiability.Verdict)]
         for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_distance_",
                      "risk_curve_resolution_", "_risk_curve_full_rank"):
             self.__dict__.pop(attr, None)
+        rank = res.rank if self.rank is None else self.rank
         if self.tolerance is not None:
-            rank, interval = self._tolerance_rank(ws, res, curve_samples)
+            rank, interval = self._read_tolerance(ws, res, curve_samples, identified=not any(
+                v.bounds for v in found), cal=cal)
         self.rank_ = int(rank)
         self.effective_rank_ = float(res.effective_rank)
         self.spectrum_ = ws.eigenvalues * unit
@@ -658,8 +279,8 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self.components_ = ws.components(self.rank_)
         self.n_samples_seen_ = int(self._stats["n"])
         self.inversion_ = ws.inversion
-        if ws.inversion != choice.name:
-            self.inversion_reason_ = _fallback_message(ws)
+        if ws.fallback is not None:
+            self.inversion_reason_ = identifiability.fallback_verdict(ws.fallback, cal).message
         elif choice.is_fallback:
             self.inversion_reason_ = choice.messages()[0]
         else:
@@ -668,299 +289,76 @@ class _RankEstimator(RegressorMixin, BaseEstimator):
         self.noise_source_ = "user" if user_noise is not None else ws.null.noise_source
         # the closed-form operator costs several times the rank estimate: built on first use
         self._operator_cache = {}
-        if curve_samples is not None and ws.inversion == "softmax_first_order" and bounds is None:
-            self._check_first_order_fit(ws, res, curve_samples)
         self.model_check_ = None
-        if curve_samples is not None and bounds is None:
-            self._check_operator_class(ws, curve_samples)
+        if curve_samples is not None and not any(v.bounds for v in gates):
+            self._model_checks(ws, res, curve_samples, found, cal)
 
-    def _check_operator_class(self, ws, samples):
-        """Do the samples follow the operator's class (:func:`rstar.model_check.operator_class_check`)? If not,
-        warn with what would fit and widen the intervals to (0, d).
+    def _read_tolerance(self, ws, res, samples, identified, cal):
+        """``(rank, interval)`` at ``tolerance`` (:func:`rstar.risk.tolerance_reading`; sets ``risk_curve_``)."""
+        kw = {"ops": resolve_backend(self.device)} if self._inv.capabilities.reads_sample_passes else {}
+        reading = tolerance_reading(self._inv, self._stats, ws, samples, self.tolerance, self.tolerance_level,
+                                    noise_floor=(int(res.rank), int(res.rank_interval[1])), **kw)
+        for name in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_distance_",
+                     "risk_curve_resolution_"):
+            setattr(self, name, getattr(reading, name.rstrip("_")))
+        self._risk_curve_full_rank = reading.full_rank
+        gates = identifiability.tolerance_verdicts(
+            tolerance=self.tolerance, rank=reading.rank, dim=ws.dim, inversion=ws.inversion, identified=identified,
+            disagreement=reading.risk_curve_resolution, noise_upper=res.rank_interval[1], calibration=cal)
+        for category, message in _issued(gates):
+            warnings.warn(message, category, stacklevel=5)
+        self.verdicts_ += gates
+        return reading.rank, identifiability.covering(reading.interval, gates)
 
-        Runs for linear query-key attention with T > d (any inversion: its test needs no operator) and for
-        softmax attention where the least squares ran (its full-rank fit is the class's least-squares operator;
-        not the factored least squares at real sizes, and not the first order, which has model checks of its
-        own). ``model_check_`` records the outcome (None where it did not run)."""
-        operator_name = self._config["operator"]
-        if operator_name == "linear_proxy" or self._inv.space == "tokens":
-            return
-        if operator_name == "softmax" and ws.inversion != "softmax_least_squares":
-            return   # the check needs the class's least-squares fit; the first order has its own model checks
-        if any(issubclass(w, UnidentifiableRankWarning) for w, _ in list(ws.warnings)):
-            return   # already out of the class or not identified: said once, by the inversion
-        if operator_name == "linear_qk":
-            # the exact-in-span test needs no operator (a moment estimator's would not do for the baseline test)
-            check = operator_class_check(samples, None, exact_in_span=True)
-            if check["span_p"] is None:
-                return   # T <= d: no span left outside col(X_i)
-        else:
-            operator = self._inv.full_rank_operator(self._stats)   # the fit whiten made: no second fit
-            if operator is None:
-                return
-            check = operator_class_check(samples, operator, exact_in_span=False)
-        self.model_check_ = check
-        if not check["rejected"]:
-            return
-        reasons = []
-        if "baseline" in check["rejected"]:
-            reasons.append(f"a regression with no attention at all (each token's features, its sequence's and "
-                           f"prefix's means and its position) leaves {100 * check['baseline_gain']:.1f}% less "
-                           f"residual on samples it was not fitted on than the full-rank {operator_name} fit on "
-                           f"its own samples (one-sided p = {check['baseline_p']:.2g})")
-        if "span" in check["rejected"]:
-            reasons.append(f"the power of Y outside the span of each sample's tokens, which this class leaves to "
-                           f"the noise alone, grows with the tokens' norm (correlation "
-                           f"{check['span_correlation']:.2f} over samples, one-sided p = {check['span_p']:.2g}): "
-                           "there is signal outside the span")
-        alternative = {"linear_qk": "operator='softmax' or 'linear_proxy'",
-                       "softmax": "operator='linear_qk' or 'linear_proxy'"}[operator_name]
-        what = f"the {operator_name} operator's class"
-        wide = (0, int(ws.dim))
-        warnings.warn(
-            f"the data do not follow {what}: {'; and '.join(reasons)}. rank_ is a "
-            f"count inside a class these data lie outside, so it may be far off; rank_interval_ is {wide}. Check "
-            "that X holds the inputs (n, T, d) and Y the outputs (n, T, d_v), not swapped, and that the operator "
-            f"matches how Y was made (try {alternative}; a decoder head needs causal=True).",
-            OperatorMisfitWarning, stacklevel=5)
-        for attr in ("rank_interval_", "noise_floor_interval_"):
-            lo, hi = getattr(self, attr)
-            setattr(self, attr, (min(lo, wide[0]), max(hi, wide[1])))
+    def _model_checks(self, ws, res, samples, found, cal):
+        """The model checks where the samples are at hand: the first-order softmax model
+        (:meth:`rstar.inversions.QueryKeyInversion.first_order_misfit`) and the operator's class
+        (:func:`rstar.model_check.model_check`); a rejection warns and widens the intervals to (0, d)."""
+        gates = []
+        if ws.inversion == "softmax_first_order":
+            # None without the moment sums (predict_sums=False or over the memory budget): then only the check that
+            # needs no operator (the tokens' kurtosis, where T - 1 <= d) runs
+            operator = self._inv.first_order_operator(self._stats, ws.components(int(res.rank)))
+            if operator is not None and self.rank is None and ws.inversion == self._inv.name:
+                self._operator_cache["operator"] = operator   # the very operator predict uses: fitted once
+            gates.append(identifiability.first_order_misfit_verdict(
+                self._inv.first_order_misfit(self._stats, operator, samples), cal))
+        if not any(v.category is not None and issubclass(v.category, UnidentifiableRankWarning) for v in found):
+            # (already out of the class or not identified: said once, by the inversion)
+            self.model_check_ = model_check(self._config["operator"], self._inv, ws, self._stats, samples,
+                                            alpha=cal.model_check_alpha)
+            gates.append(identifiability.operator_misfit_verdict(self.model_check_, self._config["operator"], ws.dim))
+        gates = [v for v in gates if v is not None]
+        for category, message in _issued(gates):
+            warnings.warn(message, category, stacklevel=5)
+        self.verdicts_ += gates
+        self.rank_interval_ = identifiability.covering(self.rank_interval_, gates)
+        self.noise_floor_interval_ = identifiability.covering(self.noise_floor_interval_, gates)
 
-    def _check_first_order_fit(self, ws, res, samples):
-        """Where the samples are at hand: does the first-order softmax model hold
-        (:meth:`rstar.inversions.QueryKeyInversion.first_order_misfit`, its operator at the noise-floor rank)? If
-        not, warn and widen the intervals to (0, d)."""
-        # None without the moment sums (predict_sums=False or over the memory budget): then only the check that
-        # needs no operator (the tokens' kurtosis, where T - 1 <= d) runs
-        operator = self._inv.first_order_operator(self._stats, ws.components(int(res.rank)))
-        if operator is not None and self.rank is None and ws.inversion == self._inv.name:
-            self._operator_cache["operator"] = operator   # the very operator predict uses: fitted once
-        misfit = self._inv.first_order_misfit(self._stats, operator, samples)
-        if misfit is None:
-            return
-        warnings.warn(misfit[1], UnidentifiableRankWarning, stacklevel=5)
-        wide = (0, int(ws.dim))
-        for attr in ("rank_interval_", "noise_floor_interval_"):
-            lo, hi = getattr(self, attr)
-            setattr(self, attr, (min(lo, wide[0]), max(hi, wide[1])))
 
-    def _tolerance_rank(self, ws, res, samples):
-        """``(rank, interval)`` at ``tolerance`` from the risk curve on ``samples`` (sets ``risk_curve_``)."""
-        tol = float(self.tolerance)
-        inv = self._inv
-        kw = {"ops": resolve_backend(self.device)} if getattr(inv, "reads_sample_passes", False) else {}
-        # the rank beyond which the curve's models no longer change (ws.dim, or the factored fit's q)
-        limit = inv.curve_rank_limit(ws)
-        top = min(limit, max(int(res.rank_interval[1]), int(res.rank)))
-        first = [None, *range(top + 1)]
-        # each sample's residuals where the inversion measures its curve per sample (for its standard error)
-        parts = inv.rank_residual_samples(self._stats, ws, first, samples, **kw)
-        per_sample = parts is not None
+def _issued(verdicts):
+    """The verdicts that issue a warning (a verdict may only widen the interval)."""
+    return [v for v in verdicts if v.category is not None]
 
-        def residuals(ranks):
-            # the totals (and each sample's, where measured) of the rank-r models for r in ranks
-            if per_sample:
-                parts = inv.rank_residual_samples(self._stats, ws, list(ranks), samples, **kw)
-                return [float(np.sum(p)) for p in parts], parts
-            return inv.rank_residuals(self._stats, ws, list(ranks), samples, **kw), None
 
-        rss = [float(np.sum(p)) for p in parts] if per_sample else residuals(first)[0]
-        if rss is None:
-            raise ValueError("tolerance needs the closed-form operators of every rank, whose moment sums were not "
-                             "accumulated (predict_sums=False, or over the memory budget for this T, d and d_v).")
-        full, rss = rss[0], rss[1:]
-        full_parts, parts = (parts[0], parts[1:]) if per_sample else (None, None)
-        tss = total_sum_of_squares(inv.risk_samples(self._stats, ws, samples).map_sum(centred_sums, 1))
-        # where the curve is measured on other models than predict's (the factored fit's halves): predict's rank-r
-        # model's output distance from its full one, per sample; the rank is read where both bounds reach it
-        distance_parts = inv.rank_output_distance_samples(self._stats, ws, list(range(len(rss))))
-
-        def read(rss, parts, distance_parts):
-            curve = relative_excess_risk(rss, full, tss)
-            se = excess_risk_standard_error(parts, full_parts, tss) if per_sample else np.zeros_like(curve)
-            upper = excess_risk_upper_bound(curve, se, self.tolerance_level)
-            if distance_parts is None:
-                return curve, se, None, upper
-            distance = np.array([float(np.sum(p)) for p in distance_parts]) / tss
-            distance_se = excess_risk_standard_error(distance_parts, np.zeros_like(distance_parts[0]), tss)
-            return curve, se, distance, np.maximum(upper, excess_risk_upper_bound(distance, distance_se,
-                                                                                   self.tolerance_level))
-
-        curve, se, distance, upper = read(rss, parts, distance_parts)
-        # go on until half the tolerance is reached (the interval's upper end), or the limit
-        while rank_at_tolerance(upper, tol / 2) is None and len(curve) <= limit:
-            more = range(len(curve), min(limit, 2 * len(curve)) + 1)
-            more_rss, more_parts = residuals(more)
-            rss = rss + more_rss
-            parts = parts + more_parts if per_sample else None
-            if distance_parts is not None:
-                distance_parts = distance_parts + inv.rank_output_distance_samples(self._stats, ws, list(more))
-            curve, se, distance, upper = read(rss, parts, distance_parts)
-        self.risk_curve_ = curve
-        self.risk_curve_se_ = se if per_sample else None
-        self.risk_curve_upper_ = upper
-        self.risk_curve_distance_ = distance
-        # a curve that reaches the limit and not a tolerance: only the full model (rank d) is known to reach it
-        self._risk_curve_full_rank = int(ws.dim) if len(curve) > limit else None
-        rank = rank_at_tolerance(upper, tol)
-        rank = ws.dim if rank is None else rank
-        # the lower end off the curve itself (no confidence margin, no distance), the upper off the bound
-        low = rank_at_tolerance(curve, min(2 * tol, 1.0))
-        high = rank_at_tolerance(upper, tol / 2)
-        interval = (min(rank, ws.dim if low is None else low), max(rank, ws.dim if high is None else high))
-        if ws.rank_bounds is not None:
-            # the inversion could not identify its statistic (e.g. a factored fit whose count had not settled):
-            # the full model the curve is measured against may itself fall short, so r*(tolerance) is a lower end
-            interval = (interval[0], int(ws.dim))
-            warnings.warn(
-                f"tolerance={tol:g} is read off a risk curve measured against the {ws.inversion} fit, which did not "
-                f"identify its statistic (see the other warning): that fit may fall short of the unconstrained "
-                f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {ws.dim}. What would "
-                "help: the remedy the other warning names.", UnidentifiableRankWarning, stacklevel=5)
-        disagreement = inv.half_disagreement(self._stats, ws)
-        self.risk_curve_resolution_ = disagreement
-        if disagreement is not None and disagreement > CURVE_RESOLUTION_FRACTION * tol:
-            # the curve compares models fitted on half the samples; where those disagree by more than the
-            # tolerance allows, it cannot say whether the half-sum model predict uses reaches it
-            interval = (interval[0], int(ws.dim))
-            warnings.warn(
-                f"tolerance={tol:g} is finer than this risk curve resolves: it is measured on the two halves' "
-                f"{ws.inversion} fits, whose outputs disagree by {disagreement:.3g} of Var(Y) (a quarter of their "
-                "mean squared difference: the excess of a half's model over their mean), more than "
-                f"{CURVE_RESOLUTION_FRACTION:g} times the tolerance, so the rank read ({rank}) may be too small "
-                "(or larger than needed) for the model predict uses; rank_interval_ reaches "
-                f"{ws.dim}. The halves settle on different optima where the rank fitted is too small for the task, "
-                "or the samples too few: more samples, a larger tolerance, or a larger compute_budget would help.",
-                UnidentifiableRankWarning, stacklevel=5)
-        if rank > res.rank_interval[1]:
-            warnings.warn(
-                f"tolerance={tol:g} is finer than the noise resolves: the rank it reads ({rank}) exceeds the "
-                f"noise-floor estimate's upper end ({res.rank_interval[1]}), so the ranks beyond that fit the noise "
-                "of these samples, not the task. More samples, or a larger tolerance, would help.",
-                UnidentifiableRankWarning, stacklevel=5)
-        return rank, interval
-
-    def rank_at_tolerance(self, tolerance):
-        """r*(tolerance) from the fitted curve without refitting (read as the fit reads it: ``risk_curve_upper_``,
-        the curve's upper bound at ``tolerance_level``).
-
-        Parameters
-        ----------
-        tolerance : float in [0, 1)
-
-        Returns
-        -------
-        int
-            The smallest rank whose relative excess risk (its upper bound) is at most ``tolerance``; the number
-            of features d where the curve reached the rank beyond which its models no longer change (the
-            factored fit's q) without reaching ``tolerance``, as ``fit`` reads it.
-
-        Raises
-        ------
-        ValueError
-            If the estimator was fitted without a ``tolerance`` (no curve), or the curve was computed only up to
-            ranks that do not reach this tolerance (fit again with it).
-        """
-        check_is_fitted(self, "rank_")
-        if "risk_curve_" not in self.__dict__:
-            raise ValueError("no risk curve: fit with tolerance=... (any value) to compute risk_curve_.")
-        upper = self.__dict__.get("risk_curve_upper_", self.risk_curve_)
-        rank = rank_at_tolerance(upper, tolerance)
-        if rank is None and self.__dict__.get("_risk_curve_full_rank") is not None:
-            return self._risk_curve_full_rank
-        if rank is None:
-            raise ValueError(f"the risk curve was computed up to rank {len(self.risk_curve_) - 1}, where the excess "
-                             f"risk is still {upper[-1]:.3g} > {tolerance:g}: fit with "
-                             f"tolerance={tolerance:g}.")
-        return rank
-
-    def __getstate__(self):
-        # the cached whitened statistic holds the null draws and d^2 x d^2 factors: recomputed on demand
-        # (deterministically, from the seed) rather than pickled
-        state = super().__getstate__()
-        if not state.get("_samples_read_in_passes", False):
-            # (a fit that read its samples in passes keeps it: it could not be recomputed)
-            state.pop("_whitened", None)
-        return state
-
-    @property
-    def statistic_(self):
-        """The :class:`rstar.inversions.WhitenedStatistic` the rule read: the whitened eigen-decomposition
-        (``spectrum_`` is its ``eigenvalues`` in Y units), its null model and any extra evidence (internal units:
-        the data rescaled to unit RMS)."""
-        check_is_fitted(self, "rank_")
-        return self._whiten(self._choose())
-
-    @property
-    def operator_(self):
-        """The closed-form operator used by ``predict`` (built on first access, then cached)."""
-        check_is_fitted(self, "rank_")
-        cache = self._operator_cache
-        if "operator" not in cache:
-            if getattr(self._inv, "reads_sample_passes", False):
-                cache["operator"] = self._inv.fit_operator(self._stats, self.components_,
-                                                           ops=resolve_backend(self.device))
-            else:
-                cache["operator"] = self._inv.fit_operator(self._stats, self.components_)
-        return cache["operator"]
-
-    # -- prediction -----------------------------------------------------------
-    def predict(self, X):
-        """Ŷ from the operator fitted in closed form at rank ``rank_``.
-
-        Parameters
-        ----------
-        X : array-like of shape (n_samples, T, d) or (n_samples, d)
-
-        Returns
-        -------
-        Y_pred : ndarray of shape (n_samples, T, d_v)
-            (or ``(n_samples, d_v)`` / ``(n_samples,)`` matching the ``Y`` given to fit).
-        """
-        check_is_fitted(self, "rank_")
-        X = check_tokens(X, "X")
-        n, T, d = X.shape
-        if d != self.n_features_in_:
-            raise ValueError(f"X has {d} features, but {type(self).__name__} is expecting "
-                             f"{self.n_features_in_} features as input.")
-        if self._inv.space == "tokens" and T != self._dims[0]:
-            raise ValueError(f"X has T={T} tokens, but the linear-proxy operator A is {self._dims[0]} x "
-                             f"{self._dims[0]} (fitted on T={self._dims[0]}).")
-        operator = self.operator_
-        if operator is None:
-            raise ValueError("predict is not available: the moment sums for the closed-form operator were not "
-                             "accumulated because they would exceed the memory budget for this T, d and d_v "
-                             "(rank_ and the spectrum are unaffected).")
-        Y = operator.predict(X / self._x_scale) * self._y_scale
-        if self._y_ndim == 1:
-            return Y.reshape(n)
-        if self._y_ndim == 2:
-            return Y.reshape(n, -1)
-        return Y
-
-    def score(self, X, y, sample_weight=None):
-        """Token-wise R² of ``predict(X)`` (same as ``r2_score`` on ``(n*T, d_v)``).
-
-        Parameters
-        ----------
-        X : array-like of shape (n_samples, T, d)
-        y : array-like of shape (n_samples, T, d_v)
-            The targets Y (named ``y`` as scikit-learn passes it by keyword).
-        sample_weight : None
-            Not supported; must be None.
-
-        Returns
-        -------
-        float
-        """
-        if sample_weight is not None:
-            raise ValueError("sample_weight is not supported by the token-wise R² score.")
-        Y_pred = self.predict(X)
-        Y = np.asarray(y, dtype=np.float64)
-        if Y.shape != Y_pred.shape:
-            raise ValueError(f"Y has shape {Y.shape}, but predict(X) has shape {Y_pred.shape}.")
-        return token_r2_score(Y, Y_pred)
+def _usage_notes(est, choice, ws):
+    """The warnings about how the estimator's parameters were used: the inversion's fallback, a noise variance
+    or value map the statistic does not use, a device the inversion did not run on."""
+    notes = [(InversionFallbackWarning, message) for message in choice.messages()]
+    if est.noise_variance is not None and ws.units in ("log-attention", "logit"):
+        notes.append((UserWarning, f"noise_variance is in units of Y**2 and does not apply to the {ws.inversion} "
+                      f"inversion, whose spectrum is in {ws.units} units: it is ignored (the split-half "
+                      "noise level is used). Use method='first_order' to test at a given noise level."))
+    if est._value_map_internal is not None and ws.inversion in _FIRST_ORDER:
+        notes.append((UserWarning, f"the known value_map is not used by the {ws.inversion} inversion's statistic "
+                      "(only by predict): the rank is estimated as with V unknown. The least-squares inversions "
+                      "use it (see inversion_reason_ and the fallback warning, if any)."))
+    if not (isinstance(est.device, str) and est.device == "cpu"):
+        on_device = est._inv.capabilities.reads_sample_passes and ws.inversion == est._inv.name
+        if not on_device and resolve_backend(est.device).device.type != "cpu":
+            notes.append((UserWarning, f"device={est.device!r} is used only by the least-squares softmax fit; "
+                          f"the {ws.inversion} inversion ran on numpy on the CPU."))
+    return notes
 
 
 def _rms(A):
@@ -1007,7 +405,7 @@ _COMMON_PARAMS_DOC = """
         (residual of the model when identifiable, else the MP bulk median).
     random_state : int, RandomState instance or None, default=None
         Seeds the simulations (null draws, random starting kernels). None
-        uses a fixed seed (``rstar.inversions.DEFAULT_SEED``), so that a fit
+        uses a fixed seed (the calibration's ``default_seed``), so that a fit
         is a deterministic function of the data and ``partial_fit`` equals
         ``fit``; a ``RandomState`` is drawn from once per fit.
     n_null_draws : int, default=1000
@@ -1038,11 +436,17 @@ _COMMON_PARAMS_DOC = """
         CPU path to round-off (the optimiser's path can then differ in its
         last iterations). The one-pass sums stay on numpy; a GPU asked for
         where the inversion that runs does not use it is reported with a
-        ``UserWarning``."""
+        ``UserWarning``.
+    calibration : Calibration or None, default=None
+        The tuned values of the inversions, rules and gates
+        (:class:`rstar.calibration.Calibration`; the list, with the benchmark
+        that set each, is on the calibration page). None:
+        :data:`rstar.calibration.DEFAULT_CALIBRATION`. Change one with
+        ``DEFAULT_CALIBRATION.replace(name=value)``."""
 
 
 def _init_common(est, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                 predict_sums, device="cpu", tolerance=None, tolerance_level=0.05):
+                 predict_sums, device="cpu", tolerance=None, tolerance_level=0.05, calibration=None):
     est.rank = rank
     est.max_rank = max_rank
     est.tolerance = tolerance
@@ -1054,25 +458,7 @@ def _init_common(est, rank, max_rank, noise_variance, random_state, n_null_draws
     est.compute_budget = compute_budget
     est.predict_sums = predict_sums
     est.device = device
-
-
-def _same_config(a, b):
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and np.array_equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
-def _fallback_message(ws):
-    """The message of the warning that says why ``ws`` comes from a fallback inversion."""
-    for _, message in reversed(ws.warnings):
-        if "Fallback in use" in message:
-            return message
-    return "a fallback while the inversion ran"
+    est.calibration = calibration
 
 
 _P_VALUES_HEAD = """
@@ -1213,6 +599,11 @@ _FITTED_DOC = """
         attention where the least squares ran (small d); None elsewhere: the linear proxy, ``partial_fit``
         (no samples at hand), the factored least squares (real sizes), the first order (its own model checks),
         and fits already warned as not identified.
+    verdicts_ : list of Verdict
+        Every decision of :mod:`rstar.rules.identifiability` on this fit, in the order made: each unpacks as
+        ``(category, message)`` (the warning issued; ``category`` None for one that only widened the interval)
+        and carries ``reason`` (a key of :data:`rstar.rules.identifiability.REASONS`) and ``bounds`` (the range
+        ``rank_interval_`` covers because of it, or None). Empty where r* is identified.
     null_model_ : str
         The null model the rule tested against: ``"wishart"``,
         ``"structured_bulk"``, ``"simulated"``, ``"cross_fit_union"`` or
@@ -1257,19 +648,20 @@ class MPRankEstimator(_RankEstimator):
 
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  tolerance_level=0.05, noise_variance=None,
-                 alpha=0.01, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS, memory_budget=DEFAULT_MEMORY_BUDGET,
-                 compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
+                 alpha=0.01, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws, memory_budget=DEFAULT_CALIBRATION.memory_budget,
+                 compute_budget=DEFAULT_CALIBRATION.compute_budget, predict_sums=True, device="cpu",
+                 calibration=None):
         self.operator = operator
         self.value_map = value_map
         self.alpha = alpha
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device, tolerance, tolerance_level)
+                     predict_sums, device, tolerance, tolerance_level, calibration)
 
     def _validate_rule_params(self):
         check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
 
     def _make_rule(self, unit):
-        return MarchenkoPasturRule(alpha=self.alpha)
+        return MarchenkoPasturRule(alpha=self.alpha, calibration=self._config["calibration"])
 
 
 class EnergyRankEstimator(MPRankEstimator):
@@ -1298,7 +690,7 @@ class EnergyRankEstimator(MPRankEstimator):
     """)
 
     def _make_rule(self, unit):
-        return EnergyRule(alpha=self.alpha)
+        return EnergyRule(alpha=self.alpha, calibration=self._config["calibration"])
 
 
 class NumericalRankEstimator(_RankEstimator):
@@ -1333,21 +725,23 @@ class NumericalRankEstimator(_RankEstimator):
 
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  tolerance_level=0.05, noise_variance=None,
-                 tol=None, rtol=1e-2, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
-                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
+                 tol=None, rtol=1e-2, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws,
+                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget=DEFAULT_CALIBRATION.compute_budget, predict_sums=True, device="cpu",
+                 calibration=None):
         self.operator = operator
         self.value_map = value_map
         self.tol = tol
         self.rtol = rtol
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device, tolerance, tolerance_level)
+                     predict_sums, device, tolerance, tolerance_level, calibration)
 
     def _validate_rule_params(self):
         check_positive(self.tol, "tol", strict=False)
         check_positive(self.rtol, "rtol", allow_none=False, upper=1.0 + 1e-12)
 
     def _make_rule(self, unit):
-        return NumericalRule(tol=None if self.tol is None else self.tol / unit, rtol=self.rtol)
+        return NumericalRule(tol=None if self.tol is None else self.tol / unit, rtol=self.rtol,
+                             calibration=self._config["calibration"])
 
 
 class SoftmaxInversionEstimator(MPRankEstimator):
@@ -1396,14 +790,15 @@ class SoftmaxInversionEstimator(MPRankEstimator):
 
     def __init__(self, *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  tolerance_level=0.05, noise_variance=None, alpha=0.01,
-                 method="auto", clip=1e-3, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
-                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu"):
+                 method="auto", clip=1e-3, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws,
+                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget=DEFAULT_CALIBRATION.compute_budget, predict_sums=True, device="cpu",
+                 calibration=None):
         self.value_map = value_map
         self.alpha = alpha
         self.method = method
         self.clip = clip
         _init_common(self, rank, max_rank, noise_variance, random_state, n_null_draws, memory_budget, compute_budget,
-                     predict_sums, device, tolerance, tolerance_level)
+                     predict_sums, device, tolerance, tolerance_level, calibration)
 
     def _get_operator(self):
         return "softmax"
@@ -1466,14 +861,14 @@ class RStarEstimator(MPRankEstimator):
 
     def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  tolerance_level=0.05, noise_variance=None,
-                 alpha=RSTAR_ALPHA, random_state=None, n_null_draws=DEFAULT_NULL_DRAWS,
-                 memory_budget=DEFAULT_MEMORY_BUDGET, compute_budget=DEFAULT_COMPUTE_BUDGET, predict_sums=True, device="cpu",
-                 causal=False):
+                 alpha=DEFAULT_CALIBRATION.rstar_alpha, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws,
+                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget=DEFAULT_CALIBRATION.compute_budget, predict_sums=True, device="cpu",
+                 causal=False, calibration=None):
         super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, tolerance=tolerance,
                          tolerance_level=tolerance_level, noise_variance=noise_variance,
                          alpha=alpha, random_state=random_state, n_null_draws=n_null_draws,
                          memory_budget=memory_budget, compute_budget=compute_budget, predict_sums=predict_sums,
-                         device=device)
+                         device=device, calibration=calibration)
         self.causal = causal
 
     _parameter_constraints = {**MPRankEstimator._parameter_constraints, "causal": ["boolean"]}

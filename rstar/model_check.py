@@ -23,23 +23,19 @@ are tested here on the fitted samples, per sample (samples are i.i.d.; tokens of
   Student-t(3) and correlated tokens; ``benchmarks/model_check.py`` counts the alarms). This test needs no
   fitted operator.
 
-Each test is one-sided at level ``MODEL_CHECK_ALPHA``. The first is about the class's *least-squares* fit (a
-moment estimator's operator can leave far more than the noise on data in the class while its rank is right), so
-it runs where the operator is one: the softmax least squares.
+Each test is one-sided at the calibration's ``model_check_alpha`` (:mod:`rstar.calibration`). The first is about
+the class's *least-squares* fit (a moment estimator's operator can leave far more than the noise on data in the
+class while its rank is right), so it runs where the operator is one: the softmax least squares.
 """
 
 import numpy as np
 from scipy import stats as _stats
 
+from .calibration import DEFAULT_CALIBRATION
 from .inversions._numerics.linalg import solve_psd
 from .inversions.query_key import pseudo_inverse_fit
 
-__all__ = ["no_attention_features", "operator_class_check", "outside_span_residuals", "paired_excess"]
-
-#: Level of the model checks' one-sided z tests (a false alarm on data in the class at most this often, per
-#: check). Set, not tuned: under the class the tests' statistics are conservative; measured by
-#: ``python benchmarks/model_check.py`` (false alarms on in-class and pure-noise tasks; power on misfits).
-MODEL_CHECK_ALPHA = 1e-3
+__all__ = ["model_check", "no_attention_features", "operator_class_check", "outside_span_residuals", "paired_excess"]
 
 
 def no_attention_features(X):
@@ -139,7 +135,7 @@ def _correlation(so, soo, sm, smm, som, n):
     return r, float(_stats.norm.sf(np.arctanh(r) * np.sqrt(n - 3)))
 
 
-def operator_class_check(samples, operator=None, *, exact_in_span, alpha=MODEL_CHECK_ALPHA):
+def operator_class_check(samples, operator=None, *, exact_in_span, alpha=DEFAULT_CALIBRATION.model_check_alpha):
     """Test whether ``samples`` follow an operator's class.
 
     Parameters
@@ -152,8 +148,9 @@ def operator_class_check(samples, operator=None, *, exact_in_span, alpha=MODEL_C
     exact_in_span : bool
         The class puts every output column in ``col(X_i)`` (linear query-key attention): also test that the
         power outside that span is independent of the tokens (where ``T > d``).
-    alpha : float
-        Level of each one-sided test.
+    alpha : float, default=0.001
+        Level of each one-sided test (the calibration's ``model_check_alpha``: set, not tuned; under the class
+        the tests' statistics are conservative; ``python benchmarks/model_check.py`` counts the false alarms).
 
     Returns
     -------
@@ -194,3 +191,46 @@ def operator_class_check(samples, operator=None, *, exact_in_span, alpha=MODEL_C
         if p_value < alpha:
             out["rejected"].append("span")
     return out
+
+
+def model_check(operator_name, inversion, ws, stats, samples, alpha=None):
+    """The operator-class check a fit runs on its own samples, where it applies; its outcome, or None.
+
+    Runs for linear query-key attention with T > d (any inversion: its test needs no operator) and for softmax
+    attention where the least squares ran (its full-rank fit is the class's least-squares operator; not the
+    factored least squares at real sizes, and not the first order, which has model checks of its own:
+    :meth:`rstar.inversions.QueryKeyInversion.first_order_misfit`). What a rejection means for the rank is
+    :func:`rstar.rules.identifiability.operator_misfit_verdict`'s to decide.
+
+    Parameters
+    ----------
+    operator_name : {"linear_proxy", "linear_qk", "softmax"}
+    inversion : Inversion
+        The fit's inversion (its ``full_rank_operator`` for softmax).
+    ws : WhitenedStatistic
+        The statistic the fit read (which inversion ran).
+    stats : dict
+        The inversion's sums.
+    samples : rstar.streaming.Samples
+        The samples, in the inversion's units.
+    alpha : float or None
+        The level (None: the calibration's ``model_check_alpha``).
+
+    Returns
+    -------
+    dict or None
+        :func:`operator_class_check`'s outcome; None where no check applies.
+    """
+    if operator_name == "linear_proxy" or inversion.space == "tokens":
+        return None
+    kw = {} if alpha is None else {"alpha": alpha}
+    if operator_name == "linear_qk":
+        # the exact-in-span test needs no operator (a moment estimator's would not do for the baseline test)
+        check = operator_class_check(samples, None, exact_in_span=True, **kw)
+        return None if check["span_p"] is None else check   # T <= d: no span left outside col(X_i)
+    if ws.inversion != "softmax_least_squares":
+        return None   # the check needs the class's least-squares fit; the first order has its own model checks
+    operator = inversion.full_rank_operator(stats)   # the fit whiten made: no second fit
+    if operator is None:
+        return None
+    return operator_class_check(samples, operator, exact_in_span=False, **kw)

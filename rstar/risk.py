@@ -15,17 +15,14 @@ Pure functions on arrays and per-chunk sums (so a source read in passes, :mod:`r
 curve).
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
-           "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance"]
+           "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance", "rank_read_again",
+           "tolerance_reading", "ToleranceReading"]
 
-#: A curve measured on models fitted on half the samples (the factored least squares) resolves a tolerance only
-#: where the two halves' full models disagree by at most this fraction of it (relative to Var(Y), a quarter of
-#: their mean squared difference: see :func:`rstar.inversions.softmax_factored.factored_half_disagreement`);
-#: beyond it the reading is warned and its interval reaches d. Settled MiniLM heads: 1e-6 to 1e-5 of Var(Y); a head
-#: whose halves settled on different optima (layer 3 head 8, r*(1%) read 8, held out 1.46%): 0.026.
-CURVE_RESOLUTION_FRACTION = 0.5
 
 
 def centred_sums(X, Y):
@@ -130,3 +127,125 @@ def rank_at_tolerance(curve, tolerance):
     """
     hits = np.flatnonzero(np.asarray(curve, dtype=float) <= float(tolerance))
     return int(hits[0]) if hits.size else None
+
+
+@dataclass
+class ToleranceReading:
+    """r*(ε) read off the risk curve of one fit (:func:`tolerance_reading`).
+
+    Attributes
+    ----------
+    rank : int
+        The smallest rank whose upper bound reaches the tolerance (d where none does).
+    interval : tuple of two ints
+        ``(r(2 ε)`` off the curve, ``r(ε / 2)`` off its upper bound), d for an end not reached.
+    risk_curve, risk_curve_se, risk_curve_upper, risk_curve_distance : ndarray or None
+        The curve, its standard error over samples (None where not measured per sample), the upper bound read,
+        and the distance of ``predict``'s models from the curve's (None where they are the same models).
+    risk_curve_resolution : float or None
+        The halves' disagreement (the factored least squares), relative to Var(Y).
+    full_rank : int or None
+        d where the curve reached the rank beyond which its models no longer change without reaching the
+        tolerance (only the full model is then known to reach it).
+    """
+
+    rank: int
+    interval: tuple
+    risk_curve: np.ndarray
+    risk_curve_se: object
+    risk_curve_upper: np.ndarray
+    risk_curve_distance: object
+    risk_curve_resolution: object
+    full_rank: object
+
+
+def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise_floor, **kw):
+    """Measure the risk curve of the inversion ``inv``'s rank-r models on ``samples`` and read r*(``tolerance``).
+
+    The curve is measured from rank 0 up to the noise floor's upper end (``noise_floor = (rank, upper)`` of the
+    rule), then further, doubling, until its upper bound reaches half the tolerance or the rank beyond which the
+    inversion's models no longer change (``inv.curve_rank_limit``). Where the inversion measures it per sample,
+    the upper bound is the curve plus the normal quantile at ``tolerance_level`` times its standard error; where
+    ``predict``'s models are not the curve's (the factored fit's halves), the bound covers their distance too.
+    ``kw`` go to the inversion's residual methods (``ops``). Whether the reading is identified is
+    :func:`rstar.rules.identifiability.tolerance_verdicts`'s to decide.
+    """
+    tol = float(tolerance)
+    # the rank beyond which the curve's models no longer change (ws.dim, or the factored fit's q)
+    limit = inv.curve_rank_limit(ws)
+    top = min(limit, max(int(noise_floor[1]), int(noise_floor[0])))
+    first = [None, *range(top + 1)]
+    # each sample's residuals where the inversion measures its curve per sample (for its standard error)
+    parts = inv.rank_residual_samples(stats, ws, first, samples, **kw)
+    per_sample = parts is not None
+
+    def residuals(ranks):
+        # the totals (and each sample's, where measured) of the rank-r models for r in ranks
+        if per_sample:
+            parts = inv.rank_residual_samples(stats, ws, list(ranks), samples, **kw)
+            return [float(np.sum(p)) for p in parts], parts
+        return inv.rank_residuals(stats, ws, list(ranks), samples, **kw), None
+
+    rss = [float(np.sum(p)) for p in parts] if per_sample else residuals(first)[0]
+    if rss is None:
+        raise ValueError("tolerance needs the closed-form operators of every rank, whose moment sums were not "
+                         "accumulated (predict_sums=False, or over the memory budget for this T, d and d_v).")
+    full, rss = rss[0], rss[1:]
+    full_parts, parts = (parts[0], parts[1:]) if per_sample else (None, None)
+    tss = total_sum_of_squares(inv.risk_samples(stats, ws, samples).map_sum(centred_sums, 1))
+    # where the curve is measured on other models than predict's (the factored fit's halves): predict's rank-r
+    # model's output distance from its full one, per sample; the rank is read where both bounds reach it
+    distance_parts = inv.rank_output_distance_samples(stats, ws, list(range(len(rss))))
+
+    def read(rss, parts, distance_parts):
+        curve = relative_excess_risk(rss, full, tss)
+        se = excess_risk_standard_error(parts, full_parts, tss) if per_sample else np.zeros_like(curve)
+        upper = excess_risk_upper_bound(curve, se, tolerance_level)
+        if distance_parts is None:
+            return curve, se, None, upper
+        distance = np.array([float(np.sum(p)) for p in distance_parts]) / tss
+        distance_se = excess_risk_standard_error(distance_parts, np.zeros_like(distance_parts[0]), tss)
+        return curve, se, distance, np.maximum(upper, excess_risk_upper_bound(distance, distance_se, tolerance_level))
+
+    curve, se, distance, upper = read(rss, parts, distance_parts)
+    # go on until half the tolerance is reached (the interval's upper end), or the limit
+    while rank_at_tolerance(upper, tol / 2) is None and len(curve) <= limit:
+        more = range(len(curve), min(limit, 2 * len(curve)) + 1)
+        more_rss, more_parts = residuals(more)
+        rss = rss + more_rss
+        parts = parts + more_parts if per_sample else None
+        if distance_parts is not None:
+            distance_parts = distance_parts + inv.rank_output_distance_samples(stats, ws, list(more))
+        curve, se, distance, upper = read(rss, parts, distance_parts)
+    rank = rank_at_tolerance(upper, tol)
+    rank = ws.dim if rank is None else rank
+    # the lower end off the curve itself (no confidence margin, no distance), the upper off the bound
+    low = rank_at_tolerance(curve, min(2 * tol, 1.0))
+    high = rank_at_tolerance(upper, tol / 2)
+    interval = (min(rank, ws.dim if low is None else low), max(rank, ws.dim if high is None else high))
+    return ToleranceReading(rank=rank, interval=interval, risk_curve=curve,
+                            risk_curve_se=se if per_sample else None, risk_curve_upper=upper,
+                            risk_curve_distance=distance, risk_curve_resolution=inv.half_disagreement(stats, ws),
+                            # a curve that reaches the limit and not a tolerance: only the full model (rank d) is
+                            # known to reach it
+                            full_rank=int(ws.dim) if len(curve) > limit else None)
+
+
+def rank_read_again(curve, upper, full_rank, tolerance):
+    """r*(``tolerance``) off a fitted curve as the fit reads it (its ``upper`` bound, or the curve itself where
+    there is none); ``full_rank`` where the curve reached its limit without reaching the tolerance.
+
+    Raises
+    ------
+    ValueError
+        Where the curve was computed only up to ranks that do not reach ``tolerance``.
+    """
+    upper = curve if upper is None else upper
+    rank = rank_at_tolerance(upper, tolerance)
+    if rank is None and full_rank is not None:
+        return full_rank
+    if rank is None:
+        raise ValueError(f"the risk curve was computed up to rank {len(curve) - 1}, where the excess "
+                         f"risk is still {upper[-1]:.3g} > {tolerance:g}: fit with "
+                         f"tolerance={tolerance:g}.")
+    return rank

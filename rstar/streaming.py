@@ -25,18 +25,21 @@ materialised, for the inversions that need them in memory).
 import copy
 
 import numpy as np
+from sklearn.utils.validation import check_is_fitted
 
+from ._backend import resolve_backend
 from ._validation import check_X_Y
+from .calibration import DEFAULT_CALIBRATION
 
-__all__ = ["Samples", "ArraySamples", "BatchSamples", "DaskSamples", "is_dask_collection"]
-
-#: Float entries of one chunk's largest temporary (e.g. its attention weights, ``chunk x T^2``).
-CHUNK_ENTRIES = 2**20
+__all__ = ["Samples", "ArraySamples", "BatchSamples", "DaskSamples", "StreamingFitMixin", "is_dask_collection"]
 
 
-def chunk_slices(n, per_sample):
-    """Slices of ``range(n)`` holding at most ``CHUNK_ENTRIES // per_sample`` samples each (at least one)."""
-    step = max(1, CHUNK_ENTRIES // max(int(per_sample), 1))
+
+def chunk_slices(n, per_sample, chunk_entries=DEFAULT_CALIBRATION.chunk_entries):
+    """Slices of ``range(n)`` holding at most ``chunk_entries // per_sample`` samples each (at least one):
+    ``chunk_entries`` bounds the float entries of one chunk's largest temporary (e.g. its attention weights,
+    ``chunk x T^2``; the calibration's ``chunk_entries``)."""
+    step = max(1, chunk_entries // max(int(per_sample), 1))
     return [slice(s, min(s + step, n)) for s in range(0, n, step)]
 
 
@@ -204,6 +207,8 @@ class Samples:
 
     x_scale = 1.0
     y_scale = 1.0
+    #: float entries of one chunk's largest temporary (the calibration's ``chunk_entries``)
+    chunk_entries = DEFAULT_CALIBRATION.chunk_entries
     #: number of samples and ``(T, d, d_v)``, known after a first pass (:meth:`set_shape`)
     n_samples = None
     dims = None
@@ -228,10 +233,10 @@ class Samples:
             yield X / self.x_scale, Y / self.y_scale
 
     def chunks(self, per_sample=1):
-        """The samples of one pass, in order, as ``(X, Y)`` float arrays of at most ``CHUNK_ENTRIES // per_sample``
+        """The samples of one pass, in order, as ``(X, Y)`` float arrays of at most ``chunk_entries // per_sample``
         samples each."""
         for X, Y in self._scaled_batches():
-            for part in chunk_slices(X.shape[0], per_sample):
+            for part in chunk_slices(X.shape[0], per_sample, self.chunk_entries):
                 yield X[part], Y[part]
 
     def map_sum(self, fn, per_sample, *args):
@@ -280,6 +285,8 @@ class ArraySamples(Samples):
     ----------
     X : ndarray of shape (n, T, d)
     Y : ndarray of shape (n, T, d_v)
+    chunk_entries : int or None
+        Float entries of one chunk's largest temporary (None: the default calibration's ``chunk_entries``).
 
     Examples
     --------
@@ -290,13 +297,15 @@ class ArraySamples(Samples):
     80.0
     """
 
-    def __init__(self, X, Y):
+    def __init__(self, X, Y, chunk_entries=None):
         self.X, self.Y = X, Y
         self.n_samples = X.shape[0]
+        if chunk_entries is not None:
+            self.chunk_entries = int(chunk_entries)
         self.dims = (X.shape[1], X.shape[2], 0 if Y is None else Y.shape[2])
 
     def chunks(self, per_sample=1):
-        for part in chunk_slices(self.n_samples, per_sample):
+        for part in chunk_slices(self.n_samples, per_sample, self.chunk_entries):
             yield self.X[part], None if self.Y is None else self.Y[part]
 
     def mean_squares(self):
@@ -306,7 +315,7 @@ class ArraySamples(Samples):
         return float(np.sum(self.Y**2))
 
     def rescaled(self, fx, fy):
-        return ArraySamples(self.X / fx, self.Y / fy)
+        return ArraySamples(self.X / fx, self.Y / fy, self.chunk_entries)
 
     def batches(self):
         yield self.X, self.Y
@@ -453,3 +462,387 @@ class DaskSamples(Samples):
         for part in dask.compute(*parts):
             total = _add(total, part)
         return total
+
+
+def place_samples(stats, samples, inversion, budget, dims):
+    """After a pass over ``samples`` that kept none: keep them in ``stats`` as ``partial_fit`` would (all within
+    the memory budget, or the first ones within the compute budget where the inversion keeps a prefix), or
+    leave them to be read in passes where the inversion can (:class:`rstar.inversions.Capabilities`).
+    Returns whether the inversion reads them in passes."""
+    if "samples_odd" not in stats:
+        return False
+    n = stats["n"]
+    capacity = sample_capacity(stats) if "sample_budget_bytes" in stats else budget.max_samples(*dims)
+    if n <= capacity:
+        # within the budget: keep them, as partial_fit would
+        stats["samples_odd"], stats["samples_even"] = samples.halves()
+        if "n_kept" in stats:
+            stats["n_kept"] = n
+    elif inversion.capabilities.reads_sample_passes and inversion.fit_possible(stats, samples):
+        return True   # over the memory budget only: the least squares reads them in passes
+    elif "n_kept" in stats:
+        # over the compute budget: the first samples within it, as partial_fit would keep
+        stats["samples_odd"], stats["samples_even"] = samples.halves(capacity)
+        stats["n_kept"] = capacity
+    return False
+
+
+# -- the estimators' streaming, shard and dask fitting ------------------------------------------------------------
+
+#: The fitted attributes :meth:`rstar.estimators._RankEstimator._finalize` sets, computed on first access after
+#: ``partial_fit``.
+_LAZY_FITTED = ("rank_", "effective_rank_", "spectrum_", "threshold_", "noise_variance_", "spike_strengths_",
+                "p_values_", "rank_interval_", "n_columns_", "components_", "inversion_", "inversion_reason_",
+                "null_model_", "noise_source_", "noise_floor_rank_", "noise_floor_interval_", "verdicts_",
+                "_operator_cache")
+
+
+def same_config(a, b):
+    """Whether two frozen inversion configurations (dicts of parameters, arrays among them) are equal."""
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and np.array_equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+class StreamingFitMixin:
+    """How a data-only estimator takes its samples: in one array, in batches (``partial_fit``), in passes over
+    batches (``fit_batches``), as dask arrays, in shards merged later (``new_shard`` / ``merge``), or from another
+    estimator's sums (``fit_from``). The estimator provides ``_validate_params_``, ``_start``,
+    ``_inversion_config``, ``_check_rank_params`` and ``_finalize``."""
+
+    def _reset(self):
+        for attr in ("_stats", "_inv", "_whitened", "_shared_statistic", "_samples_read_in_passes"):
+            if hasattr(self, attr):
+                delattr(self, attr)
+
+    def fit_batches(self, batches):
+        """Estimate r* from samples given in batches, read in as many passes as the inversion needs.
+
+        The first pass accumulates the sums every inversion is built on
+        (memory independent of the number of samples, as with
+        :meth:`partial_fit`). Where the inversion needs the samples
+        themselves, they are kept if they fit ``memory_budget`` (the result is
+        then that of ``partial_fit`` over the same batches); if they do not,
+        the least-squares softmax fit reads the batches again at every
+        evaluation of its loss (``O(n T^2 (d + d_v))`` each, usually tens to a
+        few hundred passes) instead of falling back to first order, and the
+        other inversions that need their samples (the query–key cross-fit,
+        the linear proxy's split-half statistic beyond its moment sums) fall
+        back with an :class:`~rstar.exceptions.InversionFallbackWarning` as
+        ``partial_fit`` does. The internal units are set by the first batch.
+
+        Parameters
+        ----------
+        batches : list of (X, Y) pairs, or callable
+            ``(X_b, Y_b)`` pairs of shapes ``(n_b, T, d)`` and
+            ``(n_b, T, d_v)``, or a function of no arguments returning a fresh
+            iterable of them at each call (e.g. ``lambda: read(files)``); every
+            pass must yield the same samples in the same order
+            (:class:`rstar.streaming.BatchSamples`).
+
+        Returns
+        -------
+        self
+
+        Examples
+        --------
+        >>> from rstar import RStarEstimator
+        >>> from rstar.datasets import make_attention_task
+        >>> X, Y = make_attention_task(1000, seq_len=32, n_features=16, rank=3, random_state=0)
+        >>> batches = lambda: ((X[i:i + 250], Y[i:i + 250]) for i in range(0, 1000, 250))
+        >>> est = RStarEstimator(memory_budget=2**20).fit_batches(batches)   # 1 MiB: the samples are not kept
+        >>> est.rank_, est.inversion_
+        (3, 'softmax_least_squares')
+        """
+        self._reset()
+        return self._fit_samples(BatchSamples(batches))
+
+    def _fit_dask(self, X, Y):
+        import dask.array as da
+
+        X, Y = (A if is_dask_collection(A) else da.from_array(np.asarray(A)) for A in (X, Y))
+        return self._fit_samples(DaskSamples(X, Y))
+
+    def new_shard(self):
+        """An empty copy of this fitted estimator, in its units and configuration, to ``partial_fit`` on a shard
+        of the data and :meth:`merge` back (map-reduce).
+
+        Returns
+        -------
+        shard : estimator
+            Unfitted sums (no sample seen) with this estimator's internal units
+            and inversion.
+
+        Examples
+        --------
+        >>> from rstar import MPRankEstimator
+        >>> from rstar.datasets import make_linear_proxy
+        >>> X, Y = make_linear_proxy(900, rank=3, random_state=0)
+        >>> est = MPRankEstimator().partial_fit(X[:300], Y[:300])
+        >>> shard = est.new_shard().partial_fit(X[300:], Y[300:])   # e.g. on another machine
+        >>> est.merge(shard).n_samples_seen_, est.rank_ == MPRankEstimator().fit(X, Y).rank_
+        (900, True)
+        """
+        check_is_fitted(self, "rank_")
+        shard = copy.copy(self)
+        shard._stats = self._inv.new_stats(*self._dims)
+        shard._shared_statistic = False
+        shard._whitened = None
+        shard._samples_read_in_passes = False
+        for attr in [a for a in vars(shard) if a.endswith("_") and not a.startswith("_") and a != "n_features_in_"]:
+            delattr(shard, attr)
+        return shard
+
+    def merge(self, *shards):
+        """Add the sums of other estimators fitted on other samples: afterwards this estimator is fitted on all
+        of them (equal to :meth:`fit` on the union up to round-off and the order of the samples).
+
+        Parameters
+        ----------
+        *shards : estimators
+            Made by :meth:`new_shard` of this estimator (or of one of its
+            shards) and fitted with ``partial_fit``: the same units and
+            inversion.
+
+        Returns
+        -------
+        self
+
+        Raises
+        ------
+        ValueError
+            A shard in other units or with another inversion.
+        """
+        check_is_fitted(self, "rank_")
+        for shard in (self,) + shards:
+            if getattr(shard, "_samples_read_in_passes", False):
+                raise ValueError("cannot merge an estimator that read its samples in passes (fit_batches or dask "
+                                 "arrays): its least-squares fit needs them, and they were not kept.")
+        for shard in shards:
+            if not isinstance(shard, StreamingFitMixin) or not hasattr(shard, "_stats"):
+                raise ValueError(f"merge needs shards fitted with partial_fit, got {type(shard).__name__}.")
+            if (shard._x_scale, shard._y_scale) != (self._x_scale, self._y_scale) or not same_config(
+                    shard._config, self._config):
+                raise ValueError("cannot merge a shard in other units or with another inversion: make each shard "
+                                 "with new_shard() of one fitted estimator, then partial_fit it.")
+        if self._shared_statistic:
+            self._stats = copy.deepcopy(self._stats)
+            self._shared_statistic = False
+        for shard in shards:
+            self._stats = merge_stats(self._stats, shard._stats)
+        self._whitened = None
+        self._finalize()
+        return self
+
+    def _fit_samples(self, samples):
+        """Fit from a :class:`Samples` source: one pass of sums, then the kept samples or the source read in
+        passes."""
+        self._validate_params_()
+        if isinstance(samples, DaskSamples):
+            self._start(*self._validated(*samples.block(0)))
+            stats = samples.statistic(self._inv, self._x_scale, self._y_scale)
+            self._stats = merge_stats(self._stats, stats)
+        else:
+            for k, (X, Y) in enumerate(samples.batches()):
+                X, Y, y_ndim = self._validated(X, Y)
+                if k == 0:
+                    self._start(X, Y, y_ndim)
+                    stop_keeping_samples(self._stats)
+                else:
+                    self._check_next(X, Y)
+                self._update(X, Y)
+            if not hasattr(self, "_stats"):
+                raise ValueError("batches gave no (X, Y) batch.")
+        samples.set_shape(self._stats["n"], self._dims).with_scales(self._x_scale, self._y_scale)
+        samples.chunk_entries = self._config["calibration"].chunk_entries
+        passes = place_samples(self._stats, samples, self._inv, self._budget, self._dims)
+        self._samples_read_in_passes = passes
+        self._check_enough_samples()
+        self._finalize(samples if passes else None, curve_samples=samples)
+        if passes and self.predict_sums:
+            # the operator needs the samples too: fitted now, while they can be read
+            self._operator_cache["operator"] = self._inv.fit_operator(
+                self._stats, self.components_, samples=samples, ops=resolve_backend(self.device))
+        return self
+
+    def partial_fit(self, X, Y):
+        """Add a batch of samples; after the last batch the fitted attributes
+        equal those of :meth:`fit` on all batches together (up to round-off).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_batch, T, d)
+        Y : array-like of shape (n_batch, T, d_v)
+
+        Returns
+        -------
+        self
+
+        Notes
+        -----
+        The fitted attributes (``rank_``, ``spectrum_``, ``inversion_`` …)
+        are computed when first read after a batch, not at every batch: a
+        stream of many batches then costs one inversion and rule, not one per
+        batch (the least-squares softmax fit on all samples so far would
+        otherwise run again at each). The warnings of that computation are
+        issued then. ``n_samples_seen_`` is updated at once, and errors about
+        the data (shapes, values, too few samples, a ``rank`` or ``max_rank``
+        beyond the statistic's dimension) are raised by ``partial_fit``
+        itself.
+        """
+        return self._fit_batch(X, Y, lazy=True)
+
+    def __getattr__(self, name):
+        # after partial_fit the fitted attributes are computed on first access (see partial_fit)
+        if name in _LAZY_FITTED and self.__dict__.get("_pending_finalize", False):
+            self._finalize()
+            return getattr(self, name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def fit_from(self, fitted):
+        """Fit this estimator's rule on the statistic another estimator has accumulated.
+
+        The rule runs on ``fitted``'s sums and whitened statistic without a
+        pass over the data: the result equals ``fit`` on the same data.
+        ``fitted`` must have been fitted with the same inversion (operator,
+        method, value map, budgets, ``random_state``, ``n_null_draws``,
+        ``predict_sums``, ``calibration``); later ``partial_fit`` calls on
+        either continue from a copy of the sums.
+
+        Parameters
+        ----------
+        fitted : fitted rstar data-only estimator
+
+        Returns
+        -------
+        self
+
+        Raises
+        ------
+        ValueError
+            If ``fitted`` would not build the same inversion.
+
+        Examples
+        --------
+        >>> from rstar import MPRankEstimator, RStarEstimator
+        >>> from rstar.datasets import make_linear_proxy
+        >>> X, Y = make_linear_proxy(500, rank=3, random_state=0)
+        >>> ref = RStarEstimator(operator="linear_proxy").fit(X, Y)
+        >>> MPRankEstimator(alpha=0.003).fit_from(ref).rank_ == MPRankEstimator(alpha=0.003).fit(X, Y).rank_
+        True
+        """
+        check_is_fitted(fitted, "rank_")
+        if not isinstance(fitted, StreamingFitMixin):
+            raise ValueError(f"fit_from needs a fitted rstar data-only estimator, got {type(fitted).__name__}.")
+        self._validate_params_()
+        if self.tolerance is not None:
+            raise ValueError("tolerance needs the samples (its risk curve measures each rank's model on them), "
+                             "which fit_from does not read: fit on the data instead.")
+        mine = self._inversion_config(fitted._dims, fitted._x_scale, fitted._y_scale)
+        # what fitted's statistic was built with (its parameters may have changed since)
+        if not same_config(mine, fitted._config):
+            raise ValueError(f"{type(self).__name__} would build a different inversion than {type(fitted).__name__} "
+                             "(operator, method, value map, budgets, random_state, n_null_draws, predict_sums or "
+                             "calibration differ): fit it on the data instead.")
+        for attr in ("n_features_in_", "_dims", "_y_ndim", "_x_scale", "_y_scale", "_inv", "_stats", "_budget",
+                     "_seed", "_value_map_internal", "_config", "_samples_read_in_passes"):
+            setattr(self, attr, getattr(fitted, attr))
+        self._whitened = getattr(fitted, "_whitened", None)
+        self._shared_statistic = fitted._shared_statistic = True
+        self._finalize()
+        return self
+
+    def _validated(self, X, Y):
+        """``(X, Y, y_ndim)``: X and Y as 3-D float arrays (a 2-D X read as T = 1, a 1-D Y as one output) and
+        the number of dimensions of the Y given (what ``predict`` returns)."""
+        if Y is not None and not hasattr(Y, "ndim"):
+            Y = np.asarray(Y)
+        if X is not None and not hasattr(X, "ndim"):
+            X = np.asarray(X)
+        y_ndim = None if Y is None else np.asarray(Y).ndim
+        if y_ndim == 1 and np.asarray(X).ndim == 2:
+            Y = np.asarray(Y)[:, None]
+        X, Y = check_X_Y(X, Y)
+        return X, Y, 3 if y_ndim == 3 else y_ndim
+
+    def _check_next(self, X, Y):
+        """A later batch must match the first one's shape and the configuration frozen then."""
+        n, T, d = X.shape
+        d_v = Y.shape[2]
+        T0, d0, dv0 = self._dims
+        if d != d0:
+            raise ValueError(f"X has {d} features, but {type(self).__name__} is expecting {d0} features "
+                             "as input (from the first partial_fit batch).")
+        if d_v != dv0:
+            raise ValueError(f"Y has {d_v} output features, but earlier batches had d_v={dv0}.")
+        if T != T0:
+            raise ValueError(f"X has T={T} tokens, but earlier batches had T={T0}; partial_fit batches "
+                             "must share the sequence length.")
+        if not same_config(self._inversion_config(self._dims, self._x_scale, self._y_scale), self._config):
+            raise ValueError("a parameter that defines the inversion (operator, method, value_map, budgets, "
+                             "random_state, n_null_draws, predict_sums, calibration) changed since the first "
+                             "partial_fit batch: call fit to start again with the new parameters.")
+
+    def _update(self, X, Y):
+        """Add a batch to the sums, ``update_chunk_entries`` entries of (X, Y) at a time (so an update's
+        temporaries stay bounded whatever the batch size)."""
+        T, d, d_v = self._dims
+        step = max(1, self._config["calibration"].update_chunk_entries // max(T * (d + d_v), d * d))
+        for start in range(0, X.shape[0], step):
+            part = slice(start, start + step)
+            self._inv.update(self._stats, X[part] / self._x_scale, Y[part] / self._y_scale)
+
+    def _check_enough_samples(self):
+        n_total = self._stats["n"]
+        need = self._inv.min_samples(*self._dims)
+        if n_total < need:
+            raise ValueError(f"Found {n_total} sample(s) so far, but {type(self).__name__} needs at least {need} "
+                             f"samples for this inversion at T={self._dims[0]}, d={self._dims[1]} (got {n_total} "
+                             "sample(s)).")
+
+    def _fit_batch(self, X, Y, lazy=False):
+        self._validate_params_()
+        if lazy and self.tolerance is not None:
+            raise ValueError("tolerance needs the samples at the end of the fit (its risk curve measures each rank's "
+                             "model on them), which partial_fit does not keep: use fit, or fit_batches with every "
+                             "batch.")
+        X, Y, y_ndim = self._validated(X, Y)
+        if not hasattr(self, "_stats"):
+            self._start(X, Y, y_ndim)
+        else:
+            self._check_next(X, Y)
+            if self._samples_read_in_passes:
+                raise ValueError("this estimator read its samples in passes (fit_batches or dask arrays) and did "
+                                 "not keep them, so partial_fit cannot add to its least-squares fit: call "
+                                 "fit_batches again with every batch.")
+            if self._shared_statistic:
+                # the sums came from another estimator (fit_from): continue from a copy
+                self._stats = copy.deepcopy(self._stats)
+                self._shared_statistic = False
+        self._update(X, Y)
+        self._whitened = None
+        self._check_enough_samples()
+        if lazy:
+            self._check_rank_params(self._inv.statistic_dim(*self._dims[:2]))
+            for attr in _LAZY_FITTED:
+                self.__dict__.pop(attr, None)
+            self.n_samples_seen_ = int(self._stats["n"])
+            self._pending_finalize = True
+        else:
+            self._finalize(curve_samples=ArraySamples(X / self._x_scale, Y / self._y_scale,
+                                                      self._config["calibration"].chunk_entries))
+        return self
+
+    def __getstate__(self):
+        # the cached whitened statistic holds the null draws and d^2 x d^2 factors: recomputed on demand
+        # (deterministically, from the seed) rather than pickled
+        state = super().__getstate__()
+        if not state.get("_samples_read_in_passes", False):
+            # (a fit that read its samples in passes keeps it: it could not be recomputed)
+            state.pop("_whitened", None)
+        return state

@@ -8,10 +8,10 @@ import pytest
 
 from rstar import RStarEstimator
 from rstar.inversions._numerics import bilinear as _bilinear
-from rstar.budgets import DEFAULT_COMPUTE_BUDGET, CostBudget
+from rstar.budgets import CostBudget
+from rstar.calibration import DEFAULT_CALIBRATION
 from rstar.datasets import make_attention_task
 from rstar.exceptions import InversionFallbackWarning, UnidentifiableRankWarning
-from rstar.inversions import query_key_cross_fit as qkcf
 from sklearn.exceptions import ConvergenceWarning
 from rstar.inversions import (
     CrossFitNull,
@@ -317,14 +317,14 @@ def test_cross_fit_falls_back_to_first_order_beyond_budget():
                for w in caught)
 
 
-def test_misfit_of_the_fitted_value_map_is_reported(monkeypatch):
+def test_misfit_of_the_fitted_value_map_is_reported():
     X, Y, _ = _task(600, 6, 12, 3, noise=0.05)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RStarEstimator("linear_qk").fit(X, Y)
-    monkeypatch.setattr(qkcf, "CROSS_FIT_MISFIT", 0.5)
+    strict = DEFAULT_CALIBRATION.replace(least_squares_misfit_ratio=0.5)
     with pytest.warns(UnidentifiableRankWarning, match="poor local optimum"):
-        RStarEstimator("linear_qk").fit(X, Y)
+        RStarEstimator("linear_qk", calibration=strict).fit(X, Y)
 
 
 @pytest.mark.parametrize("method,T,d_v", [("als", 6, 8), ("profiled", 6, 8), ("als", 12, 4)])
@@ -332,7 +332,7 @@ def test_cross_fit_null_keeps_its_level(method, T, d_v):
     # r* = 0: each direction's V is fitted on samples independent of the ones it is tested on,
     # so each test is exact whatever the optimiser; their Bonferroni union keeps the level.
     # 2e8 multiply-adds: the profiled fit (9.4e7 at T = 6) but not the alternating least squares (3.9e8)
-    compute = 2e8 if method == "profiled" else DEFAULT_COMPUTE_BUDGET
+    compute = 2e8 if method == "profiled" else DEFAULT_CALIBRATION.compute_budget
     assert cross_fit_method(120, T, 8, d_v, CostBudget(multiply_adds=compute)) == method
     false_alarms = 0
     for seed in range(30):

@@ -21,9 +21,9 @@ from rstar import (
 )
 from rstar.baselines import BaselineRule
 from rstar.budgets import CostBudget, cross_fit_als_cost, softmax_fit_cost
+from rstar.calibration import DEFAULT_CALIBRATION
 from rstar.datasets import make_attention_task, make_linear_proxy
 from rstar.inversions import (
-    DEFAULT_SEED,
     INVERSIONS,
     UnsupportedNullModelError,
     choose_inversion,
@@ -257,7 +257,7 @@ def test_decision_table_is_the_choice_function():
 def test_random_state_seeds_the_null_draws():
     X, Y, t = _qk(300, 6, 8, 8, rank=1)
     default = RStarEstimator("linear_qk", value_map=t.value_map).fit(X, Y)
-    same = RStarEstimator("linear_qk", value_map=t.value_map, random_state=DEFAULT_SEED).fit(X, Y)
+    same = RStarEstimator("linear_qk", value_map=t.value_map, random_state=DEFAULT_CALIBRATION.default_seed).fit(X, Y)
     other = RStarEstimator("linear_qk", value_map=t.value_map, random_state=1).fit(X, Y)
     np.testing.assert_array_equal(default.p_values_, same.p_values_)
     assert not np.array_equal(default.statistic_.null.draws, other.statistic_.null.draws)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from rstar import EnergyRankEstimator, MPRankEstimator, RStarEstimator
+from rstar.calibration import DEFAULT_CALIBRATION
 from rstar.datasets import make_attention_task
 from rstar.exceptions import IllConditionedInversionWarning, InversionFallbackWarning
 from rstar.inversions import (
-    DEFAULT_NULL_DRAWS,
     QueryKeyInversion,
     QueryKeyLeastSquaresInversion,
     SimulatedNull,
@@ -151,7 +151,7 @@ def test_inversion_draws_have_the_statistic_shape():
     inv.update(stats, X, Y)
     ws = inv.whiten(stats)
     assert isinstance(ws.null, SimulatedNull)
-    assert ws.null.draws.shape == (DEFAULT_NULL_DRAWS, 12, 12)
+    assert ws.null.draws.shape == (DEFAULT_CALIBRATION.default_null_draws, 12, 12)
     np.testing.assert_allclose(np.linalg.eigvalsh(ws.null.statistic_matrix @ ws.null.statistic_matrix.T / 12)[::-1],
                                ws.eigenvalues, rtol=1e-8, atol=1e-12)
     # the whitened noise is close to white at the residual level
@@ -216,11 +216,9 @@ def test_pickle_clone_and_rank_sweep_with_known_v():
 def test_strict_level_is_floored_at_the_draws_resolution():
     # the default alpha (0.3%) puts alpha / 10 below the smallest Monte Carlo p-value 1/(B+1) of B = 1000 draws;
     # the strict level is then 1/B, so spikes beyond every draw still count in rank_interval_'s lower end
-    from rstar.estimators import RSTAR_ALPHA
-
+    alpha, draws = DEFAULT_CALIBRATION.rstar_alpha, DEFAULT_CALIBRATION.default_null_draws
     X, Y, V = _task(600, 6, 12, 4)
     est = RStarEstimator("linear_qk", value_map=V).fit(X, Y)
-    assert est.n_null_draws == DEFAULT_NULL_DRAWS
-    assert est.alpha == RSTAR_ALPHA and RSTAR_ALPHA / 10 < 1 / (DEFAULT_NULL_DRAWS + 1)
-    assert np.all(est.p_values_[:4] == pytest.approx(1 / (DEFAULT_NULL_DRAWS + 1)))
+    assert est.n_null_draws in (None, draws) and est.alpha in (None, alpha) and alpha / 10 < 1 / (draws + 1)
+    assert np.all(est.p_values_[:4] == pytest.approx(1 / (draws + 1)))
     assert est.rank_interval_[0] == est.rank_ == 4

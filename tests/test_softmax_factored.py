@@ -194,23 +194,22 @@ def test_causal_attention_is_fitted_with_its_mask():
         RStarEstimator(operator="linear_qk", causal=True).fit(X, Y)
 
 
-def test_a_count_that_does_not_settle_is_refitted_at_a_larger_rank(monkeypatch):
+def test_a_count_that_does_not_settle_is_refitted_at_a_larger_rank():
     # A rank-q fit below r* has no stable optimum (a noise-free real head fitted at q = 8 kept sharpening); here
     # "settled" is made unreachable, so the first stage runs out of segments: with directions to spare (r* = 2
-    # at q = 8) it waits them out at q = 8; counted as using all of them, q doubles after
-    # FACTORED_UNSETTLED_SEGMENTS segments (the larger fit then stops on the loss tolerance).
-    import rstar.inversions.softmax_factored as F
+    # at q = 8) it waits them out at q = 8; counted as using all of them, q doubles after the calibration's
+    # factored_unsettled_segments segments (the larger fit then stops on the loss tolerance).
+    from rstar.calibration import DEFAULT_CALIBRATION
 
     X, Y, teacher = make_attention_task(600, seq_len=8, n_features=24, value_dim=8, noise=0.05, rank=2,
                                         random_state=0, return_teacher=True)
     halves = ((X[1::2], Y[1::2]), (X[0::2], Y[0::2]))
     settled = factored_statistic(halves, teacher.value_map)
     assert settled.null.fitted_rank == 8 and not settled.warnings
-    monkeypatch.setattr(F, "FACTORED_STABLE_RTOL", 0.0)
-    waited = factored_statistic(halves, teacher.value_map)
+    unsettled = DEFAULT_CALIBRATION.replace(factored_stable_rtol=0.0)
+    waited = factored_statistic(halves, teacher.value_map, calibration=unsettled)
     assert waited.null.fitted_rank == 8 and split_half_result(waited).rank == 2
-    monkeypatch.setattr(F, "FACTORED_FILL_RATIO", 0.0)
-    ws = factored_statistic(halves, teacher.value_map)
+    ws = factored_statistic(halves, teacher.value_map, calibration=unsettled.replace(factored_fill_ratio=0.0))
     assert ws.null.fitted_rank == 16
     assert split_half_result(ws).rank == 2   # the larger fit still reads r*
 

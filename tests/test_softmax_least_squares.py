@@ -9,10 +9,10 @@ from rstar import RStarEstimator, SoftmaxInversionEstimator
 from rstar.inversions._numerics import softmax_ls as sls
 from rstar import streaming
 from rstar.budgets import CostBudget, information_cost, softmax_fit_cost
+from rstar.calibration import DEFAULT_CALIBRATION
 from rstar.datasets import make_attention_task, softmax_attention
 from rstar.exceptions import IllConditionedInversionWarning, InversionFallbackWarning, UnidentifiableRankWarning
 from rstar.inversions import (
-    DEFAULT_NULL_DRAWS,
     QueryKeyInversion,
     SimulatedNull,
     SoftmaxLeastSquaresInversion,
@@ -58,9 +58,8 @@ def test_loss_is_the_same_with_and_without_the_weight_cache(monkeypatch):
     X, Y, _ = _task(n=30)
     m = np.random.default_rng(0).standard_normal(25)
     f1, g1 = sls.SoftmaxLeastSquaresLoss(X, Y)(m)
-    monkeypatch.setattr(sls, "MAX_CACHED_WEIGHTS", 0)
-    monkeypatch.setattr(streaming, "CHUNK_ENTRIES", 7 * 100)   # several chunks
-    loss = sls.SoftmaxLeastSquaresLoss(X, Y)
+    monkeypatch.setattr(streaming.Samples, "chunk_entries", 7 * 100)   # several chunks
+    loss = sls.SoftmaxLeastSquaresLoss(X, Y, max_cached_weights=0)
     assert len(list(loss.samples.chunks(X.shape[1] ** 2))) > 1 and not loss._cache
     f2, g2 = loss(m)
     assert f1 == pytest.approx(f2, rel=1e-12)
@@ -94,7 +93,8 @@ def test_statistic_carries_null_draws():
     inv.update(stats, X, Y)
     ws = inv.whiten(stats)
     assert ws.inversion == "softmax_least_squares" and isinstance(ws.null, SimulatedNull)
-    assert ws.null.draws.shape == (DEFAULT_NULL_DRAWS, 5, 5) and ws.null.statistic_matrix.shape == (5, 5)
+    assert ws.null.draws.shape == (DEFAULT_CALIBRATION.default_null_draws, 5, 5)
+    assert ws.null.statistic_matrix.shape == (5, 5)
     np.testing.assert_allclose(np.linalg.svd(ws.null.statistic_matrix, compute_uv=False) ** 2 / 5, ws.eigenvalues)
     # the draws' whitened noise is close to white at the residual variance (Gaussian tokens)
     assert np.mean(ws.null.draws**2) == pytest.approx(ws.noise_variance, rel=0.3)
@@ -198,8 +198,9 @@ def test_rstar_softmax_v_unknown_recovers_rank(tokens, T, d):
         est = RStarEstimator(operator="softmax").fit(X, Y)
     assert est.inversion_ == "softmax_least_squares" and est.null_model_ == "simulated"
     assert est.rank_ == 3
-    # the simulated null's smallest p-value is 1 / (DEFAULT_NULL_DRAWS + 1)
-    assert est.p_values_[:3].max() <= 1.0 / (DEFAULT_NULL_DRAWS + 1) and est.p_values_[3] > 0.01
+    # the simulated null's smallest p-value is 1 / (draws + 1)
+    assert est.p_values_[:3].max() <= 1.0 / (DEFAULT_CALIBRATION.default_null_draws + 1)
+    assert est.p_values_[3] > 0.01
 
 
 def test_known_v_beyond_the_exact_inversion_recovers_rank():
@@ -280,7 +281,7 @@ def test_over_budget_is_the_first_order_inversion():
 def test_too_few_residual_dof_is_the_first_order_inversion():
     inv = SoftmaxLeastSquaresInversion()
     stats = inv.new_stats(4, 6, 1)
-    stats["n"] = 20    # 80 equations for 36 + 6 unknowns: 38 < MIN_NOISE_DOF
+    stats["n"] = 20    # 80 equations for 36 + 6 unknowns: 38 < min_noise_dof (50)
     assert not inv.fit_possible(stats)
 
 
@@ -319,11 +320,11 @@ def test_predict_uses_the_rank_constrained_fit():
     np.testing.assert_array_equal(zero.operator_.K, 0.0)
 
 
-def test_non_convergence_is_warned_and_falls_back_to_first_order(monkeypatch):
+def test_non_convergence_is_warned_and_falls_back_to_first_order():
     X, Y, _ = _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05, logit_scale=4.0)
-    monkeypatch.setattr(sls, "SOFTMAX_MAX_ITER", 2)
-    with pytest.warns(UnidentifiableRankWarning, match="L-BFGS.*Fallback in use: the first-order inversion"):
-        est = RStarEstimator(operator="softmax").fit(X, Y)
+    two = DEFAULT_CALIBRATION.replace(softmax_max_iter=2)
+    with pytest.warns(UnidentifiableRankWarning, match="after 2 L-BFGS.*Fallback in use: the first-order inversion"):
+        est = RStarEstimator(operator="softmax", calibration=two).fit(X, Y)
     assert est.inversion_ == "softmax_first_order" and "L-BFGS" in est.inversion_reason_
     with pytest.warns(InversionFallbackWarning, match="exceeds the compute budget"):
         ref = RStarEstimator(operator="softmax", compute_budget=1).fit(X, Y)   # the first-order inversion
@@ -392,9 +393,10 @@ def test_softmax_data_pass_the_misfit_check():
 
 def test_restarts_only_where_no_residual_checks_the_fit_and_the_budget_counts_them():
     from rstar.budgets import CostBudget, softmax_fit_cost
-    from rstar.inversions.softmax_least_squares import SOFTMAX_RESTARTS, softmax_fit_blocker, softmax_fit_starts
+    from rstar.inversions.softmax_least_squares import softmax_fit_blocker, softmax_fit_starts
 
-    assert softmax_fit_starts(8, 16, value_map_known=False) == 1 + SOFTMAX_RESTARTS
+    assert softmax_fit_starts(8, 16, value_map_known=False) == 1 + DEFAULT_CALIBRATION.softmax_restarts
+    assert softmax_fit_starts(8, 16, False, calibration=DEFAULT_CALIBRATION.replace(softmax_restarts=0)) == 1
     assert softmax_fit_starts(8, 16, value_map_known=True) == 1
     assert softmax_fit_starts(32, 16, value_map_known=False) == 1
     # a compute budget that allows one start but not three blocks the V-unknown fit at T - 1 <= d only

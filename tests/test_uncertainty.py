@@ -9,7 +9,7 @@ from scipy import stats
 from rstar import EnergyRankEstimator, MPRankEstimator, NumericalRankEstimator, RStarEstimator, SoftmaxInversionEstimator
 from rstar.datasets import make_attention_task, make_linear_proxy
 from rstar.exceptions import UnidentifiableRankWarning
-from rstar.inversions import DEFAULT_NULL_DRAWS
+from rstar.calibration import DEFAULT_CALIBRATION
 from rstar.marchenko_pastur import (
     johnstone_centring,
     largest_eigenvalue_quantile,
@@ -182,8 +182,8 @@ def test_clear_spikes_give_tight_interval_and_tiny_p_values(operator, make):
     est = RStarEstimator(operator).fit(X, Y)
     assert est.rank_ == 3
     assert est.rank_interval_[0] == 3 and est.rank_interval_[1] in (3, 4)
-    # softmax (least squares): tested against DEFAULT_NULL_DRAWS simulated draws (smallest p-value 1 / (B + 1))
-    tiny = 1.0 / (DEFAULT_NULL_DRAWS + 1) if operator == "softmax" else 1e-6
+    # softmax (least squares): tested against the default number of simulated draws B (smallest p-value 1 / (B + 1))
+    tiny = 1.0 / (DEFAULT_CALIBRATION.default_null_draws + 1) if operator == "softmax" else 1e-6
     assert np.all(est.p_values_[:3] <= tiny)
     assert est.p_values_[3] >= 0.01
 
@@ -490,13 +490,14 @@ def test_residual_floor_p_values_bad_input(kwargs, match):
 
 
 def test_coherent_p_values_adjusted_and_monotone():
-    from rstar.rules import COHERENT_BONFERRONI, coherent_p_values
+    from rstar.rules import coherent_p_values
 
+    factor = DEFAULT_CALIBRATION.coherent_bonferroni
     lam = _white_spectrum(8, 8, spikes=2, scale=30.0, seed=2)
     q = coherent_p_values(lam, 8, 1.0)
     assert np.all(np.diff(q) >= 0) and np.all((q >= 0) & (q <= 1))
-    raw = sequential_spike_test(lam, 8, 0.01 / COHERENT_BONFERRONI, 1.0).p_values
-    np.testing.assert_allclose(q, np.maximum.accumulate(np.minimum(1.0, COHERENT_BONFERRONI * raw)))
+    raw = sequential_spike_test(lam, 8, 0.01 / factor, 1.0).p_values
+    np.testing.assert_allclose(q, np.maximum.accumulate(np.minimum(1.0, factor * raw)))
     assert int(np.sum(q < 0.01)) == 2
 
 

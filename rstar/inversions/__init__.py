@@ -29,15 +29,13 @@ One module per inversion:
   ``d^2 x d^2`` information exceeds the memory budget (real layers).
 """
 
-# the numeric constants are importable by name (rstar.inversions.DEFAULT_SEED ...), not in __all__: tuned values,
-# not API
-from ._base import DEFAULT_NULL_DRAWS, DEFAULT_SEED, ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF  # noqa: F401
 from ..streaming import merge_stats
 from ._base import Inversion
 from ._kernel import nearest_kronecker_product
 from ._statistic import (
     CoherentEvidence,
     CrossFitNull,
+    Finding,
     NullModel,
     SimulatedNull,
     SplitHalfEvidence,
@@ -56,6 +54,7 @@ from .softmax_least_squares import SoftmaxLeastSquaresInversion
 from .token import TokenInversion, proxy_coherent_spectrum
 
 __all__ = [
+    "Finding",
     "WhitenedStatistic",
     "NullModel",
     "WishartNull",
@@ -88,7 +87,7 @@ __all__ = [
 
 
 def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=1e-3, budget=None, seed=None,
-                   n_null_draws=None, predict_sums=True, causal=False):
+                   n_null_draws=None, predict_sums=True, causal=False, calibration=None):
     """The inversion object that accumulates the sums for an operator, value map and shape.
 
     It is the inversion :func:`choose_inversion` prefers for the shape alone
@@ -119,6 +118,9 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
         query–key least squares, exact softmax) or from the kept samples (least-squares softmax, when it ran).
     causal : bool, default=False
         Causal attention (softmax least squares only; see :func:`choose_inversion`).
+    calibration : Calibration or None, default=None
+        The tuned values the choice and the inversion read (:mod:`rstar.calibration`); None:
+        ``DEFAULT_CALIBRATION``.
 
     Returns
     -------
@@ -143,8 +145,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
             method = "first_order"
         shape = (T, d, d_v)
     name = choose_inversion(operator, value_map_known=known, shape=shape, method=method, budget=budget,
-                            causal=causal).name
-    opts = dict(budget=budget, seed=seed, n_null_draws=n_null_draws)
+                            causal=causal, calibration=calibration).name
+    opts = dict(budget=budget, seed=seed, n_null_draws=n_null_draws, calibration=calibration)
     if name == "token":
         return TokenInversion(value_map=value_map, **opts)
     if name == "query_key_first_order":

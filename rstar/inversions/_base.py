@@ -1,51 +1,40 @@
 """What every inversion shares: the base class, sums over samples, and their merge (map-reduce)."""
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ._numerics.linalg import psd_power, sym
 from ..budgets import DEFAULT_BUDGET
+from ..calibration import DEFAULT_CALIBRATION
 from ..risk import operator_residual_sum
+from ._statistic import Finding
 from ..streaming import (drop_samples_over_budget, keep_half_samples, kept_half, sample_capacity,  # noqa: F401
                          start_keeping_samples, truncate_kept_samples)
 
 __all__ = ["Inversion"]
 
-#: Residual degrees of freedom needed before a residual noise estimate is used.
-MIN_NOISE_DOF = 50
-#: Aspect ratio min(T, d) / max(T, d) above which X_i^+ is ill-conditioned
-#: (hard edge of the MP law at ratio 1).
-ILL_CONDITIONED_ASPECT = 0.9
-#: The first-order softmax statistic identifies r* only while d <= this many times the T - 1 centred tokens:
-#: beyond it the higher-order terms of the expansion fill a bulk its null does not model (measured, r* read by
-#: RStarEstimator's fallback: d = 128, T = 64 exact; d = 384, T = 64 read 10 for 8 on Gaussian tokens; d = 384,
-#: T = 32 read 56 for 3 on MiniLM hidden states; docs/user_guide/real_models.md).
-FIRST_ORDER_MAX_ASPECT = 3.0
-#: The first-order query-key statistic (no centring) with T < d sees each kernel through the random projections
-#: X_i^+ X_i, whose signal leaks into a bulk the Wishart null models only on average: beyond d > this many times T
-#: its count is warned with (0, d). Measured (MPRankEstimator("linear_qk") on the first order, planted r* = 3,
-#: Gaussian tokens, 3 seeds): T = 8, n = 500: d = 10 - 32 read 3 on every seed, d = 48 read 4, 3, 5, d = 64 5, 3, 3,
-#: d = 96 5, 4, 4 (n = 2000: 4, 3, 4); T = 16, n = 500: d = 64 and 96 read 3; T = 16, d = 128: 5 and 7 (n = 500);
-#: T = 8, d = 192, n = 200: 14 and 12; pure noise at T = 8, d = 384 - 768, n = 100 - 800: up to 6.
-FIRST_ORDER_QK_MAX_ASPECT = 4.0
-#: The first-order softmax model does not hold where its operator leaves, per sample, more than this many times the
-#: residual power per degree of freedom outside col(P X_i) (noise plus higher-order terms), on average over samples.
-#: Measured (MPRankEstimator, T = 32, d = 16, logits of standard deviation 2): 0.2-0.3 on Gaussian tokens with a
-#: signal and 1.0 without one (n = 1000); 1.7 and 2.1 on Student-t(3) tokens (r* = 3 read 3, r* = 6 read 7); on
-#: MiniLM hidden states projected to d = 16 (n = 2000), 6.4 and 53 (r* = 8 and 3 read 9 and 8).
-FIRST_ORDER_MISFIT = 3.0
-#: Where T - 1 <= d there is no residual outside col(P X_i) for that check, and the first-order statistic's null
-#: holds for Gaussian tokens only: its count is warned where the centred tokens' multivariate kurtosis (Mardia's,
-#: over its Gaussian value p (p + 2)) exceeds 1 + this margin, by more than 3 standard errors. Measured
-#: (MPRankEstimator, T = 32, d = 64, n = 2000, logits of standard deviation 2, planted r* = 3 and 8): Gaussian
-#: tokens 1.000 and tokens on a sphere 0.972 read 3 and 8; Student-t tokens with 10 degrees of freedom 1.014 read
-#: 4 (interval (3, 4)) and 8; with 5, 1.066, read 4 (4, 7) and 9 (9, 11); MiniLM's inputs of layers 0, 1, 3 and 5
-#: on their top 64 principal directions 1.149, 1.074, 1.091, 1.575 read 5-7 for 3, unwarned before this check.
-FIRST_ORDER_MAX_KURTOSIS = 0.03
-#: Seed of the simulations (null draws, random starts) when the estimator's ``random_state`` is None, so that
-#: ``fit`` is a deterministic function of the data and ``partial_fit`` equals ``fit``.
-DEFAULT_SEED = 20260
-#: Default number of simulated null draws (``n_null_draws``).
-DEFAULT_NULL_DRAWS = 1000
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an inversion's sums can do (:attr:`Inversion.capabilities`).
+
+    Attributes
+    ----------
+    reads_sample_passes : bool
+        Its fit can read a source of samples again in passes (over the memory budget).
+    keeps_halves : bool
+        It keeps its samples in halves by the parity of their global index.
+    keeps_sample_prefix : bool
+        Beyond the memory budget it keeps the first samples that fit it.
+    predict_sums : bool
+        It accumulates the moment sums behind ``predict``.
+    """
+
+    reads_sample_passes: bool = False
+    keeps_halves: bool = False
+    keeps_sample_prefix: bool = False
+    predict_sums: bool = False
 
 
 class Inversion:
@@ -64,21 +53,35 @@ class Inversion:
     budget : CostBudget or None
         What the inversion may spend (:mod:`rstar.budgets`; None: the defaults).
     seed : int or None
-        Seed of its simulations (None: ``DEFAULT_SEED``).
+        Seed of its simulations (None: the calibration's ``default_seed``).
     n_null_draws : int or None
-        Draws of simulated nulls (None: ``DEFAULT_NULL_DRAWS``).
+        Draws of simulated nulls (None: the calibration's ``default_null_draws``).
+    calibration : Calibration or None
+        The tuned values it reads (:mod:`rstar.calibration`; None: ``DEFAULT_CALIBRATION``).
     """
 
     #: which space ``components_`` live in: "tokens" (T) or "features" (d)
     space = "features"
     #: the name of this inversion (``inversion_``)
     name = ""
+    #: whether its fit can read a source of samples again in passes (over the memory budget)
+    reads_sample_passes = False
 
-    def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None):
+    @property
+    def capabilities(self):
+        """What its sums can do (:class:`Capabilities`): read samples in passes, keep samples in halves (or their
+        prefix), accumulate the moment sums behind ``predict``."""
+        return Capabilities(reads_sample_passes=bool(self.reads_sample_passes),
+                            keeps_halves=isinstance(self, KeptSamplesMixin),
+                            keeps_sample_prefix=bool(getattr(self, "keeps_sample_prefix", False)),
+                            predict_sums=bool(getattr(self, "predict_sums", False)))
+
+    def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, calibration=None):
         self.value_map = value_map
+        self.calibration = DEFAULT_CALIBRATION if calibration is None else calibration
         self.budget = DEFAULT_BUDGET if budget is None else budget
-        self.seed = DEFAULT_SEED if seed is None else int(seed)
-        self.n_null_draws = DEFAULT_NULL_DRAWS if n_null_draws is None else int(n_null_draws)
+        self.seed = self.calibration.default_seed if seed is None else int(seed)
+        self.n_null_draws = self.calibration.default_null_draws if n_null_draws is None else int(n_null_draws)
 
     @property
     def produces(self):
@@ -173,9 +176,10 @@ def whiten_pair(C, N):
     return lam, vecs, psd_power(N, 0.5)
 
 
-def with_warning(ws, category, message):
-    """``ws`` (a fallback's whitened statistic) with the warning that says why it is in use."""
-    ws.warnings.append((category, message))
+def fell_back(ws, reason, **facts):
+    """``ws``, a fallback's whitened statistic, with why it is in use (``reason``, a key of
+    :data:`rstar.rules.identifiability.REASONS`, and its facts): the verdict is decided there."""
+    ws.fallback = Finding(reason, facts)
     return ws
 
 

@@ -43,9 +43,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..calibration import DEFAULT_CALIBRATION
 from ._numerics.linalg import orthonormal_rows
 
 __all__ = [
+    "Finding",
     "WhitenedStatistic",
     "NullModel",
     "WishartNull",
@@ -239,6 +241,15 @@ class SplitHalfEvidence:
     residual_variance: float = None
 
 
+@dataclass(frozen=True)
+class Finding:
+    """A fact an inversion reports about its statistic (``kind``, with its ``values``), for
+    :mod:`rstar.rules.identifiability` to judge."""
+
+    kind: str
+    values: dict = field(default_factory=dict)
+
+
 @dataclass
 class WhitenedStatistic:
     r"""The output of an inversion: a whitened symmetric statistic and its null model.
@@ -265,10 +276,13 @@ class WhitenedStatistic:
         Units of the eigenvalues: those of Y squared (after the estimator's
         rescaling), or log-attention units (the exact softmax inversion),
         which do not scale with Y.
-    rank_bounds : tuple of two ints or None
-        Where the inversion cannot identify r* (it says why in ``warnings``):
-        the range r* is known to lie in, which the estimator's
-        ``rank_interval_`` then covers.
+    findings : list of Finding
+        Facts about the statistic that bear on whether it identifies r* (its
+        shape, whether its fit settled, what ran out): what they mean is
+        :func:`rstar.rules.identifiability.statistic_verdicts`'s to decide.
+    fallback : Finding or None
+        Where a least-squares fit fell back to the first order: why (its
+        ``kind`` a reason of :data:`rstar.rules.identifiability.REASONS`).
     """
 
     eigenvalues: np.ndarray
@@ -280,7 +294,8 @@ class WhitenedStatistic:
     evidence: tuple = ()
     warnings: list = field(default_factory=list)
     units: str = "Y^2"
-    rank_bounds: tuple = None
+    findings: list = field(default_factory=list)
+    fallback: "Finding" = None
 
     @property
     def dim(self):
@@ -317,7 +332,8 @@ class SplitHalfNull(NullModel):
     null_eigenvalues : ndarray of shape (p,)
         Descending eigenvalues of ``D~ D~^T / p``, ``D~`` the whitened half-difference (the statistic's units).
     margin : float
-        A spike must exceed ``margin**2`` times the largest null eigenvalue (singular values: ``margin`` times).
+        A spike must exceed ``margin**2`` times the largest null eigenvalue (singular values: ``margin`` times);
+        by default the calibration's ``split_half_margin`` (:mod:`rstar.calibration`).
     noise_variance : float
         Residual variance of the fits (reported; the test does not use it).
     noise_dof : float
@@ -336,7 +352,7 @@ class SplitHalfNull(NullModel):
     """
 
     null_eigenvalues: np.ndarray = None
-    margin: float = 1.5
+    margin: float = DEFAULT_CALIBRATION.split_half_margin
     noise_variance: float = None
     noise_dof: float = 0.0
     noise_source: str = "split-half difference"

@@ -20,7 +20,7 @@ while it runs and reported in the same way; ``inversion_`` names what ran.
 from dataclasses import dataclass
 
 from ..budgets import DEFAULT_BUDGET, CostBudget
-from ._base import MIN_NOISE_DOF
+from ..calibration import DEFAULT_CALIBRATION
 from .query_key_cross_fit import cross_fit_blocker
 from .query_key_least_squares import least_squares_sizes_fit
 from .softmax_exact import exact_softmax_memory_fits, exact_softmax_shape_ok, exact_softmax_well_conditioned
@@ -94,7 +94,7 @@ def _check_method(operator, method):
 
 
 def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, method="auto", budget=None,
-                     samples_in_memory=True, causal=False):
+                     samples_in_memory=True, causal=False, calibration=None):
     """Decide the inversion for an operator, value map, shape, sample count and budget.
 
     Parameters
@@ -125,6 +125,9 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
         Only the factored least squares models the mask, so it is chosen
         whatever d (softmax, ``method="least_squares"``); where it cannot run,
         ``ValueError`` (no other inversion would fit the right model).
+    calibration : Calibration or None, default=None
+        The tuned values the choice reads (residual degrees of freedom, the aspect ratio of a well-conditioned
+        exact inversion, the cost model: :mod:`rstar.calibration`); None: ``DEFAULT_CALIBRATION``.
 
     Returns
     -------
@@ -148,34 +151,35 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
     'softmax_least_squares'
     """
     budget = DEFAULT_BUDGET if budget is None else budget
+    cal = DEFAULT_CALIBRATION if calibration is None else calibration
     _check_method(operator, method)
     T, d, d_v = (int(v) for v in shape)
     n = n_samples
     if operator == "linear_proxy":
-        return _choose_token(T, d, d_v, n, budget)
+        return _choose_token(T, d, d_v, n, budget, cal)
     if operator == "linear_qk":
-        return _choose_query_key(value_map_known, T, d, d_v, n, method, budget)
+        return _choose_query_key(value_map_known, T, d, d_v, n, method, budget, cal)
     if causal:
         if operator != "softmax" or method != "least_squares":
             raise ValueError("causal=True needs the softmax operator's least squares (RStarEstimator with "
                              "operator='softmax', or method='least_squares'): only its factored fit models the "
                              f"mask; got operator={operator!r}, method={method!r}.")
-        choice = _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, causal=True)
+        choice = _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, cal, causal=True)
         if choice.name != FACTORED_NAME:
             raise ValueError(f"causal attention is modelled by the factored least squares only, which cannot run "
                              f"here: {choice.fallback_reason}.")
         return choice
     if operator == "softmax":
-        return _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_memory)
+        return _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_memory, cal)
     raise ValueError(f"operator must be 'linear_proxy', 'linear_qk' or 'softmax', got {operator!r}.")
 
 
-def _choose_token(T, d, d_v, n, budget):
+def _choose_token(T, d, d_v, n, budget, cal):
     notes = []
     if not moment_sums_fit(budget, T, d, d_v):
         # without the (T d)^2 sums there is no regression residual: where the samples would give it one, the test
         # changes (the coherent statistic is computed from the kept samples instead, the same statistic)
-        if n is None or T * d_v * (n - T * d) >= MIN_NOISE_DOF:
+        if n is None or T * d_v * (n - T * d) >= cal.min_noise_dof:
             notes.append(f"the linear proxy's regression sums ((T d)^2 = {(T * d) ** 2} entries) exceed half the "
                          f"memory budget ({budget.describe()}): the noise level comes from the bulk instead of the "
                          "regression residual, and predict is unavailable; raise memory_budget to keep them")
@@ -186,7 +190,7 @@ def _choose_token(T, d, d_v, n, budget):
     return InversionChoice("token", "the linear proxy's only inversion", "token", None, tuple(notes))
 
 
-def _choose_query_key(value_map_known, T, d, d_v, n, method, budget):
+def _choose_query_key(value_map_known, T, d, d_v, n, method, budget, cal):
     if method == "exact" and not value_map_known:
         raise ValueError("method='exact' for operator='linear_qk' needs a known value_map (the least-squares "
                          "inversion solves Y_i = X_i K X_i^T X_i V for K).")
@@ -204,10 +208,10 @@ def _choose_query_key(value_map_known, T, d, d_v, n, method, budget):
             return InversionChoice(first, _first_order_reason(T, d), preferred,
                                    f"its d^2 x d^2 normal matrix at d={d} exceeds half the memory budget "
                                    f"({budget.describe()})")
-        if n is not None and not least_squares_sizes_fit(n, T, d, d_v):
+        if n is not None and not least_squares_sizes_fit(n, T, d, d_v, calibration=cal):
             return InversionChoice(first, _first_order_reason(T, d), preferred,
                                    f"{n} samples are too few for the least squares of K at T={T}, d={d}, d_v={d_v} "
-                                   "(a full-rank normal matrix and 50 residual degrees of freedom)")
+                                   f"(a full-rank normal matrix and {cal.min_noise_dof} residual degrees of freedom)")
         return InversionChoice(preferred, "the value map is known: K by least squares on Y itself, unbiased for any "
                                "T, tested against exact draws of its noise", preferred)
     if T > d and d_v >= d:
@@ -219,7 +223,7 @@ def _choose_query_key(value_map_known, T, d, d_v, n, method, budget):
         return InversionChoice(first, _first_order_reason(T, d), preferred,
                                f"its d^2 x d^2 normal matrices at d={d} exceed half the memory budget "
                                f"({budget.describe()})")
-    blocker = None if n is None else cross_fit_blocker(n, T, d, d_v, budget)
+    blocker = None if n is None else cross_fit_blocker(n, T, d, d_v, budget, calibration=cal)
     if blocker is not None:
         return InversionChoice(first, _first_order_reason(T, d), preferred, blocker)
     return InversionChoice(preferred, f"V unknown and {why}: the first-order statistic is biased (T <= d) or weak "
@@ -233,7 +237,7 @@ def _first_order_reason(T, d):
     return "M_i = X_i^+ Y_i, biased towards the projections X_i^+ X_i K since T <= d"
 
 
-def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_memory=True):
+def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_memory, cal):
     first = "softmax_first_order"
     if method == "first_order":
         return InversionChoice(first, "asked for (method='first_order')", first)
@@ -248,12 +252,12 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
                              "memory_budget or use method='first_order'.")
         return InversionChoice("softmax_exact", "asked for (method='exact')", "softmax_exact")
     if method == "least_squares" and not budget.allows_kernel_matrix(d):
-        return _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory)
+        return _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, cal)
     if method == "least_squares":
         preferred = "softmax_least_squares"
         notes = ()
         fitted_n = n
-        capacity = softmax_fit_capacity(T, d, d_v, value_map_known, budget, samples_in_memory)
+        capacity = softmax_fit_capacity(T, d, d_v, value_map_known, budget, samples_in_memory, calibration=cal)
         if n is not None and n > capacity and samples_in_memory:
             # only the first samples within the budgets are kept: the least squares is fitted on them
             fitted_n = capacity
@@ -265,7 +269,7 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
                      f"fitted on the first {fitted_n} of them, exactly as fit on those alone would be (the "
                      f"others are not used by it); {more}",)
         blocker = None if n is None else softmax_fit_blocker(fitted_n, T, d, d_v, value_map_known, budget,
-                                                             samples_in_memory)
+                                                             samples_in_memory, calibration=cal)
         if blocker is not None:
             if notes:
                 over = (f"keeping the {n} samples exceeds the memory budget" if why == "memory budget" else
@@ -275,7 +279,8 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
         return InversionChoice(preferred, "least squares of K on the model itself, tested against draws of its "
                                "first-order noise", preferred, None, notes)
     # auto: the paper's estimators
-    if value_map_known and exact_softmax_shape_ok(T, d, d_v) and exact_softmax_well_conditioned(T, d, d_v):
+    if (value_map_known and exact_softmax_shape_ok(T, d, d_v)
+            and exact_softmax_well_conditioned(T, d, d_v, calibration=cal)):
         if exact_softmax_memory_fits(budget, d):
             return InversionChoice("softmax_exact", "the value map is known and X_i V is well conditioned "
                                    "(T <= 0.9 min(d, d_v))", "softmax_exact")
@@ -288,7 +293,7 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
     return InversionChoice(first, "V unknown: first order in the token-centred data (the paper's inversion)", first)
 
 
-def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, causal=False):
+def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, cal, causal=False):
     """The least squares at a d whose ``d^2 x d^2`` information exceeds the memory budget (or with causal
     attention, which only it models): the factored fit."""
     preferred = FACTORED_NAME
@@ -298,7 +303,7 @@ def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, c
     notes = ()
     fitted_n = n
     if n is not None and samples_in_memory:
-        capacity = factored_capacity(T, d, d_v, value_map_known, budget)
+        capacity = factored_capacity(T, d, d_v, value_map_known, budget, calibration=cal)
         if n > capacity > 0:
             fitted_n = capacity
             why = "memory budget" if capacity >= budget.max_samples(T, d, d_v) else "compute budget"
@@ -306,7 +311,7 @@ def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, c
                      f"is fitted on the first {fitted_n} of them, exactly as fit on those alone would be; raise "
                      f"{'memory_budget' if why == 'memory budget' else 'compute_budget'} to fit it on more",)
     blocker = None if n is None else factored_fit_blocker(fitted_n, T, d, d_v, value_map_known, budget,
-                                                          samples_in_memory)
+                                                          samples_in_memory, calibration=cal)
     if blocker is not None:
         return InversionChoice("softmax_first_order", "first order in the token-centred data", preferred, blocker)
     return InversionChoice(preferred, f"{why_shape}: K = A B^T of rank q is fitted by least squares on each half of "

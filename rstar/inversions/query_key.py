@@ -4,19 +4,12 @@ import numpy as np
 
 from ._numerics import bilinear as _bilinear
 from ._numerics.linalg import batched_pseudo_inverse, psd_power, solve_psd, sym
-from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
-from ._base import (FIRST_ORDER_MAX_ASPECT, FIRST_ORDER_MAX_KURTOSIS, FIRST_ORDER_MISFIT, FIRST_ORDER_QK_MAX_ASPECT,
-                    ILL_CONDITIONED_ASPECT, MIN_NOISE_DOF, Inversion,
-                    whiten_pair)
+from ..exceptions import IllConditionedInversionWarning
+from ._base import Inversion, whiten_pair
 from ._kernel import LinearQKOperator, SoftmaxOperator
-from ._statistic import CoherentEvidence, StructuredBulkNull, WhitenedStatistic, WishartNull
+from ._statistic import CoherentEvidence, Finding, StructuredBulkNull, WhitenedStatistic, WishartNull
 
 __all__ = ["QueryKeyInversion", "coherent_spectrum", "predict_sums_fit", "centred_token_kurtosis"]
-
-#: Per-sample residual degrees of freedom needed before samples are reweighted by
-#: their residual power (first-order softmax): 1/rho_i then has about 30% relative sd.
-MIN_SAMPLE_DOF = 20
-
 
 def predict_sums_fit(budget, d, d_v):
     """Whether the query–key moment sums behind ``predict`` (``d^4`` and ``d^3 d_v`` entries) fit the memory
@@ -208,19 +201,21 @@ class QueryKeyInversion(Inversion):
     reweight : bool or None
         Divide each sample's weight by its residual power per degree of
         freedom ``rho_i`` (default: ``centred``), when every sample has at
-        least ``MIN_SAMPLE_DOF`` residual degrees of freedom
-        (``(T_eff - d) d_v >= 20``). For softmax data the residual holds the
+        least the calibration's ``min_sample_dof`` residual degrees of freedom
+        (``(T_eff - d) d_v >= 20`` by default). For softmax data the residual holds the
         higher-order terms, whose power varies from sample to sample by
         orders of magnitude with heavy-tailed tokens (a mixture of MP laws
         that no single bulk fits); weighting by ``1 / rho_i`` is generalised
         least squares across samples and leaves the columns in range(K*).
         The residual outside ``col(X_i)`` is independent of the noise inside
         it, so the weights do not bias the statistic.
+    budget, seed, n_null_draws, calibration
+        See :class:`rstar.inversions.Inversion`.
     """
 
     def __init__(self, centred=False, residual_noise=True, value_map=None, structured_bulk=None, reweight=None, *,
-                 predict_sums=True, budget=None, seed=None, n_null_draws=None):
-        super().__init__(value_map, budget=budget, seed=seed, n_null_draws=n_null_draws)
+                 predict_sums=True, budget=None, seed=None, n_null_draws=None, calibration=None):
+        super().__init__(value_map, budget=budget, seed=seed, n_null_draws=n_null_draws, calibration=calibration)
         self.centred = centred
         self.predict_sums = predict_sums
         self.residual_noise = residual_noise
@@ -238,7 +233,7 @@ class QueryKeyInversion(Inversion):
 
     def _reweighted(self, T, d, d_v):
         T_eff = self._tokens_eff(T)
-        return bool(self.reweight) and (T_eff - min(T_eff, d)) * d_v >= MIN_SAMPLE_DOF
+        return bool(self.reweight) and (T_eff - min(T_eff, d)) * d_v >= self.calibration.min_sample_dof
 
     def min_samples(self, T, d, d_v):
         # the noise Gram sum_i w_i (X_i^T X_i)^+ must have full rank d
@@ -343,53 +338,20 @@ class QueryKeyInversion(Inversion):
         T_eff = self._tokens_eff(T)
         lam, vecs, unwhiten = whiten_pair(stats["C"], d_v * stats["N"])
         aspect = min(T_eff, d) / max(T_eff, d)
-        if aspect > ILL_CONDITIONED_ASPECT:
+        if aspect > self.calibration.ill_conditioned_aspect:
             warnings.append((IllConditionedInversionWarning,
                              f"the query-key inversion is ill-conditioned: {'T-1' if self.centred else 'T'}"
                              f"={T_eff} tokens is close to d={d} features (hard edge of the Marchenko-Pastur "
                              "law), so X_i^+ amplifies noise. Fallback in use: samples are weighted by "
                              "sigma_min(X_i)^2 and the noise Gram is whitened; the estimate rests on the "
                              "better-conditioned samples and may be unreliable. Use T >= 1.5 d or more samples."))
-        rank_bounds = None
-        if self.centred and aspect > ILL_CONDITIONED_ASPECT and T_eff <= d:
-            # softmax at T - 1 close to d, from below: no degrees of freedom outside col(P X_i) for the model check
-            # (first_order_misfit), and on real tokens the count is far off (MiniLM's tokens on their top 32
-            # principal directions, T = 32: planted r* = 8 and 16 read 2 and 5)
-            rank_bounds = (0, d)
-            warnings.append((UnidentifiableRankWarning,
-                             f"the first-order softmax statistic at T-1={T_eff} centred tokens and d={d} features has "
-                             "no residual outside col(P X_i) to check its model against, and near T - 1 = d its "
-                             "higher-order terms and the tokens' anisotropy are not told from signal (on real "
-                             "tokens planted ranks were under-counted several-fold): rank_ may be far off; "
-                             f"rank_interval_ is (0, {d}). What would help: T - 1 > d (sequences longer than "
-                             "the feature count, where the model check applies), or the least-squares fit "
-                             "(RStarEstimator), which is well posed here."))
-        if self.centred and d > FIRST_ORDER_MAX_ASPECT * T_eff:
-            rank_bounds = (0, d)
-            warnings.append((UnidentifiableRankWarning,
-                             f"the first-order softmax statistic cannot identify r* at d={d} features with only "
-                             f"T-1={T_eff} centred tokens per sample (d > {FIRST_ORDER_MAX_ASPECT:g} (T-1)): the "
-                             "higher-order terms of its expansion, and any anisotropy of the tokens, fill a bulk "
-                             f"its null does not model, so rank_ may be far off; rank_interval_ is (0, {d}). What "
-                             "would help: longer sequences, fewer features (project the tokens on their leading "
-                             "principal directions, or choose the subspace of interest), or the least-squares fit "
-                             "within its budgets (RStarEstimator, with a larger compute_budget/memory_budget)."))
-        if not self.centred and d > FIRST_ORDER_QK_MAX_ASPECT * T_eff:
-            rank_bounds = (0, d)
-            warnings.append((UnidentifiableRankWarning,
-                             f"the first-order query-key statistic cannot identify r* at d={d} features with only "
-                             f"T={T_eff} tokens per sample (d > {FIRST_ORDER_QK_MAX_ASPECT:g} T): each sample sees "
-                             "the kernel through the random projection X_i^+ X_i, whose leaked signal (and, with "
-                             "few samples, the noise) forms a bulk its null models only on average, so rank_ is "
-                             f"often too large (a planted 3 read 5-14 here, pure noise up to 6); rank_interval_ is "
-                             f"(0, {d}). What would help: longer sequences, fewer features (the tokens' leading "
-                             "principal directions, or the subspace of interest), or the least-squares fit within "
-                             "its budgets (a larger memory_budget/compute_budget: query_key_cross_fit, or "
-                             "query_key_least_squares with a known value_map)."))
+        # whether the shape identifies r* is rstar.rules.identifiability's to decide
+        findings = [Finding("first_order_shape", {"centred": bool(self.centred), "tokens": T_eff, "features": d})]
         noise, dof = None, stats["res_dof"]
         # residual power per dof, each sample weighted as the whitened bulk weights it
-        power = stats["res_w"] / stats["wt"] if dof >= MIN_NOISE_DOF and stats["wt"] > 0 else None
-        if self.residual_noise and dof >= MIN_NOISE_DOF:
+        min_dof = self.calibration.min_noise_dof
+        power = stats["res_w"] / stats["wt"] if dof >= min_dof and stats["wt"] > 0 else None
+        if self.residual_noise and dof >= min_dof:
             if self._reweighted(T, d, d_v):
                 noise = power
             else:
@@ -410,7 +372,7 @@ class QueryKeyInversion(Inversion):
             null = WishartNull(noise, float(dof), source, min_columns, leak)
         evidence = () if coherent is None else (CoherentEvidence(coherent[0], coherent[1]),)
         return WhitenedStatistic(lam, vecs, unwhiten, float(m_eff), null, name, evidence, warnings,
-                                 rank_bounds=rank_bounds)
+                                 findings=findings)
 
     def first_order_operator(self, stats, basis):
         """The first-order closed-form operator in the span of ``basis`` (:meth:`fit_operator` of this class, also
@@ -418,53 +380,39 @@ class QueryKeyInversion(Inversion):
         return QueryKeyInversion.fit_operator(self, stats, basis)
 
     def first_order_misfit(self, stats, operator, samples):
-        """``(ratio, message)`` where the first-order softmax model does not hold for ``samples``, else None.
+        """The facts of the first-order softmax model check on ``samples`` (a dict: ``kind`` ``"misfit"`` with
+        ``ratio``, or ``"kurtosis"`` with ``kurtosis`` and its ``se``; and ``tokens``, T - 1, and ``features``, d),
+        else None; whether they reject the model is
+        :func:`rstar.rules.identifiability.first_order_misfit_verdict`'s to decide.
 
         With ``T - 1 > d``: ``ratio`` is the mean over samples of the first-order ``operator``'s residual power
         per entry of ``Y_i`` over the power per degree of freedom of ``P Y_i`` outside ``col(P X_i)``, which
         softmax data fill with the noise plus the higher-order terms (:func:`first_order_misfit_sums`; per sample,
         so heavy-tailed tokens, whose large samples are large in both, do not tip it). About 1 without a signal
-        and below it with one where the model holds; above ``FIRST_ORDER_MISFIT`` the operator misses structure
-        the expansion near uniform attention cannot hold, and the statistic's spikes are not the kernel's.
+        and below it with one where the model holds; above the calibration's ``first_order_misfit`` the operator
+        misses structure the expansion near uniform attention cannot hold, and the statistic's spikes are not the
+        kernel's.
 
         With ``T - 1 <= d`` there is no such yardstick, and the statistic's null holds for Gaussian tokens only:
-        ``ratio`` is the centred tokens' multivariate kurtosis over its Gaussian value
-        (:func:`centred_token_kurtosis`), returned where it exceeds ``1 + FIRST_ORDER_MAX_KURTOSIS`` by more
-        than 3 standard errors (heavy-tailed tokens, real hidden states); ``operator`` is not used.
+        the centred tokens' multivariate kurtosis over its Gaussian value (:func:`centred_token_kurtosis`), with
+        its standard error; the gate rejects where it exceeds ``1 + first_order_max_kurtosis`` by more than a
+        few standard errors (heavy-tailed tokens, real hidden states); ``operator`` is not used.
 
-        None where the model is not rejected, where ``operator`` is None with ``T - 1 > d``, or where this is not
-        the softmax first order.
+        None where no check applies: ``operator`` None with ``T - 1 > d``, no sample with a residual outside
+        the span, or not the softmax first order.
         """
         T, d, _ = stats["dims"]
         if not self.centred:
             return None
         if T - 1 <= d:
             kurt, se = centred_token_kurtosis(samples)
-            if not kurt - 3.0 * se > 1.0 + FIRST_ORDER_MAX_KURTOSIS:
-                return None
-            return kurt, (
-                f"the first-order softmax statistic has no model check at T-1={T - 1} centred tokens and d={d} "
-                "features (no residual outside col(P X_i)), and its null holds for Gaussian tokens only: these "
-                f"tokens' multivariate kurtosis is {kurt:.3g} times the Gaussian value (SE {se:.2g}; above "
-                f"{1 + FIRST_ORDER_MAX_KURTOSIS:g} counts were off, e.g. 5-7 for a planted 3 on MiniLM hidden "
-                f"states at d = 64, T = 32), so rank_ may be far off; rank_interval_ is (0, {d}). What would "
-                "help: T - 1 > d (sequences longer than the feature count, where the model check applies), "
-                "fewer features, or the least-squares fit (RStarEstimator).")
+            return {"kind": "kurtosis", "kurtosis": kurt, "se": se, "tokens": T - 1, "features": d}
         if operator is None:
             return None
         total, count = samples.map_sum(first_order_misfit_sums, T, operator)
         if not count > 0:
             return None
-        ratio = total / count
-        if not ratio > FIRST_ORDER_MISFIT:
-            return None
-        return ratio, (
-            f"the first-order softmax model does not hold for these data: per sample, its operator leaves {ratio:.3g} "
-            "times the residual power per degree of freedom found outside col(P X_i) (noise plus higher-order "
-            f"terms; above {FIRST_ORDER_MISFIT:g} the expansion near uniform attention misses structure, e.g. sharp "
-            "attention on anisotropic tokens), so its spikes are not the kernel's and rank_ may be far off; "
-            f"rank_interval_ is (0, {d}). RStarEstimator (the least-squares fit of the model itself) reads these "
-            "data where its budgets allow.")
+        return {"kind": "misfit", "ratio": total / count, "tokens": T - 1, "features": d}
 
     def fit_operator(self, stats, basis):
         if stats["HZ"] is None:

@@ -6,45 +6,40 @@ from sklearn.exceptions import ConvergenceWarning
 from ._numerics import bilinear as _bilinear, value_error as _value_error
 from ._numerics.linalg import batched_pseudo_inverse
 from ..budgets import DEFAULT_BUDGET, cross_fit_als_cost, cross_fit_profiled_cost
-from ..exceptions import UnidentifiableRankWarning
-from ._base import DEFAULT_SEED, MIN_NOISE_DOF, KeptSamplesMixin, kept_half
-from ._statistic import CrossFitNull
+from ..calibration import DEFAULT_CALIBRATION
+from ._base import KeptSamplesMixin, kept_half
+from ._statistic import CrossFitNull, Finding
 from .query_key import QueryKeyInversion
 from .query_key_least_squares import QueryKeyLeastSquaresInversion, least_squares_samples
 
 __all__ = ["QueryKeyCrossFitInversion", "cross_fit_method", "cross_fit_sizes_fit", "cross_fit_blocker"]
 
-#: Starting kernels of its fit: the first-order fit, its transpose and this many random ones.
-CROSS_FIT_RANDOM_STARTS = 8
-#: Warn when a half's fitted V leaves the other half a residual power this many times that
-#: half's own fit.
-CROSS_FIT_MISFIT = 1.1
-
-
-def cross_fit_method(n, T, d, d_v, budget=DEFAULT_BUDGET):
+def cross_fit_method(n, T, d, d_v, budget=DEFAULT_BUDGET, *, calibration=DEFAULT_CALIBRATION):
     """How each half's ``(K, V)`` is fitted for n samples in all: ``"als"`` (alternating least squares,
     :func:`rstar.inversions._numerics.bilinear.fit_query_key_restarts`) while :func:`rstar.budgets.cross_fit_als_cost` is within
     the compute budget; else ``"profiled"`` (L-BFGS on the profile loss,
     :func:`rstar.inversions._numerics.bilinear.fit_query_key_profiled`) while :func:`rstar.budgets.cross_fit_profiled_cost` is;
     else None (no cross-fit)."""
-    if budget.allows_compute(cross_fit_als_cost(n, d)):
+    if budget.allows_compute(cross_fit_als_cost(n, d, calibration=calibration)):
         return "als"
-    return "profiled" if budget.allows_compute(cross_fit_profiled_cost(n, T, d, d_v)) else None
+    profiled = cross_fit_profiled_cost(n, T, d, d_v, calibration=calibration)
+    return "profiled" if budget.allows_compute(profiled) else None
 
 
-def cross_fit_blocker(n, T, d, d_v, budget=DEFAULT_BUDGET):
+def cross_fit_blocker(n, T, d, d_v, budget=DEFAULT_BUDGET, *, calibration=DEFAULT_CALIBRATION):
     """Why n samples of this shape cannot be cross-fitted (None if they can): they must be kept within the memory
     budget, fitted within the compute budget by :func:`cross_fit_method` (with ``T > d``, where the first-order
     inversion is consistent and the cross-fit only adds power, by alternating least squares only), and each
-    half must be large enough for the least squares (full-rank normal matrix and ``MIN_NOISE_DOF`` residual
-    degrees of freedom)."""
+    half must be large enough for the least squares (full-rank normal matrix and the calibration's
+    ``min_noise_dof`` residual degrees of freedom)."""
     half = n // 2
-    if half < least_squares_samples(T, d, d_v) or half * T * d_v - d * d < MIN_NOISE_DOF:
+    min_dof = calibration.min_noise_dof
+    if half < least_squares_samples(T, d, d_v) or half * T * d_v - d * d < min_dof:
         return (f"{n} samples are too few for the least squares on each half at T={T}, d={d}, d_v={d_v} (each half "
-                f"needs {least_squares_samples(T, d, d_v)} and {MIN_NOISE_DOF} residual degrees of freedom)")
+                f"needs {least_squares_samples(T, d, d_v)} and {min_dof} residual degrees of freedom)")
     if not budget.allows_samples(n, T, d, d_v):
         return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
-    method = cross_fit_method(n, T, d, d_v, budget)
+    method = cross_fit_method(n, T, d, d_v, budget, calibration=calibration)
     if method is None:
         return f"fitting K and V on {n} samples exceeds the compute budget ({budget.describe()})"
     if method != "als" and T > d:
@@ -53,9 +48,9 @@ def cross_fit_blocker(n, T, d, d_v, budget=DEFAULT_BUDGET):
     return None
 
 
-def cross_fit_sizes_fit(n, T, d, d_v, budget=DEFAULT_BUDGET):
+def cross_fit_sizes_fit(n, T, d, d_v, budget=DEFAULT_BUDGET, *, calibration=DEFAULT_CALIBRATION):
     """Whether n samples of this shape can be cross-fitted (:func:`cross_fit_blocker` is None)."""
-    return cross_fit_blocker(n, T, d, d_v, budget) is None
+    return cross_fit_blocker(n, T, d, d_v, budget, calibration=calibration) is None
 
 
 class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
@@ -77,7 +72,7 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
     ``d_v < d``. Here V is *fitted on one half* of the
     samples (odd global index): ``(K, V)`` by least squares on ``Y_i``
     (:meth:`fit_half`: first on scale-normalised samples, from the
-    first-order fit, its transpose and ``CROSS_FIT_RANDOM_STARTS`` random
+    first-order fit, its transpose and the calibration's ``cross_fit_random_starts`` random
     kernels, since the objective is not convex; then on the samples as
     they are). The least-squares inversion with that V then runs on the
     *other half*. Because the fitted V does not
@@ -95,7 +90,7 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
     the rule counts a spike where either direction does at half the level
     (a Bonferroni union). An
     ``UnidentifiableRankWarning`` says when a half's fitted V leaves the
-    other half more than ``CROSS_FIT_MISFIT`` times that half's own residual
+    other half more than ``least_squares_misfit_ratio`` (the calibration's) times that half's own residual
     power: a fit in a poor local optimum, whose error no linearisation
     covers. Where, in addition, the other half's V (with its least-squares
     K) fits the first half better than that half's own fit, the fit is
@@ -132,9 +127,9 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
 
     name = "query_key_cross_fit"
 
-    def __init__(self, *, budget=None, seed=None, n_null_draws=None, predict_sums=True):
+    def __init__(self, *, budget=None, seed=None, n_null_draws=None, predict_sums=True, calibration=None):
         super().__init__(centred=False, residual_noise=True, value_map=None, budget=budget, seed=seed,
-                         n_null_draws=n_null_draws, predict_sums=predict_sums)
+                         n_null_draws=n_null_draws, predict_sums=predict_sums, calibration=calibration)
 
     @property
     def produces(self):
@@ -142,14 +137,15 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
 
     def cross_fit_possible(self, stats):
         """Whether the samples were kept and :func:`cross_fit_sizes_fit` allows the cross-fit."""
-        return self.samples_kept(stats) and cross_fit_sizes_fit(stats["n"], *stats["dims"], self.budget)
+        return self.samples_kept(stats) and cross_fit_sizes_fit(stats["n"], *stats["dims"], self.budget,
+                                                                calibration=self.calibration)
 
     def default_run(self, stats):
         """The cross-fit where :meth:`cross_fit_possible`, else first order."""
         return self.name if self.cross_fit_possible(stats) else self.first_order_name
 
     @staticmethod
-    def fit_half(X, Y, random_starts=CROSS_FIT_RANDOM_STARTS, seed=None, method="als"):
+    def fit_half(X, Y, random_starts=None, seed=None, method="als", *, calibration=DEFAULT_CALIBRATION):
         """Fit ``Y_i ~ X_i K G_i V`` on one half (see the class notes).
 
         The signal is homogeneous of degree 3 in ``X_i``, so with
@@ -166,9 +162,10 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
         ----------
         X : ndarray of shape (n, T, d)
         Y : ndarray of shape (n, T, d_v)
-        random_starts : int, default=CROSS_FIT_RANDOM_STARTS
+        random_starts : int or None, default=None
+            None: the calibration's ``cross_fit_random_starts``.
         seed : int or None, default=None
-            Seed of the random starting kernels (None: ``DEFAULT_SEED + 1``).
+            Seed of the random starting kernels (None: the calibration's ``default_seed`` + 1).
         method : {"als", "profiled"}, default="als"
             The optimiser: alternating least squares
             (:func:`rstar.inversions._numerics.bilinear.fit_query_key_restarts`) or L-BFGS on
@@ -196,14 +193,17 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
         M = np.einsum("nka,nk,ntk,ntv->nav", Wt, inv_s, U, Yn, optimize=True)
         HZ, FZ = _bilinear.moment_sums(np.matmul(np.swapaxes(Xn, 1, 2), Xn), M, smallest)
         K1, _ = _bilinear.fit_bilinear(HZ, FZ, np.eye(d), max_iter=200, fit_tol=1e-6)
-        rng = np.random.default_rng(DEFAULT_SEED + 1 if seed is None else seed)
+        rng = np.random.default_rng(calibration.default_seed + 1 if seed is None else seed)
+        if random_starts is None:
+            random_starts = calibration.cross_fit_random_starts
         starts = [K1, K1.T] + [rng.standard_normal((d, d)) for _ in range(random_starts)]
         if method == "als":
             K_scaled, _, _ = _bilinear.fit_query_key_restarts(Xn, Yn, starts)
             K, V, rss = _bilinear.fit_query_key_samples(X, Y, K_scaled)
         else:
-            K_scaled, _, _ = _bilinear.fit_query_key_profiled(Xn, Yn, starts)
-            K, V, rss = _bilinear.fit_query_key_profiled(X, Y, [K_scaled])
+            ftol = calibration.profile_ftol
+            K_scaled, _, _ = _bilinear.fit_query_key_profiled(Xn, Yn, starts, ftol=ftol)
+            K, V, rss = _bilinear.fit_query_key_profiled(X, Y, [K_scaled], ftol=ftol)
         return K, V, rss / QueryKeyCrossFitInversion._fit_dof(n, T, d, d_v)
 
     @staticmethod
@@ -213,7 +213,8 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
 
     def _tested_on(self, V, X, Y):
         T, d, d_v = X.shape[1], X.shape[2], Y.shape[2]
-        ls = QueryKeyLeastSquaresInversion(V, budget=self.budget, seed=self.seed, n_null_draws=self.n_null_draws)
+        ls = QueryKeyLeastSquaresInversion(V, budget=self.budget, seed=self.seed, n_null_draws=self.n_null_draws,
+                                           calibration=self.calibration)
         ls_stats = ls.new_stats(T, d, d_v)
         # only the least-squares sums: cross_fit_possible ruled out its first-order fallback
         ls._update_least_squares(ls_stats, X, Y)
@@ -228,7 +229,8 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
         K, V, sigma2 = fit
         Vr = _value_error.reduced_value_map(V)
         draws = _value_error.value_map_error_draws(G_fit, K, Vr, sigma2, self.n_null_draws, self.seed + 1)
-        return _value_error.ValueMapErrorLeak(G_test, Vr, draws, *ws.null.factors)
+        return _value_error.ValueMapErrorLeak(G_test, Vr, draws, *ws.null.factors,
+                                              chunk_entries=self.calibration.value_error_chunk_entries)
 
     def whiten(self, stats, run=None):
         run = self._check_run(self.default_run(stats) if run is None else run)
@@ -237,8 +239,8 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
         if not self.cross_fit_possible(stats):
             raise ValueError("the cross-fit needs the samples, which were dropped over the memory budget.")
         halves = [kept_half(stats, key) for key in ("samples_odd", "samples_even")]
-        method = cross_fit_method(stats["n"], *stats["dims"], self.budget)
-        fits = [self.fit_half(*h, seed=self.seed + 1, method=method) for h in halves]
+        method = cross_fit_method(stats["n"], *stats["dims"], self.budget, calibration=self.calibration)
+        fits = [self.fit_half(*h, seed=self.seed + 1, method=method, calibration=self.calibration) for h in halves]
         grams = [np.matmul(np.swapaxes(X, 1, 2), X) for X, _ in halves]
         out, misfits = [], []
         for a, b in ((0, 1), (1, 0)):
@@ -253,8 +255,9 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
         # residual than half a's own fit (K_a, V_a), that fit is not the least squares of its half
         rss_own = [f[2] * self._fit_dof(len(h[0]), *stats["dims"]) for f, h in zip(fits, halves)]
         beaten = [out[1 - a].null.noise_variance * out[1 - a].null.noise_dof < rss_own[a] for a in (0, 1)]
+        leaks = []
         for a, ws in enumerate(out):
-            if misfits[a] <= CROSS_FIT_MISFIT:
+            if misfits[a] <= self.calibration.least_squares_misfit_ratio:
                 continue
             if beaten[a] and not beaten[1 - a]:
                 ws.null.poor_fit = True
@@ -265,14 +268,11 @@ class QueryKeyCrossFitInversion(KeptSamplesMixin, QueryKeyInversion):
                                     "cross-fit is left out, and the other is tested alone at the same level "
                                     "alpha / 2."))
             else:
-                ws.warnings.append((UnidentifiableRankWarning,
-                                    f"the value map fitted on one half of the samples leaves {misfits[a]:.2f} times "
-                                    "the other half's own residual power unexplained (the least-squares fit of K "
-                                    "and V is not convex and may have stopped in a poor local optimum, or "
-                                    "heavy-tailed tokens amplify the error of the fitted V): part of the "
-                                    "signal is then tested as noise outside range(K), so rank_ may be an "
-                                    "over-count."))
+                leaks.append(float(misfits[a]))
         out[0].warnings.extend(w for w in out[1].warnings if w not in out[0].warnings)
+        if leaks:
+            # a half's fitted V misses the other half's signal: rstar.rules.identifiability judges it
+            out[0].findings.append(Finding("value_map_misfit", {"ratios": leaks}))
         out[0].null = CrossFitNull((out[0].null, out[1].null))
         out[0].inversion = self.name
         return out[0]

@@ -5,7 +5,7 @@ from scipy import linalg
 
 from ._numerics.linalg import kronecker_rearranged
 from ..exceptions import IllConditionedInversionWarning
-from ._base import MIN_NOISE_DOF
+from ..calibration import DEFAULT_CALIBRATION
 from ._kernel import LinearQKOperator, _kronecker_factors, kernel_in_basis, kernel_statistic_with_null_draws
 from .query_key import QueryKeyInversion
 
@@ -18,10 +18,10 @@ def least_squares_samples(T, d, d_v):
     return max(2, -(-d * d // (t * min(t, d_v))) + 1)
 
 
-def least_squares_sizes_fit(n, T, d, d_v):
-    """Whether ``n`` samples identify the least-squares kernel: a full-rank normal matrix and
-    ``MIN_NOISE_DOF`` residual degrees of freedom (``n T d_v - d^2``)."""
-    return n >= least_squares_samples(T, d, d_v) and n * T * d_v - d * d >= MIN_NOISE_DOF
+def least_squares_sizes_fit(n, T, d, d_v, *, calibration=DEFAULT_CALIBRATION):
+    """Whether ``n`` samples identify the least-squares kernel: a full-rank normal matrix and the calibration's
+    ``min_noise_dof`` residual degrees of freedom (``n T d_v - d^2``)."""
+    return n >= least_squares_samples(T, d, d_v) and n * T * d_v - d * d >= calibration.min_noise_dof
 
 
 class QueryKeyLeastSquaresInversion(QueryKeyInversion):
@@ -56,7 +56,7 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
     ----------
     value_map : ndarray of shape (d, d_v)
         The known V (in the estimator's internal units).
-    budget, seed, n_null_draws
+    budget, seed, n_null_draws, calibration
         See :class:`rstar.inversions.Inversion`.
 
     Examples
@@ -76,9 +76,9 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
 
     name = "query_key_least_squares"
 
-    def __init__(self, value_map, *, budget=None, seed=None, n_null_draws=None):
+    def __init__(self, value_map, *, budget=None, seed=None, n_null_draws=None, calibration=None):
         super().__init__(centred=False, residual_noise=True, value_map=value_map, budget=budget, seed=seed,
-                         n_null_draws=n_null_draws)
+                         n_null_draws=n_null_draws, calibration=calibration)
 
     @property
     def produces(self):
@@ -88,7 +88,8 @@ class QueryKeyLeastSquaresInversion(QueryKeyInversion):
 
     def default_run(self, stats):
         """The least squares where the samples identify it (:func:`least_squares_sizes_fit`), else first order."""
-        return self.name if least_squares_sizes_fit(stats["n"], *stats["dims"]) else self.first_order_name
+        return (self.name if least_squares_sizes_fit(stats["n"], *stats["dims"], calibration=self.calibration)
+                else self.first_order_name)
 
     def new_stats(self, T, d, d_v):
         stats = super().new_stats(T, d, d_v)

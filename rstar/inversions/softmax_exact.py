@@ -3,11 +3,12 @@
 import numpy as np
 
 from ._numerics.linalg import psd_power, solve_psd, sym
-from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
+from ..exceptions import IllConditionedInversionWarning
 from ..marchenko_pastur import MEDIAN_EFFICIENCY, mp_median
-from ._base import ILL_CONDITIONED_ASPECT, Inversion, eigh_descending
+from ..calibration import DEFAULT_CALIBRATION
+from ._base import Inversion, eigh_descending
 from ._kernel import SoftmaxOperator, kernel_in_basis, nearest_kronecker_product
-from ._statistic import SplitHalfEvidence, StructuredBulkNull, WhitenedStatistic, WishartNull
+from ._statistic import Finding, SplitHalfEvidence, StructuredBulkNull, WhitenedStatistic, WishartNull
 
 __all__ = ["SoftmaxExactInversion", "exact_softmax_shape_ok", "exact_softmax_memory_fits"]
 
@@ -17,9 +18,10 @@ def exact_softmax_shape_ok(T, d, d_v):
     return d >= T and d_v >= T
 
 
-def exact_softmax_well_conditioned(T, d, d_v):
-    """Whether ``S_i = Y_i (X_i V)^+`` is well conditioned: ``T <= 0.9 min(d, d_v)`` (MP hard edge)."""
-    return T <= ILL_CONDITIONED_ASPECT * min(d, d_v)
+def exact_softmax_well_conditioned(T, d, d_v, *, calibration=DEFAULT_CALIBRATION):
+    """Whether ``S_i = Y_i (X_i V)^+`` is well conditioned: ``T <= 0.9 min(d, d_v)`` (MP hard edge; 0.9 the
+    calibration's ``ill_conditioned_aspect``)."""
+    return T <= calibration.ill_conditioned_aspect * min(d, d_v)
 
 
 def exact_softmax_memory_fits(budget, d):
@@ -46,12 +48,14 @@ class SoftmaxExactInversion(Inversion):
     ----------
     value_map : ndarray of shape (d, d_v)
     clip : float, default=1e-3
+    budget, seed, n_null_draws, calibration
+        See :class:`rstar.inversions.Inversion`.
     """
 
     name = "softmax_exact"
 
-    def __init__(self, value_map, clip=1e-3, *, budget=None, seed=None, n_null_draws=None):
-        super().__init__(value_map, budget=budget, seed=seed, n_null_draws=n_null_draws)
+    def __init__(self, value_map, clip=1e-3, *, budget=None, seed=None, n_null_draws=None, calibration=None):
+        super().__init__(value_map, budget=budget, seed=seed, n_null_draws=n_null_draws, calibration=calibration)
         self.clip = clip
 
     def min_samples(self, T, d, d_v):
@@ -150,14 +154,14 @@ class SoftmaxExactInversion(Inversion):
         lam, vecs = eigh_descending(Kt @ Kt.T / d)
         warnings = []
         T, _, d_v = stats["dims"]
-        if T > ILL_CONDITIONED_ASPECT * min(d, d_v):
+        if T > self.calibration.ill_conditioned_aspect * min(d, d_v):
             warnings.append((IllConditionedInversionWarning,
                              f"the exact softmax inversion is ill-conditioned: T={T} tokens is close to "
                              f"min(d, d_v)={min(d, d_v)} (hard edge of the Marchenko-Pastur law), so "
                              "S_i = Y_i (X_i V)^+ amplifies noise and the log-attention bulk spreads over decades. "
                              "Use method='auto' (first-order inversion here) or T <= 0.9 min(d, d_v)."))
         frac = stats["n_clipped"] / max(stats["n_entries"], 1.0)
-        if frac > 0.25:
+        if frac > self.calibration.exact_clipped_fraction:
             warnings.append((IllConditionedInversionWarning,
                              f"{100 * frac:.1f}% of the recovered attention weights fell outside "
                              f"[{self.clip}/T, 1] and were clipped before the log: much of the exact softmax "
@@ -175,15 +179,12 @@ class SoftmaxExactInversion(Inversion):
                                                  mp_shaped_bulk=False),
                                      self.name, (SplitHalfEvidence(null, tau2),), warnings, "log-attention")
         # a half too small to solve: fit the bulk's level and width instead
-        why = (f"a half of the {stats['n']} samples is too small to solve the exact softmax inversion (each needs "
-               f"{self.min_samples(*stats['dims'])})" if null is None else
-               "the split-half noise draw is degenerate (its median eigenvalue is 0)")
-        warnings.append((UnidentifiableRankWarning,
-                         f"{why}, so no split-half draw sets the noise level. Fallback in use: the bulk's level "
-                         "and width are fitted to the spectrum; more samples give the split-half noise level."))
+        finding = Finding("exact_noise_level", {"n_samples": int(stats["n"]), "half_too_small": null is None,
+                                                "min_samples": self.min_samples(*stats["dims"])})
         return WhitenedStatistic(lam, vecs, psd_power(A, -0.5), float(d),
                                  StructuredBulkNull(None, float(max(dof, 0)), "fitted bulk", mp_shaped_bulk=False),
-                                 self.name, (SplitHalfEvidence(null, tau2),), warnings, "log-attention")
+                                 self.name, (SplitHalfEvidence(null, tau2),), warnings, "log-attention",
+                                 findings=[finding])
 
     def fit_operator(self, stats, basis):
         return SoftmaxOperator(kernel_in_basis(stats["H"], stats["rhs"], basis.T), self.value_map)

@@ -12,10 +12,10 @@ whitened half-difference ``(K_1 - K_2) / 2`` — one draw of the half-sum's
 noise, since the halves share the signal and carry independent noise of one
 law (:class:`SplitHalfNull`, :func:`rstar.rules.split_half_result`).
 
-q starts at ``FACTORED_START_RANK`` (or above the first-order count) and
+q starts at the calibration's ``factored_start_rank`` (or above the first-order count) and
 doubles, from the previous fit, while nearly all of its directions stand above
 the null (r* could exceed q), or while its count has not settled after
-``FACTORED_UNSETTLED_SEGMENTS`` segments (a rank-q fit below r* has no stable
+``factored_unsettled_segments`` segments (a rank-q fit below r* has no stable
 optimum), where d and the compute budget allow; the statistic records the q it
 stopped at.
 """
@@ -24,10 +24,9 @@ import numpy as np
 
 from ._numerics import softmax_factored as sf
 from ..budgets import DEFAULT_BUDGET, largest_count
-from ..exceptions import UnidentifiableRankWarning
+from ..calibration import DEFAULT_CALIBRATION
 from ..risk import centred_sums, total_sum_of_squares
-from ._base import MIN_NOISE_DOF
-from ._statistic import SplitHalfNull, WhitenedStatistic
+from ._statistic import Finding, SplitHalfNull, WhitenedStatistic
 
 __all__ = ["FACTORED_NAME", "factored_fit_blocker", "factored_capacity", "factored_statistic",
            "factored_rank_residuals", "factored_half_disagreement", "factored_output_distances",
@@ -35,78 +34,52 @@ __all__ = ["FACTORED_NAME", "factored_fit_blocker", "factored_capacity", "factor
 
 #: The name of this inversion (``inversion_``).
 FACTORED_NAME = "softmax_factored_least_squares"
-#: First rank q of the factors; it doubles while the fit fills it.
-FACTORED_START_RANK = 8
-#: The L-BFGS iterations of each half's fit run in segments of this many; after each the split-half count is
-#: read, and the fit stops once a segment leaves it unchanged (or the iterations, or the compute budget, run out).
-FACTORED_SEGMENT_ITER = 50
-#: "Unchanged": the same count above the margin, and the singular values above it within this relative change.
-#: Directions between the null and the margin only widen the interval, and one at the noise level wanders: a
-#: fourth direction on a planted rank 3 (V fitted, MiniLM's tokens) stood at 0.9-1.8 times the null's largest
-#: for 250 iterations, flipping the count above the null at every check.
-FACTORED_STABLE_RTOL = 0.01
-#: With V fitted, a count also settles once it stands clear of the null at FACTORED_CLEAR_CHECKS checks in a row:
-#: the same count above the margin and above the null, its weakest direction at least FACTORED_CLEAR_GAP times the
-#: margin and the strongest direction left out at most 1 / FACTORED_CLEAR_GAP of the null. With V fitted at
-#: T = 128 on real tokens the counted directions of a planted rank 3 kept growing by 5-10% a segment for 550
-#: iterations (the fit sharpening its attention) while standing at 3-8 times the null, the fourth at 0.13 times it.
-FACTORED_CLEAR_GAP = 2.0
-#: See FACTORED_CLEAR_GAP.
-FACTORED_CLEAR_CHECKS = 3
-#: A rank whose count has not settled after this many segments is doubled (where d, the residual degrees of
-#: freedom and the compute budget allow) if the fit uses all q directions (its q-th singular value above
-#: ``FACTORED_FILL_RATIO`` times its first) and its leading value still moved by more than
-#: ``FACTORED_STABLE_RTOL`` in the last segment: a rank-q fit below r* has no stable optimum to settle on (a
-#: noise-free MiniLM head fitted at q = 8 kept sharpening for 400 iterations, its leading value 30 -> 62, its
-#: eighth 8, its half-difference as large as its fifth direction), and a larger q is what settles it. A fit
-#: with directions to spare is waiting out a transient instead (V fitted on real tokens: a planted rank 3 grew
-#: its leading value for 200 iterations and carried a shared fourth direction for 350; doubling it read 4).
-FACTORED_UNSETTLED_SEGMENTS = 4
-#: "Uses all q directions": the q-th singular value of the half-sum above this fraction of the first.
-FACTORED_FILL_RATIO = 0.05
-
-
 def _residual_dof(n, T, d, d_v, q, value_map_known):
     """Residual degrees of freedom of one half's fit: ``n/2 T d_v - 2 d q`` (``- d d_v`` with V fitted)."""
     return (n // 2) * T * d_v - 2 * d * q - (0 if value_map_known else d * d_v)
 
 
-def _segment_cost(n, T, d, d_v, q, value_map_known=True):
+def _segment_cost(n, T, d, d_v, q, value_map_known=True, calibration=DEFAULT_CALIBRATION):
     """Multiply-adds of one segment of L-BFGS iterations on both halves (n samples in all), and, with V fitted,
     the least-squares V each segment starts from."""
-    return (FACTORED_SEGMENT_ITER * sf.factored_eval_cost(n, T, d, d_v, q, value_map_known)
+    return (calibration.factored_segment_iter * sf.factored_eval_cost(n, T, d, d_v, q, value_map_known,
+                                                                     calibration=calibration)
             + (0 if value_map_known else n * T * d * (T + d)))
 
 
-def _stage_cost(n, T, d, d_v, q, value_map_known):
+def _stage_cost(n, T, d, d_v, q, value_map_known, calibration=DEFAULT_CALIBRATION):
     """What a rank-q stage needs before its count can settle: its start and two segments."""
-    return sf.factored_start_cost(n, T, d, d_v, value_map_known) + 2 * _segment_cost(n, T, d, d_v, q, value_map_known)
+    return (sf.factored_start_cost(n, T, d, d_v, value_map_known)
+            + 2 * _segment_cost(n, T, d, d_v, q, value_map_known, calibration))
 
 
-def factored_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
+def factored_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True, *,
+                         calibration=DEFAULT_CALIBRATION):
     """Why n samples of this shape cannot be fitted by the factored least squares (None if they can): the
     samples kept in memory within the memory budget (not read in passes), the first rank's start and two
-    segments of iterations within the compute budget, and ``MIN_NOISE_DOF`` residual degrees of freedom per
-    half."""
-    q = min(FACTORED_START_RANK, d)
+    segments of iterations within the compute budget, and the calibration's ``min_noise_dof`` residual degrees of
+    freedom per half."""
+    q = min(calibration.factored_start_rank, d)
+    min_dof = calibration.min_noise_dof
     if not samples_in_memory:
         return "the factored least squares fits the samples in memory, and these are read in passes"
-    if _residual_dof(n, T, d, d_v, q, value_map_known) < MIN_NOISE_DOF:
-        return (f"{n} samples leave fewer than {MIN_NOISE_DOF} residual degrees of freedom per half for rank-{q} "
+    if _residual_dof(n, T, d, d_v, q, value_map_known) < min_dof:
+        return (f"{n} samples leave fewer than {min_dof} residual degrees of freedom per half for rank-{q} "
                 f"factors at T={T}, d={d}, d_v={d_v}")
     if not budget.allows_samples(n, T, d, d_v):
         return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
-    if not budget.allows_compute(_stage_cost(n, T, d, d_v, q, value_map_known)):
-        return (f"two segments of {FACTORED_SEGMENT_ITER} iterations of the rank-{q} factored fits on {n} samples "
-                f"exceed the compute budget ({budget.describe()})")
+    if not budget.allows_compute(_stage_cost(n, T, d, d_v, q, value_map_known, calibration)):
+        return (f"two segments of {calibration.factored_segment_iter} iterations of the rank-{q} factored fits on "
+                f"{n} samples exceed the compute budget ({budget.describe()})")
     return None
 
 
-def factored_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET):
+def factored_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, *, calibration=DEFAULT_CALIBRATION):
     """The most samples the factored least squares keeps and fits within the budgets (0 if none)."""
     def fits(n):
         return (budget.allows_samples(n, T, d, d_v)
-                and budget.allows_compute(_stage_cost(n, T, d, d_v, min(FACTORED_START_RANK, d), value_map_known)))
+                and budget.allows_compute(_stage_cost(n, T, d, d_v, min(calibration.factored_start_rank, d),
+                                                      value_map_known, calibration)))
 
     return largest_count(fits, budget.max_samples(T, d, d_v))
 
@@ -122,10 +95,10 @@ def first_order_count(gradients, metric, margin):
     return int(np.sum(s > margin * sd[0])) if sd[0] > 0 else 0
 
 
-def first_order_start_rank(count):
+def first_order_start_rank(count, *, calibration=DEFAULT_CALIBRATION):
     """A first rank for the factors: the smallest power of two at least ``count + 2`` (``count`` from
-    :func:`first_order_count`), and at least ``FACTORED_START_RANK``."""
-    return max(FACTORED_START_RANK, 1 << int(np.ceil(np.log2(count + 2))))
+    :func:`first_order_count`), and at least the calibration's ``factored_start_rank``."""
+    return max(calibration.factored_start_rank, 1 << int(np.ceil(np.log2(count + 2))))
 
 
 def _split_half(K1, K2, metric):
@@ -138,7 +111,7 @@ def _split_half(K1, K2, metric):
 
 
 def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
-                       margin=None, start_rank=None, mask=None):
+                       margin=None, start_rank=None, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """The split-half statistic of the factored least squares.
 
     Parameters
@@ -148,61 +121,65 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     value_map : ndarray of shape (d, d_v) or None
     budget : CostBudget
     max_iter : int or None
-        L-BFGS iterations of each rank's fit at most (None: :data:`rstar.inversions._numerics.softmax_factored.FACTORED_MAX_ITER`, or
-        :data:`rstar.inversions._numerics.softmax_factored.FACTORED_MAX_ITER_FITTED_V` with V fitted).
+        L-BFGS iterations of each rank's fit at most (None: the calibration's ``factored_max_iter``, or
+        ``factored_max_iter_fitted_v`` with V fitted).
     margin : float or None
-        The test's margin (None: :data:`rstar.rules.SPLIT_HALF_MARGIN`).
+        The test's margin (None: the calibration's ``split_half_margin``).
     start_rank : int or None
-        The first rank q (None: :func:`first_order_start_rank`, at least ``FACTORED_START_RANK``).
+        The first rank q (None: :func:`first_order_start_rank`, at least the calibration's ``factored_start_rank``).
     mask : ndarray of bool, shape (T, T), or None
         The logits the attention keeps (causal: :func:`rstar.inversions._numerics.softmax_factored.causal_mask`); None keeps all.
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        The tuned values of the fit and its test (:mod:`rstar.calibration`: ``split_half_margin``, the
+        ``factored_*`` values, ``min_noise_dof``, ...).
 
     Returns
     -------
     WhitenedStatistic
         ``units="logit"``: eigenvalues of ``K~ K~^T / d`` for the whitened half-sum ``K~``.
     """
-    from ..rules.split_half import SPLIT_HALF_MARGIN
-
     (X1, Y1), (X2, Y2) = halves
     n = X1.shape[0] + X2.shape[0]
     _, T, d = X1.shape
     d_v = Y1.shape[2]
     known = value_map is not None
     if max_iter is None:
-        max_iter = sf.FACTORED_MAX_ITER if known else sf.FACTORED_MAX_ITER_FITTED_V
-    metric = sf.token_metric_roots(np.concatenate([X1, X2]))
-    margin = SPLIT_HALF_MARGIN if margin is None else float(margin)
-    seg = FACTORED_SEGMENT_ITER
+        max_iter = calibration.factored_max_iter if known else calibration.factored_max_iter_fitted_v
+    metric = sf.token_metric_roots(np.concatenate([X1, X2]), calibration=calibration)
+    margin = calibration.split_half_margin if margin is None else float(margin)
+    start_rank_min, min_dof = calibration.factored_start_rank, calibration.min_noise_dof
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
     # the first rank: from the split-half count of the gradient of K at K = 0 (the first-order statistic), so
-    # that a large r* does not climb through every doubling; at least FACTORED_START_RANK, within the budget
+    # that a large r* does not climb through every doubling; at least factored_start_rank, within the budget
     grads, uniform_v = [], []
     for X, Y in halves:
-        uniform_v.append(sf.value_map_given_kernel(X, Y, mask=mask) if value_map is None else value_map)
-        grads.append(sf.kernel_gradient(X, X @ uniform_v[-1], Y, mask=mask))
+        uniform_v.append(sf.value_map_given_kernel(X, Y, mask=mask, calibration=calibration) if value_map is None
+                         else value_map)
+        grads.append(sf.kernel_gradient(X, X @ uniform_v[-1], Y, mask=mask, calibration=calibration))
     first_count = first_order_count(grads, metric, margin)
-    q = min(first_order_start_rank(first_count) if start_rank is None else int(start_rank), d)
-    while q > FACTORED_START_RANK and not (budget.allows_compute(spent + 2 * _segment_cost(n, T, d, d_v, q, known))
-                                           and _residual_dof(n, T, d, d_v, q, known) >= MIN_NOISE_DOF):
+    q = min(first_order_start_rank(first_count, calibration=calibration) if start_rank is None else int(start_rank),
+            d)
+    while q > start_rank_min and not (budget.allows_compute(spent + 2 * _segment_cost(n, T, d, d_v, q, known,
+                                                                                      calibration))
+                                      and _residual_dof(n, T, d, d_v, q, known) >= min_dof):
         q //= 2
-    q = min(max(q, FACTORED_START_RANK if start_rank is None else 1), d)
+    q = min(max(q, start_rank_min if start_rank is None else 1), d)
 
     # L-BFGS and its starts in whitened token coordinates (real tokens are far from isotropic)
     pre = (metric[1], metric[0])
-    starts = [sf.gradient_start(X, Y, G, q, V0, mask, pre, active=first_count or None)
+    starts = [sf.gradient_start(X, Y, G, q, V0, mask, pre, active=first_count or None, calibration=calibration)
               for (X, Y), G, V0 in zip(halves, grads, uniform_v)]
     state = {"capped": False}
 
     def can_double():
         nxt = min(2 * q, d)
-        return (nxt > q and _residual_dof(n, T, d, d_v, nxt, known) >= MIN_NOISE_DOF
-                and budget.allows_compute(spent + _stage_cost(n, T, d, d_v, nxt, known)))
+        return (nxt > q and _residual_dof(n, T, d, d_v, nxt, known) >= min_dof
+                and budget.allows_compute(spent + _stage_cost(n, T, d, d_v, nxt, known, calibration)))
 
     def on_check(current, n_iter):
         # every segment: the split-half count; stop to double q, once the count has settled, or at the budget
         nonlocal spent
-        spent += _segment_cost(n, T, d, d_v, q, known)
+        spent += _segment_cost(n, T, d, d_v, q, known, calibration)
         U, s, _, sd = _split_half(current[0].kernel, current[1].kernel, metric)
         edge = sd[0] if sd[0] > 0 else 0.0
         count = (int(np.sum(s > margin * edge)), int(np.sum(s > edge)))
@@ -214,26 +191,27 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         previous = state.get("previous")
         state["previous"] = (count, s)
         state["count"] = count
-        # with V fitted, a count that stands clear of the null (FACTORED_CLEAR_GAP either way, nothing in between)
-        # through FACTORED_CLEAR_CHECKS checks has settled even while the fit still sharpens what it counts
+        # with V fitted, a count that stands clear of the null (factored_clear_gap either way, nothing in between)
+        # through factored_clear_checks checks has settled even while the fit still sharpens what it counts
+        gap, rtol = calibration.factored_clear_gap, calibration.factored_stable_rtol
         k = count[0]
-        clear = (not known and k == count[1] and (k == 0 or s[k - 1] >= FACTORED_CLEAR_GAP * margin * edge)
-                 and (s.size <= k or s[k] * FACTORED_CLEAR_GAP <= edge))
+        clear = (not known and k == count[1] and (k == 0 or s[k - 1] >= gap * margin * edge)
+                 and (s.size <= k or s[k] * gap <= edge))
         state["clear"] = state["clear"] + 1 if clear and previous is not None and previous[0] == count else int(clear)
         if ((previous is not None and previous[0][0] == count[0]
-                and np.allclose(s[:count[0]], previous[1][:count[0]], rtol=FACTORED_STABLE_RTOL, atol=0.0))
-                or state["clear"] >= FACTORED_CLEAR_CHECKS):
+                and np.allclose(s[:count[0]], previous[1][:count[0]], rtol=rtol, atol=0.0))
+                or state["clear"] >= calibration.factored_clear_checks):
             state["outcome"] = "settled"
             return True
         state["segments"] += 1
-        # a fit that uses all q directions and still reshapes its leading one after FACTORED_UNSETTLED_SEGMENTS
+        # a fit that uses all q directions and still reshapes its leading one after factored_unsettled_segments
         # segments is below r*; a fit with directions to spare is waiting out a transient (V fitted on real tokens)
-        moving = previous is not None and s[0] > 0 and abs(s[0] - previous[1][0]) > FACTORED_STABLE_RTOL * s[0]
-        filled = s.size >= q and s[q - 1] > FACTORED_FILL_RATIO * s[0]
-        if state["segments"] >= FACTORED_UNSETTLED_SEGMENTS and moving and filled and can_double():
+        moving = previous is not None and s[0] > 0 and abs(s[0] - previous[1][0]) > rtol * s[0]
+        filled = s.size >= q and s[q - 1] > calibration.factored_fill_ratio * s[0]
+        if state["segments"] >= calibration.factored_unsettled_segments and moving and filled and can_double():
             state["outcome"] = "double"
             return True
-        if not budget.allows_compute(spent + _segment_cost(n, T, d, d_v, q, known)):
+        if not budget.allows_compute(spent + _segment_cost(n, T, d, d_v, q, known, calibration)):
             state["outcome"] = "budget"
             return True
         return False
@@ -241,15 +219,17 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     while True:
         state.update(outcome=None, previous=None, count=None, segments=0, clear=0)
         fits = sf.fit_factored_pair(halves, q, starts, value_map=value_map, mask=mask, max_iter=max_iter,
-                                    precondition=pre, on_check=on_check, check_every=FACTORED_SEGMENT_ITER)
+                                    precondition=pre, on_check=on_check, check_every=calibration.factored_segment_iter,
+                                    calibration=calibration)
         if state["outcome"] != "double":
             break
         # nearly every direction stands above the null, or the count has not settled in
-        # FACTORED_UNSETTLED_SEGMENTS segments: r* may exceed q, so double it from the fits at hand, where d, the
+        # factored_unsettled_segments segments: r* may exceed q, so double it from the fits at hand, where d, the
         # residual degrees of freedom and the compute budget (its start and two segments) allow
         q = min(2 * q, d)
         spent += sf.factored_start_cost(n, T, d, d_v, known)
-        starts = [(*sf.extended_start(X, Y, f, q, mask, pre), f.value_map) for (X, Y), f in zip(halves, fits)]
+        starts = [(*sf.extended_start(X, Y, f, q, mask, pre, calibration=calibration), f.value_map)
+                  for (X, Y), f in zip(halves, fits)]
     iters = fits[0].n_iter
     capped = state["capped"]
     stable = state["outcome"] == "settled" or all(f.converged for f in fits)
@@ -260,14 +240,10 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     rss = sum(f.rss for f in fits)
     dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
     sigma2 = rss / max(dof, 1)
-    warnings = []
-    if not stable:
-        warnings.append((UnidentifiableRankWarning,
-                         f"the factored least squares ran {iters} L-BFGS iterations per half at rank q = {q} "
-                         f"{'(the compute budget ran out) ' if budget_out else ''}and the split-half count was "
-                         f"still changing ({count[0]} above the margin, {count[1]} above the null): rank_ may be "
-                         f"off; rank_interval_ is widened to (0, {q}). A larger compute_budget, more samples or "
-                         "fewer features would help."))
+    # whether the fit settled, and what ran out: facts for rstar.rules.identifiability
+    findings = [Finding("factored_fit", {"settled": bool(stable), "iterations": int(iters), "fitted_rank": int(q),
+                                         "budget_ran_out": bool(budget_out), "count": count, "capped": bool(capped),
+                                         "features": int(d)})]
     K = (fits[0].kernel + fits[1].kernel) / 2
     V = value_map if known else (fits[0].value_map + fits[1].value_map) / 2
     lam = s**2 / d
@@ -275,13 +251,8 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
                          noise_dof=float(dof), fitted_rank=int(q), rank_cap=int(q if capped else d), kernel=K,
                          value_map=V, metric=metric, singular_vectors=(U, s, W),
                          half_kernels=tuple((f.A, f.B) for f in fits))
-    ws = WhitenedStatistic(lam, U, metric[1], float(n * d_v), null, FACTORED_NAME, (), warnings, "logit")
-    if warnings:
-        ws.rank_bounds = (0, int(q))
-    elif capped and count[1] >= q - 1:
-        # the count filled the largest q allowed: the rule warns and reaches d; a risk curve measured against
-        # this fit may fall short of the unconstrained model as well
-        ws.rank_bounds = (0, int(d))
+    ws = WhitenedStatistic(lam, U, metric[1], float(n * d_v), null, FACTORED_NAME, (), [], "logit",
+                           findings=findings)
     return ws
 
 
@@ -300,7 +271,8 @@ def truncated_kernel(ws, r):
     return Mq_inv @ (U[:, :r] * s[:r]), Mk_inv @ W[:, :r]
 
 
-def factored_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False):
+def factored_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False, *,
+                            calibration=DEFAULT_CALIBRATION):
     """Cross-fitted residual sums of squares of the rank-r models for r in ``ranks`` (None: the fitted kernels
     themselves): each half's kernel, truncated to rank r in the token metric (V known, or refitted on that
     half given the truncation's attention), is measured on the *other* half, and the two sums are added.
@@ -327,13 +299,14 @@ def factored_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=
         parts = []
         for (A_h, B_h), (Xf, Yf), (Xo, Yo) in zip(ws.null.half_kernels, halves, halves[::-1]):
             A, B = (A_h, B_h) if r is None else _truncation(metric, A_h, B_h, r)
-            V = value_map if value_map is not None else sf.value_map_given_kernel(Xf, Yf, A, B, mask)
-            parts.append(sf.factored_sample_rss(Xo, Xo @ V, Yo, A, B, mask))
+            V = (value_map if value_map is not None
+                 else sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration))
+            parts.append(sf.factored_sample_rss(Xo, Xo @ V, Yo, A, B, mask, calibration=calibration))
         out.append(np.concatenate(parts) if per_sample else float(sum(np.sum(p) for p in parts)))
     return out
 
 
-def factored_half_disagreement(ws, halves, value_map, mask=None):
+def factored_half_disagreement(ws, halves, value_map, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """How far the two halves' full fits disagree: ``sum_i ||f_1(X_i) - f_2(X_i)||^2 / (4 TSS)`` over every sample
     (both halves), TSS the total sum of squares of Y about each half's mean.
 
@@ -345,16 +318,18 @@ def factored_half_disagreement(ws, halves, value_map, mask=None):
     """
     models = []
     for (A, B), (X, Y) in zip(ws.null.half_kernels, halves):
-        models.append((A, B, value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask)))
+        models.append((A, B, value_map if value_map is not None
+                       else sf.value_map_given_kernel(X, Y, A, B, mask, calibration=calibration)))
     dis, tss = 0.0, 0.0
     (A1, B1, V1), (A2, B2, V2) = models
     for X, Y in halves:
-        dis += float(np.sum(sf.factored_sample_disagreement(X, (X @ V1, A1, B1), (X @ V2, A2, B2), mask)))
+        dis += float(np.sum(sf.factored_sample_disagreement(X, (X @ V1, A1, B1), (X @ V2, A2, B2), mask,
+                                                            calibration=calibration)))
         tss += total_sum_of_squares(centred_sums(X, Y))
     return dis / (4.0 * tss) if tss > 0 else 0.0
 
 
-def factored_output_distances(ws, samples, value_map, ranks, mask=None):
+def factored_output_distances(ws, samples, value_map, ranks, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """Each sample's squared distance between the outputs of the half-sum's rank-r truncation and of its full
     kernel, ``||P_i(K_r) X_i V_r - P_i(K) X_i V||^2``, for r in ``ranks``: the models ``predict`` uses (V known, or
     refitted on ``samples`` given each kernel's attention, as :func:`factored_operator`), on ``samples``.
@@ -376,23 +351,23 @@ def factored_output_distances(ws, samples, value_map, ranks, mask=None):
     Z_known = None if value_map is None else X @ value_map
 
     def model(r):
-        A, B, V = _truncated_model(ws, samples, value_map, min(top, r), mask)
+        A, B, V = _truncated_model(ws, samples, value_map, min(top, r), mask, calibration)
         return (X @ V if Z_known is None else Z_known), A, B
 
-    full = sf.factored_outputs(X, *model(top), mask)
+    full = sf.factored_outputs(X, *model(top), mask, calibration=calibration)
     # each rank's model measured against the full model's outputs (computed once)
-    return [sf.factored_sample_rss(X, Z, full, A, B, mask) for Z, A, B in map(model, ranks)]
+    return [sf.factored_sample_rss(X, Z, full, A, B, mask, calibration=calibration) for Z, A, B in map(model, ranks)]
 
 
-def _truncated_model(ws, samples, value_map, rank, mask=None):
+def _truncated_model(ws, samples, value_map, rank, mask=None, calibration=DEFAULT_CALIBRATION):
     """``(A, B, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` given its attention."""
     X, Y = samples
     A, B = truncated_kernel(ws, rank)
-    V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask)
+    V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask, calibration=calibration)
     return A, B, V
 
 
-def factored_operator(ws, samples, value_map, rank, mask=None):
+def factored_operator(ws, samples, value_map, rank, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """``(K, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` (for ``predict``)."""
-    A, B, V = _truncated_model(ws, samples, value_map, rank, mask)
+    A, B, V = _truncated_model(ws, samples, value_map, rank, mask, calibration)
     return A @ B.T, V

@@ -9,8 +9,9 @@ from .._backend import NUMPY
 from ._numerics.linalg import solve_psd
 from ..streaming import ArraySamples
 from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_fit_cost
-from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
-from ._base import MIN_NOISE_DOF, KeptSamplesMixin, kept_half, operator_residuals, with_warning
+from ..calibration import DEFAULT_CALIBRATION
+
+from ._base import KeptSamplesMixin, fell_back, kept_half, operator_residuals
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
 from ._numerics.softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
 from .query_key import QueryKeyInversion
@@ -28,24 +29,15 @@ from .softmax_factored import (
 __all__ = ["SoftmaxLeastSquaresInversion", "softmax_fit_sizes_fit", "softmax_fit_blocker", "softmax_fit_capacity",
            "softmax_fit_starts"]
 
-#: With V unknown the fit runs only where the F test of ``V = 0`` under uniform attention rejects at this level.
-VALUE_SIGNAL_ALPHA = 1e-3
-#: It falls back to first order (with a warning) where its residual variance exceeds this many times
-#: the power per degree of freedom outside col(P X_i) (the model does not hold).
-SOFTMAX_MISFIT = 1.1
-#: With V unknown and no residual outside col(P X_i) to check the fit against (T - 1 <= d), the least squares
-#: also starts from this many seeded random kernels (of the norm of the fit from K = 0) and keeps the lowest
-#: residual (:func:`softmax_fit_starts`; the compute budget counts every start): there a local minimum cannot be
-#: told from the model's failure. Measured on MiniLM's layer-0 tokens in windows of T = 8 projected to d = 16
-#: ([CLS] and [SEP] rows identical in every sample), planted r* = 3, V unknown: the fit from K = 0 stopped at a
-#: residual sum of squares of 651 (the truth's: 209) and read 11; five of six random starts reached 208.7 and
-#: read 3.
-SOFTMAX_RESTARTS = 2
+def softmax_fit_starts(T, d, value_map_known, *, calibration=DEFAULT_CALIBRATION):
+    """How many starts the least squares runs: 1 + the calibration's ``softmax_restarts`` with V unknown and
+    ``T - 1 <= d``, else 1.
 
-
-def softmax_fit_starts(T, d, value_map_known):
-    """How many starts the least squares runs: ``1 + SOFTMAX_RESTARTS`` with V unknown and ``T - 1 <= d``, else 1."""
-    return 1 + SOFTMAX_RESTARTS if not value_map_known and T - 1 <= d else 1
+    With V unknown and no residual outside col(P X_i) to check the fit against (``T - 1 <= d``) a local minimum
+    cannot be told from the model's failure, so the fit also starts from seeded random kernels (of the norm of the
+    fit from K = 0) and keeps the lowest residual; the compute budget counts every start.
+    """
+    return 1 + calibration.softmax_restarts if not value_map_known and T - 1 <= d else 1
 
 
 def residual_dof(n, T, d, d_v, value_map_known=False):
@@ -53,43 +45,50 @@ def residual_dof(n, T, d, d_v, value_map_known=False):
     return n * T * d_v - d * d - (0 if value_map_known else d * d_v)
 
 
-def softmax_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
+def softmax_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True, *,
+                        calibration=DEFAULT_CALIBRATION):
     """Why n samples of this shape cannot be fitted by least squares (None if they can): kept within the memory
     budget (unless ``samples_in_memory=False``: the fit then reads them in passes, e.g.
     :meth:`rstar.RStarEstimator.fit_batches`), fitted within the compute budget
     (:func:`rstar.budgets.softmax_fit_cost`), their information formed within it
-    (:func:`rstar.budgets.information_cost`), and ``MIN_NOISE_DOF`` residual degrees of freedom."""
-    if residual_dof(n, T, d, d_v, value_map_known) < MIN_NOISE_DOF:
-        return (f"{n} samples leave fewer than {MIN_NOISE_DOF} residual degrees of freedom for the least squares "
-                f"at T={T}, d={d}, d_v={d_v}")
+    (:func:`rstar.budgets.information_cost`), and the calibration's ``min_noise_dof`` residual degrees of
+    freedom."""
+    if residual_dof(n, T, d, d_v, value_map_known) < calibration.min_noise_dof:
+        return (f"{n} samples leave fewer than {calibration.min_noise_dof} residual degrees of freedom for the least "
+                f"squares at T={T}, d={d}, d_v={d_v}")
     if samples_in_memory and not budget.allows_samples(n, T, d, d_v):
         return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
     if not budget.allows_kernel_matrix(d):
         return (f"the information of K (d^2 x d^2 at d={d}, {8 * d**4 / 2**20:.4g} MiB) exceeds half the memory "
                 f"budget ({budget.describe()})")
-    if not budget.allows_compute(softmax_fit_cost(n, T, d, d_v) * softmax_fit_starts(T, d, value_map_known)):
+    if not budget.allows_compute(softmax_fit_cost(n, T, d, d_v, calibration=calibration)
+                                 * softmax_fit_starts(T, d, value_map_known, calibration=calibration)):
         return f"the fit on {n} samples exceeds the compute budget ({budget.describe()})"
     if not budget.allows_compute(information_cost(n, T, d, d_v, not value_map_known)):
         return f"the information of K (d^2 x d^2 at d={d}) exceeds the compute budget ({budget.describe()})"
     return None
 
 
-def softmax_fit_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
+def softmax_fit_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True, *,
+                         calibration=DEFAULT_CALIBRATION):
     """The most samples the least squares can be fitted on within the budgets: kept within the memory budget
     (unless ``samples_in_memory=False``), the fit and its information within the compute budget (the costs grow
     with n; the degrees-of-freedom condition is not part of it). 0 if none."""
     def fits(n):
         if samples_in_memory and not budget.allows_samples(n, T, d, d_v):
             return False
-        return (budget.allows_compute(softmax_fit_cost(n, T, d, d_v) * softmax_fit_starts(T, d, value_map_known))
+        return (budget.allows_compute(softmax_fit_cost(n, T, d, d_v, calibration=calibration)
+                                      * softmax_fit_starts(T, d, value_map_known, calibration=calibration))
                 and budget.allows_compute(information_cost(n, T, d, d_v, not value_map_known)))
 
     return largest_count(fits, budget.max_samples(T, d, d_v) if samples_in_memory else 2**62)
 
 
-def softmax_fit_sizes_fit(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True):
+def softmax_fit_sizes_fit(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True, *,
+                          calibration=DEFAULT_CALIBRATION):
     """Whether n samples of this shape can be fitted by least squares (:func:`softmax_fit_blocker` is None)."""
-    return softmax_fit_blocker(n, T, d, d_v, value_map_known, budget, samples_in_memory) is None
+    return softmax_fit_blocker(n, T, d, d_v, value_map_known, budget, samples_in_memory,
+                               calibration=calibration) is None
 
 
 class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
@@ -99,7 +98,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     ``Y_i = softmax(X_i K X_i^T / sqrt(d)) X_i V + E_i``, with V known or
     profiled out (:func:`rstar.inversions._numerics.softmax_ls.fit_softmax_least_squares`, L-BFGS
     from ``K = 0``; with V unknown and ``T - 1 <= d`` also from
-    ``SOFTMAX_RESTARTS`` seeded random kernels, the lowest residual kept).
+    the calibration's ``softmax_restarts`` seeded random kernels, the lowest residual kept).
     Unlike the first-order inversion it leaves no
     higher-order terms in a structured bulk, and unlike the exact (log-domain)
     inversion it needs neither ``T <= d`` nor a known V. To first order the
@@ -120,18 +119,18 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     notes it), or on all of them read in passes from a
     :class:`rstar.streaming.Samples` source. The fit runs while its cost
     and that of its information are within the compute budget and the
-    residual has at least ``MIN_NOISE_DOF`` degrees of freedom
+    residual has at least the calibration's ``min_noise_dof`` degrees of freedom
     (:func:`softmax_fit_sizes_fit`); otherwise this is the first-order inversion
     (:class:`QueryKeyInversion` with ``centred=True``). So it is too where,
     with V unknown, the data show no value signal (the F test of ``V = 0``
-    under uniform attention does not reject at ``VALUE_SIGNAL_ALPHA``,
+    under uniform attention does not reject at ``value_signal_alpha``,
     :meth:`value_signal_p_value`): K is then not identified, and its least
     squares runs off to hard attention that fits the noise. And where the
-    fit's residual variance exceeds ``SOFTMAX_MISFIT`` times the power per
+    fit's residual variance exceeds ``least_squares_misfit_ratio`` times the power per
     degree of freedom outside ``col(P X_i)`` (which softmax data fill with
     the noise plus the higher-order terms), the model does not hold (e.g.
     linear-QK data): first order again, with an ``UnidentifiableRankWarning``;
-    likewise where L-BFGS stops at ``SOFTMAX_MAX_ITER`` iterations before
+    likewise where L-BFGS stops at ``softmax_max_iter`` iterations before
     converging (the null draws are the noise of a minimum, not of the
     optimiser's error).
 
@@ -158,9 +157,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     name = "softmax_least_squares"
 
     def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, predict_sums=True,
-                 causal=False):
+                 causal=False, calibration=None):
         super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
-                         n_null_draws=n_null_draws, predict_sums=predict_sums)
+                         n_null_draws=n_null_draws, predict_sums=predict_sums, calibration=calibration)
         self.causal = bool(causal)
 
     def _mask(self, stats):
@@ -190,8 +189,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         stats = super().new_stats(T, d, d_v)
         # the prefix kept beyond the budgets: as many samples as the least squares can be fitted on
         known = self.value_map is not None
-        stats["prefix_capacity"] = (factored_capacity(T, d, d_v, known, self.budget) if self._factored_shape(d)
-                                    else softmax_fit_capacity(T, d, d_v, known, self.budget))
+        cal = self.calibration
+        stats["prefix_capacity"] = (factored_capacity(T, d, d_v, known, self.budget, calibration=cal)
+                                    if self._factored_shape(d)
+                                    else softmax_fit_capacity(T, d, d_v, known, self.budget, calibration=cal))
         return stats
 
     def fit_possible(self, stats, samples=None):
@@ -199,10 +200,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         source read in passes) and :func:`softmax_fit_sizes_fit` allows the fit on them."""
         if samples is not None:
             return softmax_fit_sizes_fit(stats["n"], *stats["dims"], value_map_known=self.value_map is not None,
-                                         budget=self.budget, samples_in_memory=False)
+                                         budget=self.budget, samples_in_memory=False, calibration=self.calibration)
         kept = self.n_samples_kept(stats)
         return kept > 0 and softmax_fit_sizes_fit(kept, *stats["dims"], value_map_known=self.value_map is not None,
-                                                  budget=self.budget)
+                                                  budget=self.budget, calibration=self.calibration)
 
     def _prefix_statistics(self, stats):
         """Where only the leading samples are kept: the sums of those samples alone, with them (so the least
@@ -226,7 +227,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         and :func:`rstar.inversions.softmax_factored.factored_fit_blocker` None for them."""
         kept = self.n_samples_kept(stats)
         return (samples is None and kept > 0
-                and factored_fit_blocker(kept, *stats["dims"], self.value_map is not None, self.budget) is None)
+                and factored_fit_blocker(kept, *stats["dims"], self.value_map is not None, self.budget,
+                                         calibration=self.calibration) is None)
 
     def default_run(self, stats, samples=None):
         """The least squares where :meth:`fit_possible` (the factored one at a d whose information exceeds the
@@ -239,16 +241,16 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """The samples :meth:`rank_residuals` measures on: the kept halves where the factored least squares ran
         (its curve is cross-fitted on them), else ``samples``."""
         if ws.inversion == self.factored_name:
-            return ArraySamples(*self._in_memory(stats))
+            return ArraySamples(*self._in_memory(stats), self.calibration.chunk_entries)
         return samples
 
-    @staticmethod
-    def _samples(stats, samples=None):
+    def _samples(self, stats, samples=None):
         """The samples: the source given, else the kept halves (odd then even) as arrays in memory."""
         if samples is not None:
             return samples
         parts = [kept_half(stats, key) for key in ("samples_odd", "samples_even") if stats[key]]
-        return ArraySamples(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+        return ArraySamples(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                            self.calibration.chunk_entries)
 
     def value_signal_p_value(self, stats, Y):
         """p-value of the F test of ``V = 0`` under uniform attention (``Y_i ~ 1 xbar_i^T V``).
@@ -271,10 +273,11 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         return float(f_dist.sf((explained / (d * d_v)) / (resid / dof), d * d_v, dof))
 
     def _value_signal(self, stats, y_power):
-        """Outputs not all zero, and a known V or the F test of ``V = 0`` rejects at ``VALUE_SIGNAL_ALPHA``."""
+        """Outputs not all zero, and a known V or the F test of ``V = 0`` rejects at ``value_signal_alpha``."""
         if not y_power > 0:
             return False
-        return self.value_map is not None or self.value_signal_p_value(stats, y_power) <= VALUE_SIGNAL_ALPHA
+        return (self.value_map is not None
+                or self.value_signal_p_value(stats, y_power) <= self.calibration.value_signal_alpha)
 
     def whiten(self, stats, run=None, samples=None, ops=NUMPY):
         """The statistic of ``run``; the least squares reads the kept samples, or ``samples`` (a
@@ -297,68 +300,48 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         source = self._samples(stats, samples)
         y_power = source.y_sum_of_squares()
         if not y_power > 0:
-            return with_warning(first_order(stats), UnidentifiableRankWarning,
-                "the outputs Y are all zero: there is no signal to fit. Fallback in use: the first-order "
-                "inversion (rank_ 0).")
+            return fell_back(first_order(stats), "no_output")
         if not self._value_signal(stats, y_power):
             # no value signal: the first-order inversion's null is calibrated without one
-            return with_warning(first_order(stats), UnidentifiableRankWarning,
-                f"the outputs show no value signal (the F test of V = 0 under uniform attention does not reject "
-                f"at {VALUE_SIGNAL_ALPHA:g}), so the least squares cannot identify K (it would run off to hard "
-                "attention that fits the noise). Fallback in use: the first-order inversion, whose null holds "
-                "without a value signal; a known value_map or more samples would identify K.")
+            return fell_back(first_order(stats), "no_value_signal", alpha=self.calibration.value_signal_alpha)
         if run == self.factored_name:
-            ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats))
+            ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats),
+                                    calibration=self.calibration)
             self._factored_cache = (self._stats_key(stats), ws)   # for predict's operator: fitted once
             return ws
         K, V, sigma2, converged = self._fit(source, ops=ops)
         if samples is None:
             # the full-rank fit from K = 0, as fit_operator starts from: fitted once for both
             self._full_fit_cache = (self._stats_key(stats), K)
-        if converged and softmax_fit_starts(T, d, self.value_map is not None) > 1:
+        if converged and softmax_fit_starts(T, d, self.value_map is not None, calibration=self.calibration) > 1:
             K, V, sigma2, converged = self._best_of_restarts(source, (K, V, sigma2, converged), ops)
         # the least-squares operator at full rank (the model check's), in the units of the sums
         self._full_rank_operator = (self._stats_key(stats), SoftmaxOperator(K, V) if converged else None)
         dof = self.residual_dof(source.n_samples, T, d, d_v, self.value_map is not None)
-        if (converged and stats["res_dof"] >= MIN_NOISE_DOF
-                and sigma2 > SOFTMAX_MISFIT * stats["res"] / stats["res_dof"]):
+        if (converged and stats["res_dof"] >= self.calibration.min_noise_dof
+                and sigma2 > self.calibration.least_squares_misfit_ratio * stats["res"] / stats["res_dof"]):
             # softmax data leave at least the noise outside col(P X_i) (plus the higher-order terms), and
             # the model's own fit no more than the noise: a larger residual says the model does not hold
-            fallback = first_order(stats)
-            # the softmax class's r* is not defined for data outside it: every rank stays possible (the
-            # first-order count is a linear-QK reading, which operator='linear_qk' makes and checks)
-            fallback.rank_bounds = (0, d)
-            return with_warning(fallback, UnidentifiableRankWarning,
-                f"the least-squares fit of softmax attention leaves {sigma2 * stats['res_dof'] / stats['res']:.2f} "
-                "times the residual power found outside col(P X_i): the data do not follow "
-                "softmax(X K X^T / sqrt(d)) X V (e.g. linear query-key attention: use "
-                "operator='linear_qk'; or X and Y swapped: X the inputs, Y the outputs). Fallback in use: the "
-                "first-order inversion, which holds for "
-                f"both; as a rank of softmax attention its count is not identified: rank_interval_ is (0, {d}).")
+            return fell_back(first_order(stats), "softmax_misfit", ratio=sigma2 * stats["res_dof"] / stats["res"],
+                             features=d)
         if not converged:
             # the null draws are the noise of a minimum: an unconverged K holds the optimiser's error too
             # (on a held-out Student-t task, r* = 4 read 62)
-            return with_warning(first_order(stats), UnidentifiableRankWarning,
-                f"the least-squares fit of the softmax kernel stopped after "
-                f"{_softmax_ls.SOFTMAX_MAX_ITER} L-BFGS iterations before converging (a flat or "
-                "badly conditioned loss, e.g. heavy-tailed tokens with few samples). Fallback in "
-                "use: the first-order inversion.")
+            return fell_back(first_order(stats), "not_converged", max_iter=self.calibration.softmax_max_iter)
         F = _softmax_ls.softmax_kernel_information_matrix(source, K, V, value_map_fitted=self.value_map is None,
                                                           ops=ops)
         F = F + 1e-10 * max(float(np.trace(F)) / F.shape[0], np.finfo(float).tiny) * np.eye(F.shape[0])
         try:
             L = linalg.cholesky(F, lower=True, check_finite=False)
         except linalg.LinAlgError:
-            return with_warning(first_order(stats), IllConditionedInversionWarning,
-                "the information of the least-squares softmax kernel is singular (directions of K "
-                "that no sample's attention sees). Fallback in use: the first-order inversion.")
+            return fell_back(first_order(stats), "singular_information")
         A, B = nearest_kronecker_product(F, d)
         # draws of the estimate's noise to first order: vec N ~ N(0, sigma2 F^{-1})
         return kernel_statistic_with_null_draws(K, L, A, B, sigma2, dof, [], inversion=self.name, seed=self.seed,
                                                 n_draws=self.n_null_draws, noise_source="least-squares residual")
 
     def _best_of_restarts(self, samples, first, ops=NUMPY):
-        """The fit of lowest residual among ``first`` (from K = 0) and ``SOFTMAX_RESTARTS`` fits from seeded random
+        """The fit of lowest residual among ``first`` (from K = 0) and ``softmax_restarts`` fits from seeded random
         kernels of the norm of ``first``'s (an unconverged restart is not kept)."""
         best = first
         scale = float(np.linalg.norm(first[0]))
@@ -366,7 +349,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             return best
         rng = np.random.default_rng(self.seed)
         d = first[0].shape[0]
-        for _ in range(SOFTMAX_RESTARTS):
+        for _ in range(self.calibration.softmax_restarts):
             G = rng.standard_normal((d, d))
             fit = self._fit(samples, K0=G * (scale / np.linalg.norm(G)), ops=ops)
             if fit[3] and fit[2] < best[2]:
@@ -389,7 +372,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         scaled = samples.rescaled(sx, sy)
         K, V, rss, converged = _softmax_ls.fit_softmax_least_squares(
             scaled, None, V0, None if K0 is None else K0 * sx**2, basis, ops=ops,
-            precondition=token_metric_roots_of_sums(scaled.map_sum(token_metric_sums, T)))
+            precondition=token_metric_roots_of_sums(scaled.map_sum(token_metric_sums, T, self.calibration)),
+            calibration=self.calibration)
         sigma2 = rss * sy**2 / self.residual_dof(samples.n_samples, T, d, d_v, self.value_map is not None)
         return K / sx**2, V * (sy / sx), sigma2, converged
 
@@ -398,19 +382,21 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         if ws.inversion != self.factored_name:
             return None
         return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
-                                       per_sample=True)
+                                       per_sample=True, calibration=self.calibration)
 
     def half_disagreement(self, stats, ws):
         """The factored run's :func:`factored_half_disagreement` (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        return factored_half_disagreement(ws, self._halves(stats), self.value_map, self._mask(stats))
+        return factored_half_disagreement(ws, self._halves(stats), self.value_map, self._mask(stats),
+                                          calibration=self.calibration)
 
     def rank_output_distance_samples(self, stats, ws, ranks):
         """The factored run's :func:`factored_output_distances` (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        return factored_output_distances(ws, self._in_memory(stats), self.value_map, ranks, self._mask(stats))
+        return factored_output_distances(ws, self._in_memory(stats), self.value_map, ranks, self._mask(stats),
+                                         calibration=self.calibration)
 
     def curve_rank_limit(self, ws):
         """The factored run's half models have rank q and their half-sum at most 2q: nothing changes beyond."""
@@ -429,7 +415,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         closed-form operators are used instead (:meth:`Inversion.rank_residuals`).
         """
         if ws.inversion == self.factored_name:
-            return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats))
+            return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
+                                           calibration=self.calibration)
         if ws.inversion != self.name:
             return operator_residuals(lambda basis: self.first_order_operator(stats, basis), ws, ranks, samples)
         if self._on_prefix(stats, samples):
@@ -437,7 +424,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         source = self._samples(stats, samples)
         Kt = ws.null.statistic_matrix
         A_inv_half, B_inv_half = ws.null.factors[3], ws.null.factors[4]
-        loss = _softmax_ls.SoftmaxLeastSquaresLoss(source, None, self.value_map, ops=ops)
+        loss = _softmax_ls.SoftmaxLeastSquaresLoss(source, None, self.value_map, ops=ops,
+                                                   max_cached_weights=self.calibration.max_cached_weights)
         out = []
         for r in ranks:
             U = ws.eigenvectors if r is None else ws.eigenvectors[:, :r]
@@ -476,7 +464,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             ws = self._factored_ws(stats)
             if ws.inversion == self.factored_name:
                 K, V = factored_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0],
-                                         self._mask(stats))
+                                         self._mask(stats), calibration=self.calibration)
                 return SoftmaxOperator(K, V, causal=getattr(self, "causal", False))
         if self._on_prefix(stats, samples) and self.fit_possible(stats):
             return self.fit_operator(self._prefix_statistics(stats), basis, ops=ops)
@@ -488,7 +476,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         d = stats["dims"][1]
         if basis.shape[0] == 0:
             K = np.zeros((d, d))
-            V, _ = _softmax_ls.SoftmaxLeastSquaresLoss(source, None, self.value_map, ops=ops).value_map(K)
+            V, _ = _softmax_ls.SoftmaxLeastSquaresLoss(source, None, self.value_map, ops=ops,
+                                                       max_cached_weights=self.calibration.max_cached_weights
+                                                       ).value_map(K)
             return SoftmaxOperator(K, V)
         cached = getattr(self, "_full_fit_cache", None) if samples is None else None
         if cached is not None and cached[0] == self._stats_key(stats):

@@ -5,8 +5,8 @@ from scipy import linalg
 
 from ._numerics import bilinear as _bilinear
 from ._numerics.linalg import sym
+from ..calibration import DEFAULT_CALIBRATION
 from ._base import (
-    MIN_NOISE_DOF,
     Inversion,
     eigh_descending,
     keep_half_samples,
@@ -17,14 +17,6 @@ from ._kernel import LinearProxyOperator
 from ._statistic import CoherentEvidence, WhitenedStatistic, WishartNull
 
 __all__ = ["TokenInversion", "proxy_coherent_spectrum", "moment_sums_fit"]
-
-#: The coherent statistic's bilinear fit on the odd half stops once an iteration adds less than this
-#: fraction to the explained sum of squares: any V estimate independent of the even half gives a valid
-#: test, its accuracy only sets the power, and without signal the factors never converge.
-COHERENT_FIT_TOL = 1e-4
-#: ... and after at most this many iterations (a null fit creeps on for hundreds).
-COHERENT_MAX_ITER = 50
-
 
 def moment_sums_fit(budget, T, d, d_v):
     """Whether the linear proxy's moment sums (``(T d)^2`` and ``T d T d_v`` entries, and the odd half's copy)
@@ -122,14 +114,15 @@ class TokenInversion(Inversion):
         lam, vecs = eigh_descending(stats["YY"] / m)
         noise, dof = None, 0.0
         Td = T * stats["dims"][1]
-        if stats["HZ"] is not None and T * d_v * (n - Td) >= MIN_NOISE_DOF:
+        min_dof = self.calibration.min_noise_dof
+        if stats["HZ"] is not None and T * d_v * (n - Td) >= min_dof:
             fitted, rank_H = _regression_fit(stats["HZ"].reshape(Td, Td), stats["FZ"].reshape(Td, -1))
             dof = T * d_v * n - rank_H * T * d_v
-            if dof >= MIN_NOISE_DOF:
+            if dof >= min_dof:
                 noise = max(stats["yy"] - fitted, 0.0) / dof
         coherent, coh_noise, coh_dof = None, None, None
         if stats.get("HZ_odd") is not None or stats.get("samples_odd") is not None:
-            coherent = proxy_coherent_spectrum(stats)
+            coherent = proxy_coherent_spectrum(stats, calibration=self.calibration)
             if coherent is not None and noise is None:
                 # n <= T d: no regression residual; the even half's restricted residual serves the
                 # coherent test alone (the second-moment test keeps its bulk estimate)
@@ -147,7 +140,7 @@ class TokenInversion(Inversion):
         return LinearProxyOperator(L, R)
 
 
-def proxy_coherent_spectrum(stats):
+def proxy_coherent_spectrum(stats, *, calibration=DEFAULT_CALIBRATION):
     r"""Coherent statistic of the linear proxy from split-half fits (None if a half is too small).
 
     Under ``Y_i = A X_i V + E_i`` every sample carries the same A, so a
@@ -175,21 +168,23 @@ def proxy_coherent_spectrum(stats):
     the memory budget): the same fit, each
     iteration a pass over the odd samples
     (:func:`rstar.inversions._numerics.bilinear.fit_bilinear_samples`), and ``Ω``, ``R`` from one
-    pass over the even ones. The bilinear fit stops after
-    ``COHERENT_MAX_ITER`` iterations or once one adds less than
-    ``COHERENT_FIT_TOL`` of the explained sum of squares: U only sets the
+    pass over the even ones. The bilinear fit stops after the calibration's
+    ``coherent_max_iter`` iterations or once one adds less than
+    ``coherent_fit_tol`` of the explained sum of squares: U only sets the
     power.
 
     Parameters
     ----------
     stats : dict
         :class:`TokenInversion` statistics with the odd-sample moment sums.
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``coherent_max_iter``, ``coherent_fit_tol`` and ``min_noise_dof`` (:mod:`rstar.calibration`).
 
     Returns
     -------
     (eigenvalues, n_columns, noise_variance, noise_dof) or None
         ``noise_variance`` is None when the restricted residual has fewer
-        than ``MIN_NOISE_DOF`` degrees of freedom.
+        than the calibration's ``min_noise_dof`` degrees of freedom.
 
     Examples
     --------
@@ -217,11 +212,12 @@ def proxy_coherent_spectrum(stats):
         if not stats.get("samples_odd") or not stats.get("samples_even"):
             return None
         X_odd, Y_odd = kept_half(stats, "samples_odd")
-        _, U = _bilinear.fit_bilinear_samples(X_odd, Y_odd, max_iter=COHERENT_MAX_ITER, fit_tol=COHERENT_FIT_TOL)
+        _, U = _bilinear.fit_bilinear_samples(X_odd, Y_odd, max_iter=calibration.coherent_max_iter,
+                                              fit_tol=calibration.coherent_fit_tol)
         del X_odd, Y_odd
     else:
-        _, U = _bilinear.fit_bilinear(stats["HZ_odd"], stats["FZ_odd"], np.eye(T), max_iter=COHERENT_MAX_ITER,
-                                      fit_tol=COHERENT_FIT_TOL)
+        _, U = _bilinear.fit_bilinear(stats["HZ_odd"], stats["FZ_odd"], np.eye(T),
+                                      max_iter=calibration.coherent_max_iter, fit_tol=calibration.coherent_fit_tol)
     scale = np.linalg.norm(U)
     if not (np.isfinite(scale) and scale > 0):
         return None
@@ -246,7 +242,7 @@ def proxy_coherent_spectrum(stats):
     lam = np.clip(np.linalg.eigvalsh(sym(W @ W.T / T))[::-1], 0.0, None)
     dof = n_even * T * d_v - T * T
     noise = None
-    if dof >= MIN_NOISE_DOF:
+    if dof >= calibration.min_noise_dof:
         noise = max(stats["yy"] - stats["yy_odd"] - float(np.sum(W**2)), 0.0) / dof
     return lam, float(T), noise, float(dof)
 

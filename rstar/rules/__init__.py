@@ -21,15 +21,12 @@ One module per rule, the tests they share apart:
 - :mod:`~rstar.rules.split_half` — the test against a split-half difference.
 """
 
-# the numeric constants are importable by name (rstar.rules.SPLIT_HALF_MARGIN ...), not in __all__: tuned values,
-# not API
-from ._base import INTERVAL_FACTOR  # noqa: F401
+# the tuned values (margins, factors, levels) are the fields of rstar.calibration.Calibration
 from ._base import RankRule, RuleResult, interval_levels
 from ._base import _count_below as count_below
 from .energy import EnergyRule
 from .marchenko_pastur import MarchenkoPasturRule, leak_is_visible
 from .numerical import NumericalRule
-from .sequential import COHERENT_BONFERRONI, RESIDUAL_FLOOR_MARGIN, TOP_DOWN_MIN_BULK  # noqa: F401
 from .sequential import (
     coherent_p_values,
     residual_floor_p_values,
@@ -37,7 +34,6 @@ from .sequential import (
     top_down_p_values,
 )
 from .simulated import simulated_null_p_values
-from .split_half import SPLIT_HALF_MARGIN, SPLIT_HALF_NOISE_EDGE  # noqa: F401
 from .split_half import split_half_result
 
 __all__ = [

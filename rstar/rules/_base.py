@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..calibration import DEFAULT_CALIBRATION
 from ..inversions._statistic import UnsupportedNullModelError
 from ..marchenko_pastur import MEDIAN_EFFICIENCY
 
@@ -60,23 +61,22 @@ def _roundoff_floor(lam):
     return top * max(lam.size, 1) * np.finfo(np.float64).eps * 10
 
 
-#: ``rank_interval_`` is the range of counts at false-alarm levels alpha / F .. min(F alpha, 1/2).
-INTERVAL_FACTOR = 10.0
-
-
-def interval_levels(alpha):
+def interval_levels(alpha, *, calibration=DEFAULT_CALIBRATION):
     """The strict and lenient false-alarm levels behind ``rank_interval_``.
 
     Parameters
     ----------
     alpha : float in (0, 1)
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``interval_factor`` F (10; :mod:`rstar.calibration`).
 
     Returns
     -------
     (float, float)
-        ``(alpha / 10, min(10 alpha, 1/2))``.
+        ``(alpha / F, min(F alpha, 1/2))``: ``(alpha / 10, min(10 alpha, 1/2))`` by default.
     """
-    return alpha / INTERVAL_FACTOR, max(min(alpha * INTERVAL_FACTOR, 0.5), alpha)
+    factor = calibration.interval_factor
+    return alpha / factor, max(min(alpha * factor, 0.5), alpha)
 
 
 def _count_below(p_values, level):
@@ -114,11 +114,14 @@ class RankRule:
     """Base class of rank rules.
 
     Subclasses list the null models they test in ``supported_nulls`` and implement ``_call``;
-    ``__call__`` checks the null model's type once.
+    ``__call__`` checks the null model's type once. The tuned values a rule reads are those of its
+    ``calibration`` (:mod:`rstar.calibration`; ``DEFAULT_CALIBRATION`` unless the rule was given another).
     """
 
     #: the null-model classes this rule can test
     supported_nulls = ()
+    #: the tuned values the rule reads (a subclass's ``calibration=None`` stores DEFAULT_CALIBRATION)
+    calibration = DEFAULT_CALIBRATION
 
     def __call__(self, ws, noise_variance=None, max_rank=None):
         if not isinstance(ws.null, self.supported_nulls):

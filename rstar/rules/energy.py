@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from ..exceptions import UnidentifiableRankWarning
 from ..marchenko_pastur import debias_spike
 from ..spectral import energy_effective_rank_from_singular_values
 from .marchenko_pastur import MarchenkoPasturRule
+from .identifiability import rule_verdict
 
 __all__ = ["EnergyRule"]
 
@@ -25,6 +25,8 @@ class EnergyRule(MarchenkoPasturRule):
     Parameters
     ----------
     alpha : float in (0, 1), default=0.01
+    calibration : Calibration or None, default=None
+        See :class:`MarchenkoPasturRule`.
     """
 
     def _call(self, ws, noise_variance, max_rank):
@@ -47,10 +49,5 @@ class EnergyRule(MarchenkoPasturRule):
         strict = min(int(np.floor(energy_effective_rank_from_singular_values(np.sqrt(theta[:lo])) + 0.5)), lo)
         res.rank_interval = (min(strict, res.rank), max(hi, res.rank))
         if res.rank < count:
-            res.warnings.append((UnidentifiableRankWarning,
-                                 f"the energy rank {res.rank} counts fewer directions than the {count} spike(s) the "
-                                 f"noise-aware test finds above the noise edge ({lo} to {hi} at the strict and "
-                                 "lenient levels): it discounts the weaker ones, which may belong to r*. "
-                                 "rank_interval_ reaches the count; MPRankEstimator gives the count, RStarEstimator "
-                                 "with a tolerance the smallest rank reaching a given risk."))
+            res.warnings.append(rule_verdict("energy_discounts", rank=res.rank, count=count, lo=lo, hi=hi))
         return res

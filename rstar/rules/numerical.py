@@ -2,12 +2,13 @@
 
 import numpy as np
 
-from ..exceptions import UnidentifiableRankWarning
+from ..calibration import DEFAULT_CALIBRATION
 
 from ..marchenko_pastur import estimate_noise_variance
 from ..spectral import entropy_effective_rank_from_singular_values
 from ._base import RankRule, RuleResult, _roundoff_floor
 from .marchenko_pastur import MarchenkoPasturRule
+from .identifiability import Verdict, covering, rule_verdict
 
 __all__ = ["NumericalRule"]
 
@@ -25,6 +26,8 @@ class NumericalRule(RankRule):
 
     alpha : float in (0, 1), default=0.01
         Level of the noise-aware test reported beside the count.
+    calibration : Calibration or None, default=None
+        The tuned values of that test (:mod:`rstar.calibration`); None: ``DEFAULT_CALIBRATION``.
 
     ``p_values`` are those of the noise-aware sequential test
     (:class:`MarchenkoPasturRule` at ``alpha``), reported beside the
@@ -39,8 +42,9 @@ class NumericalRule(RankRule):
 
     supported_nulls = MarchenkoPasturRule.supported_nulls
 
-    def __init__(self, tol=None, rtol=1e-2, alpha=0.01):
+    def __init__(self, tol=None, rtol=1e-2, alpha=0.01, calibration=None):
         self.tol, self.rtol, self.alpha = tol, rtol, alpha
+        self.calibration = DEFAULT_CALIBRATION if calibration is None else calibration
 
     def _call(self, ws, noise_variance, max_rank):
         lam = ws.eigenvalues
@@ -52,21 +56,18 @@ class NumericalRule(RankRule):
         k = int(np.sum(lam > threshold))
         if max_rank is not None:
             k = min(k, int(max_rank))
-        noise_aware = MarchenkoPasturRule(self.alpha)(ws, noise_variance, max_rank)
+        noise_aware = MarchenkoPasturRule(self.alpha, calibration=self.calibration)(ws, noise_variance, max_rank)
         if noise_variance is None:
             noise_variance = ws.noise_variance
         if noise_variance is None:
             noise_variance = estimate_noise_variance(lam, ws.n_columns, n_spikes=k) if p - k >= 1 else float("nan")
         lo, hi = noise_aware.rank_interval
         # where the noise-aware range itself is not identified, the count inside it is not either: say so
-        warnings = [(category, "the noise-aware test beside the numerical rank: " + message)
-                    for category, message in noise_aware.warnings if issubclass(category, UnidentifiableRankWarning)]
+        warnings = [rule_verdict("noise_aware", verdict=v) for v in noise_aware.warnings
+                    if isinstance(v, Verdict)]
+        outside = rule_verdict("numerical_outside", k=k, threshold=threshold, lo=lo, hi=hi)
         if not lo <= k <= hi:
-            warnings.append((UnidentifiableRankWarning,
-                             f"the numerical rank counts {k} eigenvalue(s) above the tolerance {threshold:.3g}, but "
-                             f"the noise-aware test counts {lo} to {hi} spikes: the tolerance "
-                             f"{'counts noise' if k > hi else 'misses spikes'} at this noise level. rank_interval_ "
-                             "is widened to contain rank_; MPRankEstimator gives the noise-aware count."))
+            warnings.append(outside)
         return RuleResult(k, float(threshold), entropy_effective_rank_from_singular_values(np.sqrt(np.maximum(
             lam[:k], 0))), float(noise_variance), np.maximum(lam[:k], 0.0), noise_aware.p_values, warnings,
-            (min(lo, k), max(hi, k)))
+            covering((lo, hi), [outside]))

@@ -3,7 +3,7 @@ coherent second statistic (theory §5)."""
 
 import numpy as np
 
-from ..exceptions import UnidentifiableRankWarning
+from ..calibration import DEFAULT_CALIBRATION
 from ..marchenko_pastur import (
     debias_spike,
     estimate_noise_variance,
@@ -13,18 +13,15 @@ from ..marchenko_pastur import (
 )
 from ..spectral import entropy_effective_rank_from_singular_values
 from ._base import RuleResult, _check_number, _checked_spectrum, _count_below, _roundoff_floor, _test_dof, interval_levels
+from .identifiability import covering, rule_verdict
 
 __all__ = ["top_down_p_values", "coherent_p_values", "residual_floor_p_values", "sequential_spike_test"]
 
 
-#: Fewest eigenvalues (the candidate spike and those below it) the top-down scan fits a bulk to.
-TOP_DOWN_MIN_BULK = 4
-
-
-def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=None):
+def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=None, *, calibration=DEFAULT_CALIBRATION):
     """Multiplicity-adjusted evidence that at least ``k + 1`` spikes exist, from the bulk below each eigenvalue.
 
-    For every ``k`` that leaves at least ``TOP_DOWN_MIN_BULK`` eigenvalues
+    For every ``k`` that leaves at least the calibration's ``top_down_min_bulk`` (4) eigenvalues
     from ``k + 1`` down, eigenvalue ``k + 1`` is tested against an MP law
     whose level *and* width are fitted to the quartiles of those eigenvalues
     alone (not to any above it)
@@ -52,12 +49,14 @@ def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=No
     min_bulk_columns : float or None
         Lower bound on the fitted bulk's columns (see ``fit_mp_bulk``).
     max_rank : int or None
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``top_down_min_bulk`` (:mod:`rstar.calibration`).
 
     Returns
     -------
     ndarray of shape (K,)
         ``q_k`` for ``k = 0 .. K - 1``, non-decreasing (empty when
-        ``p < TOP_DOWN_MIN_BULK``).
+        ``p < top_down_min_bulk``).
 
     Examples
     --------
@@ -74,7 +73,7 @@ def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=No
     lam = _checked_spectrum(eigenvalues)
     _check_number("n_columns", n_columns, 1)
     p = lam.size
-    k_hi = p - TOP_DOWN_MIN_BULK
+    k_hi = p - calibration.top_down_min_bulk
     if max_rank is not None:
         k_hi = min(k_hi, int(max_rank) - 1)
     if k_hi < 0:
@@ -88,13 +87,8 @@ def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=No
     return adjusted
 
 
-#: Bonferroni factor on the coherent p-values: two statistics test each hypothesis (x 2), and the
-#: Tracy-Widom tail is liberal for the small, square Wisharts of the coherent statistic (x 2: on 1000
-#: linear-QK nulls its first p-value fell below 1% in 1.6% (d = d_v = 8) and 2.1% (16) of fits).
-COHERENT_BONFERRONI = 4.0
-
-
-def coherent_p_values(eigenvalues, n_columns, noise_variance, noise_dof=None, alpha=0.01, max_rank=None):
+def coherent_p_values(eigenvalues, n_columns, noise_variance, noise_dof=None, alpha=0.01, max_rank=None, *,
+                      calibration=DEFAULT_CALIBRATION):
     r"""Sequential p-values on the coherent query–key spectrum, Bonferroni-adjusted for combination.
 
     The whitened first moment of the linear query–key inversion
@@ -102,7 +96,7 @@ def coherent_p_values(eigenvalues, n_columns, noise_variance, noise_dof=None, al
     ``n_columns`` columns at ``noise_variance`` plus a signal of rank at most
     r\*, so its k-th sequential Tracy–Widom p-value tests the same
     hypothesis as the main statistic's (at least ``k + 1`` spikes). Its
-    p-values are multiplied by ``COHERENT_BONFERRONI`` (two statistics test
+    p-values are multiplied by the calibration's ``coherent_bonferroni`` (4: two statistics test
     each hypothesis, and the Tracy–Widom tail is liberal for small square
     Wisharts) and made monotone, so that the smaller of the two p-values
     keeps the false-alarm level (measured: 1.0% of 1000 linear-QK nulls at
@@ -119,6 +113,8 @@ def coherent_p_values(eigenvalues, n_columns, noise_variance, noise_dof=None, al
         Its degrees of freedom (None: exact).
     alpha : float, default=0.01
     max_rank : int or None
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``coherent_bonferroni`` and ``interval_factor`` (:mod:`rstar.calibration`).
 
     Returns
     -------
@@ -137,19 +133,15 @@ def coherent_p_values(eigenvalues, n_columns, noise_variance, noise_dof=None, al
     lam = _checked_spectrum(eigenvalues)
     _check_number("n_columns", n_columns, 1)
     _check_number("noise_variance", noise_variance, 0, strict=True)
-    res = sequential_spike_test(lam, n_columns, alpha / COHERENT_BONFERRONI, noise_variance, max_rank,
-                                noise_dof=noise_dof)
-    q = np.minimum(1.0, COHERENT_BONFERRONI * np.asarray(res.p_values, dtype=np.float64))
+    factor = calibration.coherent_bonferroni
+    res = sequential_spike_test(lam, n_columns, alpha / factor, noise_variance, max_rank,
+                                noise_dof=noise_dof, calibration=calibration)
+    q = np.minimum(1.0, factor * np.asarray(res.p_values, dtype=np.float64))
     return np.maximum.accumulate(q) if q.size else q
 
 
-#: How far above the residual-level bulk edge an eigenvalue must stand to count by the floor test
-#: (chosen on the held-out recovery grid, seed 1; see residual_floor_p_values).
-RESIDUAL_FLOOR_MARGIN = 2.0
-
-
-def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margin=RESIDUAL_FLOOR_MARGIN,
-                            max_rank=None):
+def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margin=None, max_rank=None, *,
+                            calibration=DEFAULT_CALIBRATION):
     """Evidence that at least ``k + 1`` spikes stand above a bulk no higher than the residual's level.
 
     For the first-order softmax inversion the part of ``Y_i`` outside
@@ -180,9 +172,12 @@ def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margi
         The residual's power per degree of freedom, in the eigenvalues' units.
     min_bulk_columns : float
         Fewest independent columns the bulk can have (``>= 1``).
-    margin : float, default=RESIDUAL_FLOOR_MARGIN
-        Factor on ``residual_power`` (``>= 1``).
+    margin : float or None, default=None
+        Factor on ``residual_power`` (``>= 1``; None: the calibration's ``residual_floor_margin``, 2, chosen on
+        the held-out recovery grid).
     max_rank : int or None
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``residual_floor_margin`` (:mod:`rstar.calibration`).
 
     Returns
     -------
@@ -202,6 +197,7 @@ def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margi
     lam = _checked_spectrum(eigenvalues)
     _check_number("residual_power", residual_power, 0, strict=True)
     _check_number("min_bulk_columns", min_bulk_columns, 1)
+    margin = calibration.residual_floor_margin if margin is None else margin
     _check_number("margin", margin, 1)
     p = lam.size
     K = p if max_rank is None else min(p, int(max_rank))
@@ -214,7 +210,7 @@ def residual_floor_p_values(eigenvalues, residual_power, min_bulk_columns, margi
 
 def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=None, max_rank=None,
                           fit_bulk_width=False, noise_dof=None, min_bulk_columns=None, noise_quantile=0.5,
-                          top_down=None, residual_floor=None, coherent=None):
+                          top_down=None, residual_floor=None, coherent=None, *, calibration=DEFAULT_CALIBRATION):
     r"""Count spikes above the noise edge by sequential Tracy–Widom tests.
 
     For ``k = 0, 1, ...``: estimate the noise variance from the ``p - k``
@@ -277,6 +273,8 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
         the count, the cut reported is the largest eigenvalue left uncounted
         and the spike strengths are the coherent statistic's, in units of
         its noise level.
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``interval_factor`` (the levels of ``rank_interval``; :mod:`rstar.calibration`).
 
     Returns
     -------
@@ -301,7 +299,7 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     floor = _roundoff_floor(lam)
     known = noise_variance is not None and not fit_bulk_width
     given_noise = noise_variance if fit_bulk_width else None
-    level_lo, level_hi = interval_levels(alpha)
+    level_lo, level_hi = interval_levels(alpha, calibration=calibration)
     stop_level = max(alpha, level_hi)
     p_values, fits = [], []   # fits[k] = (sigma2_k, m_k) used by test k
     seq_p = []                # the tests from the top alone
@@ -351,11 +349,9 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     warnings = []
     floor_decided = residual_floor is not None and bulk_exhausted is not None and rank >= bulk_exhausted
     if bulk_exhausted is not None and rank == bulk_exhausted and not floor_decided:
-        warnings.append((UnidentifiableRankWarning,
-                         f"only {p - rank} eigenvalue(s) left in the bulk after {rank} spike(s): the noise level "
-                         "cannot be estimated from the spectrum. Fallback: the remaining eigenvalues are "
-                         f"not counted, and rank_interval_ reaches {p} (pass noise_variance=... to decide them)."))
-        interval = (interval[0], p)
+        exhausted = rule_verdict("bulk_exhausted", p=p, rank=rank)
+        warnings.append(exhausted)
+        interval = covering(interval, [exhausted])
     # noise level and threshold of the test that stopped the count (or of the last one run)
     if fits:
         sigma2, m_k = fits[min(rank, len(fits) - 1)]
@@ -371,15 +367,10 @@ def sequential_spike_test(eigenvalues, n_columns, alpha=0.01, noise_variance=Non
     if not known and rank > p / 2 and p > 1 and not by_floor:
         # a noise level from a bulk this small decides nothing: the count may be mostly noise (MiniLM tokens at
         # T = 512, d = 384, planted 8: the first-order statistic's structured bulk read 346 of 384, with (346, 346))
-        warnings.append((UnidentifiableRankWarning,
-                         f"{rank} of {p} eigenvalues are spikes: the noise level, estimated from the remaining "
-                         "bulk, is unreliable when most of the spectrum is signal, so the count may be mostly "
-                         f"noise{'' if by_coherent else '; rank_interval_ reaches down to 0'}. Pass "
-                         "noise_variance=... if known, or use an estimator whose null does not rest on the bulk "
-                         "(RStarEstimator)."))
-        if not by_coherent:
-            # (a count the coherent statistic decided rests on its own noise level, not this bulk's)
-            interval = (0, max(interval[1], rank))
+        spikes = rule_verdict("mostly_spikes", p=p, rank=rank, by_coherent=by_coherent)
+        warnings.append(spikes)
+        # (a count the coherent statistic decided rests on its own noise level, not this bulk's)
+        interval = covering(interval, [spikes])
     if by_floor:
         # the last spike counted stood above the residual-level bulk: report that level, the widest
         # bulk it can have, and its cut at the floor test's level

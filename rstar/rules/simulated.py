@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ..calibration import DEFAULT_CALIBRATION
 from ..marchenko_pastur import debias_spike
 from ..spectral import entropy_effective_rank_from_singular_values
 from ._base import RuleResult, _check_number, _count_below, interval_levels
@@ -9,7 +10,8 @@ from ._base import RuleResult, _check_number, _count_below, interval_levels
 __all__ = ["simulated_null_p_values", "simulated_null_result", "cross_fit_union_result"]
 
 
-def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None, null_shift=None):
+def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None, null_shift=None, *,
+                            calibration=DEFAULT_CALIBRATION):
     """Sequential p-values of the eigenvalues of ``M M^T / p`` against simulated noise draws.
 
     For a statistic ``M = S + N`` (``p x q``) whose noise ``N`` can be drawn
@@ -46,6 +48,8 @@ def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None, null_
         ``S_k + N_j + L_j(S_k)`` (the cross-fitted query–key inversion: the
         error of the fitted value map,
         :class:`rstar.inversions._numerics.value_error.ValueMapErrorLeak`). Test 0 is unchanged.
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``interval_factor`` (the lenient level the tests run to; :mod:`rstar.calibration`).
 
     Returns
     -------
@@ -78,7 +82,7 @@ def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None, null_
     lam = np.zeros(p)
     lam[: s.size] = s**2 / p
     top = np.linalg.svd(Z, compute_uv=False)[:, 0] ** 2 / p
-    stop_level = max(alpha, interval_levels(alpha)[1])
+    stop_level = max(alpha, interval_levels(alpha, calibration=calibration)[1])
     k_max = min(p, q) if max_rank is None else min(p, q, int(max_rank))
     p_values, cuts = [], []
     shift = null_shift.start() if null_shift is not None else None
@@ -100,7 +104,7 @@ def simulated_null_p_values(matrix, null_draws, alpha=0.01, max_rank=None, null_
     return np.asarray(p_values), np.asarray(cuts)
 
 
-def _union_p_values(q1, q2, alpha):
+def _union_p_values(q1, q2, alpha, calibration=DEFAULT_CALIBRATION):
     """Bonferroni union of two sequential p-value lists: element-wise ``min(1, 2 min(q1, q2))`` (a missing entry
     is 1: that list stopped)."""
     k = max(len(q1), len(q2))
@@ -108,12 +112,12 @@ def _union_p_values(q1, q2, alpha):
     a[:len(q1)], b[:len(q2)] = q1, q2
     q = np.minimum(1.0, 2.0 * np.minimum(a, b))
     # keep the entries up to the first one not significant at the lenient level, as each list does
-    lenient = interval_levels(alpha)[1]
+    lenient = interval_levels(alpha, calibration=calibration)[1]
     stop = np.flatnonzero(q >= lenient)
     return q[:stop[0] + 1] if stop.size else q
 
 
-def _direction_p_values(null, noise_variance, alpha, max_rank):
+def _direction_p_values(null, noise_variance, alpha, max_rank, calibration):
     """Sequential p-values, null quantiles and noise variance of one :class:`SimulatedNull`."""
     sigma2 = float(null.noise_variance)
     draws, shift = null.draws, null.shift
@@ -123,28 +127,29 @@ def _direction_p_values(null, noise_variance, alpha, max_rank):
         draws = draws * factor
         shift = shift.scaled(factor) if shift is not None else None
         sigma2 = float(noise_variance)
-    q, cuts = simulated_null_p_values(null.statistic_matrix, draws, alpha, max_rank, null_shift=shift)
+    q, cuts = simulated_null_p_values(null.statistic_matrix, draws, alpha, max_rank, null_shift=shift,
+                                      calibration=calibration)
     return q, cuts, sigma2, draws.shape[0]
 
 
-def _check_draws_can_reject(n_draws, n_tests, alpha):
+def _check_draws_can_reject(n_draws, n_tests, alpha, calibration):
     """ValueError unless the smallest Monte Carlo p-value, ``n_tests / (n_draws + 1)``, is below ``alpha``."""
     smallest = n_tests / (n_draws + 1.0)
     if smallest >= alpha:
         need = int(np.ceil(n_tests / alpha))
         raise ValueError(f"n_null_draws={n_draws} gives p-values of at least {smallest:.4g} "
                          f"({n_tests} / (n_null_draws + 1)), not below alpha={alpha:g}: no spike could ever be "
-                         f"detected. Use n_null_draws >= {need} (1000 is the default).")
+                         f"detected. Use n_null_draws >= {need} ({calibration.default_null_draws} is the default).")
 
 
-def simulated_null_result(null, noise_variance, alpha, max_rank):
+def simulated_null_result(null, noise_variance, alpha, max_rank, *, calibration=DEFAULT_CALIBRATION):
     """The rule's result on a statistic with a :class:`~rstar.inversions.SimulatedNull`."""
-    _check_draws_can_reject(null.n_draws, 1, alpha)
-    q, cuts, sigma2, n_draws = _direction_p_values(null, noise_variance, alpha, max_rank)
-    return _result_from_p_values(null, q, cuts, sigma2, alpha, 1, n_draws)
+    _check_draws_can_reject(null.n_draws, 1, alpha, calibration)
+    q, cuts, sigma2, n_draws = _direction_p_values(null, noise_variance, alpha, max_rank, calibration)
+    return _result_from_p_values(null, q, cuts, sigma2, alpha, 1, n_draws, calibration)
 
 
-def cross_fit_union_result(null, noise_variance, alpha, max_rank):
+def cross_fit_union_result(null, noise_variance, alpha, max_rank, *, calibration=DEFAULT_CALIBRATION):
     """The rule's result on a :class:`~rstar.inversions.CrossFitNull`: a Bonferroni union of its directions.
 
     Each direction's test carries its fitted V's error (its ``shift``), so each is a level-alpha test on its
@@ -152,19 +157,19 @@ def cross_fit_union_result(null, noise_variance, alpha, max_rank):
     half's fit (``poor_fit``) is left out, the other still at alpha / 2, so that the rejections stay a subset
     of the union's.
     """
-    _check_draws_can_reject(min(d.n_draws for d in null.directions), 2, alpha)
+    _check_draws_can_reject(min(d.n_draws for d in null.directions), 2, alpha, calibration)
     directions = [w for w in null.directions if not w.poor_fit] or list(null.directions)
-    tested = [_direction_p_values(w, noise_variance, alpha, max_rank) for w in directions]
-    q = _union_p_values(tested[0][0], tested[1][0] if len(tested) > 1 else np.ones(1), alpha)
+    tested = [_direction_p_values(w, noise_variance, alpha, max_rank, calibration) for w in directions]
+    q = _union_p_values(tested[0][0], tested[1][0] if len(tested) > 1 else np.ones(1), alpha, calibration)
     _, cuts, sigma2, n_draws = tested[0]
-    return _result_from_p_values(directions[0], q, cuts, sigma2, alpha, 2, n_draws)
+    return _result_from_p_values(directions[0], q, cuts, sigma2, alpha, 2, n_draws, calibration)
 
 
-def _result_from_p_values(ws, q, cuts, sigma2, alpha, n_tests, n_draws):
+def _result_from_p_values(ws, q, cuts, sigma2, alpha, n_tests, n_draws, calibration):
     """The rule's result from the sequential p-values ``q`` (the union of ``n_tests`` directions) and the null
     quantiles ``cuts`` of the statistic ``ws`` they test."""
     rank = _count_below(q, alpha)
-    lo, hi = interval_levels(alpha)
+    lo, hi = interval_levels(alpha, calibration=calibration)
     # B draws give Monte Carlo p-values of at least 1/(B+1), times n_tests for a union: a strict level below
     # n_tests/B could never reject, so it is floored there (1/B = alpha/10 at alpha = 1% and B = 1000)
     lo = min(max(lo, n_tests / n_draws), alpha)

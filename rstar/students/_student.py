@@ -9,6 +9,7 @@ from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
 from .._validation import check_int, check_positive, check_random_state, check_tokens, check_X_Y
+from ..calibration import DEFAULT_CALIBRATION
 from ..metrics import token_r2_score
 from ._rank import mp_corrected_rank, operator_entry_variance
 
@@ -23,8 +24,6 @@ KINDS = {
     "block": "B3",
 }
 _LINEAR_KINDS = ("linear_proxy", "linear_qk", "linear_qk_full")
-_FISHER_SAMPLES = 256
-_FISHER_CHUNK = 64
 
 
 def _import_torch():
@@ -95,6 +94,9 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         False-alarm level of the noise threshold used for ``rank_``.
     dtype : {"float32", "float64"}, default="float32"
         Precision of training.
+    calibration : Calibration or None, default=None
+        The tuned values the rank measurement reads (the samples of the operator's Fisher information and its
+        chunks: ``fisher_samples``, ``fisher_chunk``; :mod:`rstar.calibration`). None: ``DEFAULT_CALIBRATION``.
 
     Attributes
     ----------
@@ -143,8 +145,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     of equal total variance, pure noise reaches at most the Tracy–Widom
     corrected Marchenko–Pastur edge ``~ s (sqrt(p) + sqrt(q))`` with
     probability ``1 - alpha``; only singular values above it count. ``F`` is
-    computed with forward-mode autodiff on at most 256 training samples and
-    rescaled to n. See :func:`rstar.students.mp_corrected_rank`.
+    computed with forward-mode autodiff on at most 256 training samples (the
+    calibration's ``fisher_samples``) and rescaled to n. See :func:`rstar.students.mp_corrected_rank`.
 
     Examples
     --------
@@ -163,7 +165,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
     def __init__(self, kind="linear_qk", rank=None, max_epochs=3000, lr=1e-2, init_scale=1e-2, batch_size=None,
                  device="auto", random_state=None, verbose=0, tol=1e-4, patience=100, max_lr_drops=3,
-                 weight_decay=0.0, alpha=0.01, dtype="float32"):
+                 weight_decay=0.0, alpha=0.01, dtype="float32", calibration=None):
         self.kind = kind
         self.rank = rank
         self.max_epochs = max_epochs
@@ -179,6 +181,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         self.weight_decay = weight_decay
         self.alpha = alpha
         self.dtype = dtype
+        self.calibration = calibration
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, T, d):
@@ -322,7 +325,9 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     def _operator_fisher(self, module, Xt, gen, torch):
         """``J^T J`` of the predictions w.r.t. the operator's entries, rescaled to all n samples."""
         n = Xt.shape[0]
-        m = min(n, _FISHER_SAMPLES)
+        cal = DEFAULT_CALIBRATION if self.calibration is None else self.calibration
+        m = min(n, cal.fisher_samples)
+        chunk = cal.fisher_chunk
         sel = torch.randperm(n, generator=gen)[:m].to(Xt.device)
         Xs = Xt[sel]
         module = copy.deepcopy(module).requires_grad_(False)
@@ -331,8 +336,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         with warnings.catch_warnings():
             # torch's forward-AD decompositions call the deprecated torch.jit.script on first use
             warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
-            for start in range(0, m, _FISHER_CHUNK):
-                xb = Xs[start:start + _FISHER_CHUNK]
+            for start in range(0, m, chunk):
+                xb = Xs[start:start + chunk]
                 J = torch.func.jacfwd(lambda K, xb=xb: module.forward_with_operator(xb, K))(K0)
                 J = J.reshape(-1, K0.numel())
                 F += J.T @ J

@@ -18,10 +18,8 @@ so that the fit streams with ``partial_fit``. The linear proxy is
 import numpy as np
 from scipy import optimize
 
+from ...calibration import DEFAULT_CALIBRATION
 from .linalg import kronecker_rearranged, solve_psd, sym
-
-#: :func:`fit_query_key_profiled` stops once an iteration lowers the loss by less than this fraction.
-PROFILE_FTOL = 1e-10
 
 
 def moment_sums(Z, Tgt, w):
@@ -317,20 +315,20 @@ class QueryKeyProfileLoss:
         return float(np.sum(R**2)), -2.0 * (self._X.T @ W).ravel()
 
 
-def _minimise_profile(loss, K0, max_iter):
+def _minimise_profile(loss, K0, max_iter, ftol):
     k0 = np.ravel(K0) / max(np.linalg.norm(K0), np.finfo(float).tiny)
     res = optimize.minimize(loss, k0, jac=True, method="L-BFGS-B",
-                            options={"maxiter": max_iter, "gtol": 0.0, "ftol": PROFILE_FTOL, "maxcor": 20})
+                            options={"maxiter": max_iter, "gtol": 0.0, "ftol": ftol, "maxcor": 20})
     return res.x / max(np.linalg.norm(res.x), np.finfo(float).tiny), float(res.fun)
 
 
-def fit_query_key_profiled(X, Y, starts, probe_iter=30, max_iter=500):
+def fit_query_key_profiled(X, Y, starts, probe_iter=30, max_iter=500, ftol=DEFAULT_CALIBRATION.profile_ftol):
     """Least-squares fit of ``Y_i ~ X_i K (X_i^T X_i) V`` by quasi-Newton steps on the profile loss.
 
     L-BFGS (scipy) on :class:`QueryKeyProfileLoss` from each starting
     kernel for ``probe_iter`` iterations; the start with the smallest loss
     then runs on until an iteration lowers the loss by less than
-    ``PROFILE_FTOL`` of it, or ``max_iter`` iterations (a single start
+    ``ftol`` of it, or ``max_iter`` iterations (a single start
     runs on at once). The same fit as
     :func:`fit_query_key_restarts` at ``O(n T d (d + d_v))`` per iteration
     instead of ``O(n d^4 + d^6)``.
@@ -342,6 +340,8 @@ def fit_query_key_profiled(X, Y, starts, probe_iter=30, max_iter=500):
     starts : sequence of ndarray of shape (d, d)
     probe_iter : int, default=30
     max_iter : int, default=500
+    ftol : float, default=1e-10
+        The calibration's ``profile_ftol`` (:mod:`rstar.calibration`).
 
     Returns
     -------
@@ -354,7 +354,7 @@ def fit_query_key_profiled(X, Y, starts, probe_iter=30, max_iter=500):
     if len(starts) == 1:
         k = starts[0]
     else:
-        k = min((_minimise_profile(loss, K0, probe_iter) for K0 in starts), key=lambda probe: probe[1])[0]
-    k, _ = _minimise_profile(loss, k, max_iter)
+        k = min((_minimise_profile(loss, K0, probe_iter, ftol) for K0 in starts), key=lambda probe: probe[1])[0]
+    k, _ = _minimise_profile(loss, k, max_iter, ftol)
     V, rss = loss.value_map(k)
     return k.reshape(loss.d, loss.d), V, rss

@@ -31,6 +31,7 @@ import numpy as np
 from scipy import linalg
 
 from ..._backend import NUMPY
+from ...calibration import DEFAULT_CALIBRATION
 from .lbfgs import minimize_lbfgs
 from .linalg import psd_power, solve_psd
 
@@ -59,21 +60,15 @@ __all__ = [
     "factored_start_cost",
 ]
 
-#: L-BFGS iterations of one factored fit at one rank at most, V known.
-FACTORED_MAX_ITER = 400
-#: The same with V fitted with the factors: on real tokens such a fit grows its leading directions for about 200
-#: iterations and carries a weak direction both halves share for 350 (a planted rank 3 on MiniLM's tokens, d = 384,
-#: whose count settled between 400 and 500).
-FACTORED_MAX_ITER_FITTED_V = 600
-#: L-BFGS stops once an iteration lowers the residual sum of squares by less than this many times its value per
-#: observation (as :data:`rstar.inversions._numerics.softmax_ls.SOFTMAX_LOSS_TOL`).
-FACTORED_LOSS_TOL = 0.01
-#: Samples per chunk of a loss evaluation: bounds the T x T temporaries (a few of ``chunk T^2`` entries).
-_CHUNK_ENTRIES = 2**20
+# The iteration caps, the loss tolerance, the value map's ridge, the chunks and the line search's cost allowance are
+# the ``calibration``'s (rstar.calibration: factored_max_iter, factored_max_iter_fitted_v, least_squares_loss_tol,
+# value_ridge, chunk_entries, line_search_allowance); every function that reads one takes it.
 
 
-def _chunks(n, T, d):
-    step = max(1, _CHUNK_ENTRIES // max(T * T, T * d))
+def _chunks(n, T, d, calibration):
+    """Samples per chunk of a loss evaluation: the calibration's ``chunk_entries`` bound the ``chunk T^2`` (or
+    ``chunk T d``) temporaries."""
+    step = max(1, calibration.chunk_entries // max(T * T, T * d))
     return [slice(s, s + step) for s in range(0, n, step)]
 
 
@@ -150,11 +145,11 @@ def joint_loss_terms(X, Y, A, B, V, mask=None):
     return f, gA, gB, gV
 
 
-def joint_loss(X, Y, A, B, V, mask=None):
+def joint_loss(X, Y, A, B, V, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """:func:`joint_loss_terms` summed over all samples, chunk by chunk."""
     n, T, d = X.shape
     f, gA, gB, gV = 0.0, np.zeros_like(A), np.zeros_like(B), np.zeros_like(V)
-    for part in _chunks(n, T, d):
+    for part in _chunks(n, T, d, calibration):
         fp, a, b, v = joint_loss_terms(X[part], Y[part], A, B, V, mask)
         f += fp
         gA += a
@@ -163,11 +158,11 @@ def joint_loss(X, Y, A, B, V, mask=None):
     return f, gA, gB, gV
 
 
-def factored_loss(X, Z, Y, A, B, mask=None):
+def factored_loss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """:func:`factored_loss_terms` summed over all samples, chunk by chunk (bounded temporaries)."""
     n, T, d = X.shape
     f, gA, gB = 0.0, np.zeros_like(A), np.zeros_like(B)
-    for part in _chunks(n, T, d):
+    for part in _chunks(n, T, d, calibration):
         fp, a, b = factored_loss_terms(X[part], Z[part], Y[part], A, B, mask)
         f += fp
         gA += a
@@ -175,31 +170,31 @@ def factored_loss(X, Z, Y, A, B, mask=None):
     return f, gA, gB
 
 
-def factored_rss(X, Z, Y, A, B, mask=None):
+def factored_rss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """Residual sum of squares of ``Y_i ~ softmax(X_i A B^T X_i^T / sqrt(d)) Z_i`` (no gradient; q may be 0)."""
-    return float(np.sum(factored_sample_rss(X, Z, Y, A, B, mask)))
+    return float(np.sum(factored_sample_rss(X, Z, Y, A, B, mask, calibration=calibration)))
 
 
-def factored_sample_rss(X, Z, Y, A, B, mask=None):
+def factored_sample_rss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """Each sample's residual sum of squares under :func:`factored_rss`'s model, shape (n,)."""
     n, T, d = X.shape
     out = np.empty(n)
-    for part in _chunks(n, T, d):
+    for part in _chunks(n, T, d, calibration):
         R = _attention(X[part], A, B, mask) @ Z[part] - Y[part]
         out[part] = np.einsum("ntv,ntv->n", R, R)
     return out
 
 
-def factored_outputs(X, Z, A, B, mask=None):
+def factored_outputs(X, Z, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """The model's outputs ``P_i(K) Z_i`` for ``K = A B^T``, shape (n, T, d_v) (in chunks, as the losses)."""
     n, T, d = X.shape
     out = np.empty(Z.shape)
-    for part in _chunks(n, T, d):
+    for part in _chunks(n, T, d, calibration):
         out[part] = _attention(X[part], A, B, mask) @ Z[part]
     return out
 
 
-def factored_sample_disagreement(X, model, other, mask=None):
+def factored_sample_disagreement(X, model, other, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """Each sample's squared distance between two models' outputs, ``||P_i(K) Z_i - P_i(K') Z'_i||^2``.
 
     Parameters
@@ -215,7 +210,7 @@ def factored_sample_disagreement(X, model, other, mask=None):
     n, T, d = X.shape
     out = np.empty(n)
     (Z, A, B), (Z2, A2, B2) = model, other
-    for part in _chunks(n, T, d):
+    for part in _chunks(n, T, d, calibration):
         D = _attention(X[part], A, B, mask) @ Z[part] - _attention(X[part], A2, B2, mask) @ Z2[part]
         out[part] = np.einsum("ntv,ntv->n", D, D)
     return out
@@ -226,14 +221,14 @@ def _attention(X, A, B, mask=None):
     return NUMPY.softmax_rows(_masked((X @ A) @ (X @ B).transpose(0, 2, 1) / np.sqrt(d), mask))
 
 
-def value_normal_equations(X, Y, A=None, B=None, mask=None):
+def value_normal_equations(X, Y, A=None, B=None, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """``(sum_i W_i^T W_i, sum_i W_i^T Y_i)`` with ``W_i = P_i X_i``, ``P_i`` the attention of ``K = A B^T``
     (uniform if A is None): the normal equations of the value map given the kernel. Costs about
     ``n T d (T + d)`` multiply-adds."""
     n, T, d = X.shape
     d_v = Y.shape[2]
     gram, cross = np.zeros((d, d)), np.zeros((d, d_v))
-    for part in _chunks(n, T, d):
+    for part in _chunks(n, T, d, calibration):
         Xp = X[part]
         if A is None:
             P = NUMPY.softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
@@ -245,30 +240,29 @@ def value_normal_equations(X, Y, A=None, B=None, mask=None):
     return gram, cross
 
 
-#: Relative ridge of the value map's normal matrix (times its mean eigenvalue).
-_VALUE_RIDGE = 1e-10
-
-
 def _ridged(gram, ridge):
     d = gram.shape[0]
     return gram + ridge * max(float(np.trace(gram)) / d, np.finfo(float).tiny) * np.eye(d)
 
 
-def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=_VALUE_RIDGE):
+def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=None, *, calibration=DEFAULT_CALIBRATION):
     """Least-squares V of ``Y_i ~ P_i X_i V`` given the attention ``P_i`` of ``K = A B^T`` (uniform if A is None).
 
-    Costs about ``n T d (T + d)`` multiply-adds (:func:`value_normal_equations`); a relative ``ridge`` keeps the
-    ``d x d`` normal matrix invertible where the tokens span fewer than d directions.
+    Costs about ``n T d (T + d)`` multiply-adds (:func:`value_normal_equations`); a relative ``ridge`` (None: the
+    calibration's ``value_ridge``) keeps the ``d x d`` normal matrix invertible where the tokens span fewer than d
+    directions.
     """
-    gram, cross = value_normal_equations(X, Y, A, B, mask)
+    ridge = calibration.value_ridge if ridge is None else ridge
+    gram, cross = value_normal_equations(X, Y, A, B, mask, calibration=calibration)
     return solve_psd(_ridged(gram, ridge), cross)
 
 
-def factored_eval_cost(n, T, d, d_v, rank, value_map_known=True):
+def factored_eval_cost(n, T, d, d_v, rank, value_map_known=True, *, calibration=DEFAULT_CALIBRATION):
     """Multiply-adds of one loss-and-gradient evaluation on n samples (the line search's extra evaluations
-    included): ``1.1 (4 n T d q + 2 n T^2 (q + d_v))``, plus ``2 n T d d_v + n T^2 d_v`` with V fitted."""
+    included): ``1.1 (4 n T d q + 2 n T^2 (q + d_v))``, plus ``2 n T d d_v + n T^2 d_v`` with V fitted (1.1 the
+    calibration's ``line_search_allowance``)."""
     extra = 0 if value_map_known else 2 * n * T * d * d_v + n * T * T * d_v
-    return 1.1 * (4 * n * T * d * rank + 2 * n * T * T * (rank + d_v) + extra)
+    return calibration.line_search_allowance * (4 * n * T * d * rank + 2 * n * T * T * (rank + d_v) + extra)
 
 
 def factored_start_cost(n, T, d, d_v, value_map_known=True):
@@ -307,7 +301,7 @@ class FactoredSoftmaxFit:
         return self.A @ self.B.T
 
 
-def kernel_gradient(X, Z, Y, A=None, B=None, mask=None):
+def kernel_gradient(X, Z, Y, A=None, B=None, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """Gradient of the residual sum of squares in K at ``K = A B^T`` (``K = 0`` if A is None), ``d x d``.
 
     ``sum_i X_i^T dL_i X_i / sqrt(d)`` with ``dL_i`` the logit gradient; at ``K = 0`` it is the first-order
@@ -315,7 +309,7 @@ def kernel_gradient(X, Z, Y, A=None, B=None, mask=None):
     """
     n, T, d = X.shape
     G = np.zeros((d, d))
-    for part in _chunks(n, T, d):
+    for part in _chunks(n, T, d, calibration):
         Xp, Zp, Yp = X[part], Z[part], Y[part]
         if A is None:
             P = NUMPY.softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
@@ -328,7 +322,7 @@ def kernel_gradient(X, Z, Y, A=None, B=None, mask=None):
     return G / np.sqrt(d)
 
 
-def _line_start(X, Z, Y, A0, B0, G, k, mask, precondition=None, active=None):
+def _line_start(X, Z, Y, A0, B0, G, k, mask, precondition=None, active=None, calibration=DEFAULT_CALIBRATION):
     """``(A0, B0)`` extended by the top-``k`` singular pairs of ``-G`` at the scale that lowers the loss most.
 
     With ``precondition = (P, P_inv)`` the pairs are those of the whitened gradient ``-P G P``, mapped back
@@ -355,30 +349,32 @@ def _line_start(X, Z, Y, A0, B0, G, k, mask, precondition=None, active=None):
     best = (np.inf, 0.0)
     for t in t0 * 2.0 ** np.arange(-6, 5):
         root = np.sqrt(t * s) * weight
-        f = factored_loss(X, Z, Y, np.hstack([A0, U * root]), np.hstack([B0, W * root]), mask)[0]
+        f = factored_loss(X, Z, Y, np.hstack([A0, U * root]), np.hstack([B0, W * root]), mask,
+                          calibration=calibration)[0]
         best = min(best, (f, t))
     root = np.sqrt(best[1] * s) * weight
     return np.hstack([A0, U * root]), np.hstack([B0, W * root])
 
 
-def gradient_start(X, Y, G, rank, value_map=None, mask=None, precondition=None, active=None):
+def gradient_start(X, Y, G, rank, value_map=None, mask=None, precondition=None, active=None, *,
+                   calibration=DEFAULT_CALIBRATION):
     """Starting factors of rank ``rank`` from a given gradient of K at ``K = 0`` (:func:`kernel_gradient`),
     V known or the uniform-attention least squares, scaled by a line search (see :func:`_line_start` for
     ``precondition`` and ``active``)."""
-    V = value_map_given_kernel(X, Y, mask=mask) if value_map is None else value_map
+    V = value_map_given_kernel(X, Y, mask=mask, calibration=calibration) if value_map is None else value_map
     empty = np.zeros((X.shape[2], 0))
-    return _line_start(X, X @ V, Y, empty, empty, G, rank, mask, precondition, active)
+    return _line_start(X, X @ V, Y, empty, empty, G, rank, mask, precondition, active, calibration)
 
 
-def extended_start(X, Y, fit, rank, mask=None, precondition=None):
+def extended_start(X, Y, fit, rank, mask=None, precondition=None, *, calibration=DEFAULT_CALIBRATION):
     """Starting factors of rank ``rank`` from a smaller fit: its factors and the top singular pairs of the
     gradient of K at its kernel (the directions it leaves most to gain on), scaled by a line search."""
     Z = X @ fit.value_map
     k = rank - fit.A.shape[1]
     if k <= 0:
         return fit.A[:, :rank], fit.B[:, :rank]
-    G = kernel_gradient(X, Z, Y, fit.A, fit.B, mask)
-    return _line_start(X, Z, Y, fit.A, fit.B, G, k, mask, precondition)
+    G = kernel_gradient(X, Z, Y, fit.A, fit.B, mask, calibration=calibration)
+    return _line_start(X, Z, Y, fit.A, fit.B, G, k, mask, precondition, calibration=calibration)
 
 
 def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, check_every=None,
@@ -428,9 +424,9 @@ def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, ch
     return unpack(theta), float(f), nit, status in ("converged", "line_search")
 
 
-def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=FACTORED_MAX_ITER,
-                      tol=FACTORED_LOSS_TOL, precondition=None, on_check=None, check_every=50,
-                      value_precondition=True):
+def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=None,
+                      tol=None, precondition=None, on_check=None, check_every=50,
+                      value_precondition=True, *, calibration=DEFAULT_CALIBRATION):
     """Both halves' fits as one L-BFGS run on their summed (separable) loss, so that its curvature memory
     survives the checks made along the way.
 
@@ -444,10 +440,11 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         Known V; None fits it with the factors (L-BFGS on both).
     mask : ndarray of bool, shape (T, T), or None
         Logits kept (causal attention: :func:`causal_mask`); None keeps all.
-    max_iter : int, default=FACTORED_MAX_ITER
-        L-BFGS iterations in all.
-    tol : float, default=FACTORED_LOSS_TOL
-        Stop when an iteration gains less than ``tol`` times the loss per observation.
+    max_iter : int or None, default=None
+        L-BFGS iterations in all (None: the calibration's ``factored_max_iter``).
+    tol : float or None, default=None
+        Stop when an iteration gains less than ``tol`` times the loss per observation (None: the calibration's
+        ``least_squares_loss_tol``).
     precondition : tuple (P, P_inv) or None
         L-BFGS runs on ``P^{-1} A, P^{-1} B`` (and ``P^{-1} V``): with ``P = M^{-1/2}`` of the tokens' second
         moment the loss sees whitened tokens, so anisotropic (real) tokens do not slow it down.
@@ -463,11 +460,16 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         T = 128 on MiniLM's tokens (d = 384, planted rank 3) the fit in the token metric carried a fourth direction shared by both halves at
         0.8-3 times the split-half noise for 350 iterations (n = 2000; 1.3-1.7 for 500 at n = 1260); in this
         metric it stood at 0.07-0.14 from the first check.
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``factored_max_iter``, ``least_squares_loss_tol``, ``value_ridge`` and ``chunk_entries``
+        (:mod:`rstar.calibration`).
 
     Returns
     -------
     (fit_1, fit_2) : tuple of FactoredSoftmaxFit
     """
+    max_iter = calibration.factored_max_iter if max_iter is None else max_iter
+    tol = calibration.least_squares_loss_tol if tol is None else tol
     fitted_v = value_map is None
     blocks, own = [], []
     for (X, Y), start in zip(halves, starts):
@@ -477,8 +479,8 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         if fitted_v:
             # V's normal equations at the start: its least squares where the start has no V, and its metric
             if value_precondition or len(start) < 3:
-                gram, cross = value_normal_equations(X, Y, A, B, mask)
-                gram = _ridged(gram, _VALUE_RIDGE)
+                gram, cross = value_normal_equations(X, Y, A, B, mask, calibration=calibration)
+                gram = _ridged(gram, calibration.value_ridge)
             blocks.append(np.asarray(start[2], dtype=float) if len(start) == 3 else solve_psd(gram, cross))
             if value_precondition:
                 G = gram / (X.shape[0] * X.shape[1])
@@ -497,10 +499,10 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         f, grads = 0.0, []
         for (X, Y), Z, part in zip(halves, paths, split(bl)):
             if fitted_v:
-                fp, gA, gB, gV = joint_loss(X, Y, *part, mask)
+                fp, gA, gB, gV = joint_loss(X, Y, *part, mask, calibration=calibration)
                 grads += [gA, gB, gV]
             else:
-                fp, gA, gB = factored_loss(X, Z, Y, *part, mask)
+                fp, gA, gB = factored_loss(X, Z, Y, *part, mask, calibration=calibration)
                 grads += [gA, gB]
             f += fp
         return f, grads
@@ -516,7 +518,7 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     n_obs = sum(Y.size for _, Y in halves)
     bl, _, nit, converged = _minimize(fun, blocks, precondition, max_iter, tol, n_obs, check, check_every,
                                       block_precondition=own if fitted_v else None)
-    rss = [factored_rss(X, X @ part[2] if fitted_v else Z, Y, part[0], part[1], mask)
+    rss = [factored_rss(X, X @ part[2] if fitted_v else Z, Y, part[0], part[1], mask, calibration=calibration)
            for (X, Y), Z, part in zip(halves, paths, split(bl))]
     return as_fits(bl, rss, nit, converged)
 
@@ -526,12 +528,12 @@ def token_metric_cost(n, T, d):
     return float(2 * n * T * d * d + 20 * d**3)
 
 
-def token_metric_sums(X, Y=None):
+def token_metric_sums(X, Y=None, calibration=DEFAULT_CALIBRATION):
     """A chunk's shares of the token metrics: ``(sum_i X_i^T X_i, sum_i (P X_i)^T P X_i, tokens)``, P the centring
     within each sequence (``Y`` unused: a :meth:`rstar.streaming.Samples.map_sum` function)."""
     n, T, d = X.shape
     Mq, Mk = np.zeros((d, d)), np.zeros((d, d))
-    for part in _chunks(n, T, d):
+    for part in _chunks(n, T, d, calibration):
         Xp = X[part].reshape(-1, d)
         Mq += Xp.T @ Xp
         Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
@@ -548,7 +550,7 @@ def token_metric_roots_of_sums(sums, ridge=1e-12):
     return tuple(out)
 
 
-def token_metric_roots(X, ridge=1e-12):
+def token_metric_roots(X, ridge=1e-12, *, calibration=DEFAULT_CALIBRATION):
     """Square roots and pseudo-inverse square roots of the query- and key-side token metrics.
 
     ``M_q = sum_i X_i^T X_i / (n T)`` (the tokens) and
@@ -559,4 +561,4 @@ def token_metric_roots(X, ridge=1e-12):
     -------
     (Mq_half, Mq_inv_half, Mk_half, Mk_inv_half) : tuple of ndarray of shape (d, d)
     """
-    return token_metric_roots_of_sums(token_metric_sums(X), ridge)
+    return token_metric_roots_of_sums(token_metric_sums(X, calibration=calibration), ridge)

@@ -17,23 +17,9 @@ import numpy as np
 from scipy import optimize
 
 from ..._backend import NUMPY
+from ...calibration import DEFAULT_CALIBRATION
 from .linalg import solve_psd
 from ...streaming import ArraySamples, Samples
-
-#: L-BFGS stops once an iteration lowers the residual sum of squares by less than this many times its
-#: value per observation (about the noise variance): an optimiser's error far below the noise's, whose
-#: share of the loss is about d^2 times the noise variance. On the held-out recovery grid 0.01 and 0.1
-#: gave the same 232 ranks as a relative tolerance of 1e-10, in 55% and 47% of the time.
-SOFTMAX_LOSS_TOL = 0.01
-
-#: Largest number of L-BFGS iterations of :func:`fit_softmax_least_squares`. Student-t tokens at d = 64
-#: with few samples need more than 1000: on the held-out recovery grid the two fits that stopped there
-#: (r* = 4 and 50) converged within 4000 and read r* exactly (196 and 348 s).
-SOFTMAX_MAX_ITER = 4000
-
-#: The attention weights of all samples are kept between the two passes of a loss evaluation up to this many
-#: entries (samples in memory only; otherwise every pass recomputes them).
-MAX_CACHED_WEIGHTS = 2**23
 
 
 def _as_samples(X, Y):
@@ -125,8 +111,8 @@ class SoftmaxLeastSquaresLoss:
     ``dL/dK = sum_i X_i^T [S_i o (dL/dS_i - rowsum(S_i o dL/dS_i))] X_i / sqrt(d)``.
     One evaluation costs ``O(n T^2 (d + d_v))``: one pass over the samples
     with V known, two with V profiled (the second reuses the first's
-    attention weights where the samples are in memory and they fit
-    ``MAX_CACHED_WEIGHTS``).
+    attention weights where the samples are in memory and they number at
+    most ``max_cached_weights`` entries).
 
     Parameters
     ----------
@@ -147,9 +133,12 @@ class SoftmaxLeastSquaresLoss:
         (:func:`rstar.inversions._numerics.softmax_factored.token_metric_roots`): the loss is a
         function of M with ``K = A^{-1/2} M B^{-1/2}`` (``K = Q^T M B^{-1/2}``
         with a basis, A unused), the metric L-BFGS runs in. None: ``K = M``.
+    max_cached_weights : int, default=2**23
+        The calibration's ``max_cached_weights`` (:mod:`rstar.calibration`).
     """
 
-    def __init__(self, X, Y=None, value_map=None, basis=None, ops=NUMPY, precondition=None):
+    def __init__(self, X, Y=None, value_map=None, basis=None, ops=NUMPY, precondition=None,
+                 max_cached_weights=DEFAULT_CALIBRATION.max_cached_weights):
         self.samples = _as_samples(X, Y)
         self.T, self.d, self.d_v = self.samples.dims
         self.known_value_map = value_map
@@ -160,7 +149,7 @@ class SoftmaxLeastSquaresLoss:
         self._left, self._left_pinv = (basis.T, basis) if basis is not None else (A_inv_half, A_half)
         self._right, self._right_pinv = B_inv_half, B_half
         in_memory = isinstance(self.samples, ArraySamples)
-        self._cache = in_memory and self.samples.n_samples * self.T**2 <= MAX_CACHED_WEIGHTS
+        self._cache = in_memory and self.samples.n_samples * self.T**2 <= max_cached_weights
         self.n_evaluations = 0
 
     def kernel(self, m):
@@ -247,13 +236,14 @@ class SoftmaxLeastSquaresLoss:
 
 
 def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, max_iter=None, ops=NUMPY,
-                              precondition=None):
+                              precondition=None, *, calibration=DEFAULT_CALIBRATION):
     """Least-squares ``(K, V)`` of ``Y_i ~ softmax(X_i K X_i^T / sqrt(d)) X_i V`` by L-BFGS.
 
     Starts from ``K0`` (default ``0``: uniform attention, where the gradient
     is the first-order inversion's signal) and stops once an iteration
-    lowers the loss by less than ``SOFTMAX_LOSS_TOL`` times the loss per
-    observation (``n T d_v`` of them), or after ``max_iter`` iterations.
+    lowers the loss by less than the calibration's ``least_squares_loss_tol``
+    times the loss per observation (``n T d_v`` of them), or after
+    ``max_iter`` iterations.
 
     Parameters
     ----------
@@ -267,7 +257,7 @@ def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, ma
         Orthonormal rows Q: fit ``K = Q^T M`` (rank at most k), from the
         projection ``Q^T Q K0``.
     max_iter : int or None, default=None
-        None means ``SOFTMAX_MAX_ITER``.
+        None means the calibration's ``softmax_max_iter``.
     ops : back-end operations, default=numpy
     precondition : tuple of 4 ndarray of shape (d, d), or None
         Metric roots ``(A^{1/2}, A^{-1/2}, B^{1/2}, B^{-1/2})``: L-BFGS runs on
@@ -275,6 +265,9 @@ def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, ma
         e.g. the tokens' :func:`rstar.inversions._numerics.softmax_factored.token_metric_roots`;
         the minimum is the same, the path to it shorter where the tokens are
         anisotropic.
+    calibration : Calibration, default=DEFAULT_CALIBRATION
+        Its ``least_squares_loss_tol``, ``softmax_max_iter`` and ``max_cached_weights``
+        (:mod:`rstar.calibration`).
 
     Returns
     -------
@@ -295,14 +288,15 @@ def fit_softmax_least_squares(X, Y=None, value_map=None, K0=None, basis=None, ma
     >>> converged, bool(np.linalg.norm(K - t.kernel) < 0.05 * np.linalg.norm(t.kernel))
     (True, True)
     """
-    loss = SoftmaxLeastSquaresLoss(X, Y, value_map, basis, ops, precondition)
+    loss = SoftmaxLeastSquaresLoss(X, Y, value_map, basis, ops, precondition,
+                                   max_cached_weights=calibration.max_cached_weights)
     d = loss.d
-    max_iter = SOFTMAX_MAX_ITER if max_iter is None else int(max_iter)
+    max_iter = calibration.softmax_max_iter if max_iter is None else int(max_iter)
     n_obs = loss.samples.n_samples * loss.T * loss.d_v
     K0 = np.zeros((d, d)) if K0 is None else np.asarray(K0, dtype=float)
+    ftol = calibration.least_squares_loss_tol / n_obs
     res = optimize.minimize(loss, loss.parameters(K0), jac=True, method="L-BFGS-B",
-                            options={"maxiter": max_iter, "gtol": 0.0, "ftol": SOFTMAX_LOSS_TOL / n_obs,
-                                     "maxcor": 20})
+                            options={"maxiter": max_iter, "gtol": 0.0, "ftol": ftol, "maxcor": 20})
     K = loss.kernel(res.x)
     V, rss = loss.value_map(K)
     return K, V, rss, bool(res.nit < max_iter)

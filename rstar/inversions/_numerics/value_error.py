@@ -31,11 +31,9 @@ import copy
 import numpy as np
 from scipy import linalg
 
+from ...calibration import DEFAULT_CALIBRATION
 from .bilinear import query_key_normal_matrix
 from .linalg import sym
-
-#: Entries of the per-chunk work array in :meth:`ValueMapErrorLeak.right_hand_sides` (memory bound).
-_CHUNK_ENTRIES = 2**22
 
 
 def reduced_value_map(V):
@@ -142,10 +140,15 @@ class ValueMapErrorLeak:
         The whitening factors ``A^{1/2}``, ``B^{1/2}``.
     A_inv_half, B_inv_half : ndarray of shape (d, d)
         Their (pseudo-)inverses, which map a whitened kernel back.
+    chunk_entries : int, default=2**22
+        Entries of the per-chunk work array in :meth:`right_hand_sides` (a memory bound: the calibration's
+        ``value_error_chunk_entries``, :mod:`rstar.calibration`).
     """
 
-    def __init__(self, G, Vr, draws, L, A_half, B_half, A_inv_half, B_inv_half):
+    def __init__(self, G, Vr, draws, L, A_half, B_half, A_inv_half, B_inv_half,
+                 chunk_entries=DEFAULT_CALIBRATION.value_error_chunk_entries):
         self.G, self.Vr, self.draws, self.L = G, Vr, draws, L
+        self.chunk_entries = int(chunk_entries)
         self.A_half, self.B_half = A_half, B_half
         self.A_inv_half, self.B_inv_half = A_inv_half, B_inv_half
         self._VG = np.matmul(Vr.T, G)                        # (n, m, d): V~^T G_i, the same for every kernel
@@ -162,7 +165,7 @@ class ValueMapErrorLeak:
         Ga, Gb = self.G @ a, self.G @ b                      # (n, d) each
         Dflat = np.ascontiguousarray(self.draws.transpose(1, 0, 2)).reshape(d, B * m)
         c = np.zeros((d, B * d))
-        step = max(1, _CHUNK_ENTRIES // (B * max(d, m)))
+        step = max(1, self.chunk_entries // (B * max(d, m)))
         for s in range(0, n, step):
             t = (Gb[s:s + step] @ Dflat).reshape(-1, B, m)   # b^T G_i D_j
             r = np.matmul(t, self._VG[s:s + step])                 # b^T G_i D_j V~^T G_i: (chunk, B, d)

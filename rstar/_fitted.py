@@ -1,0 +1,115 @@
+"""What a fitted data-only estimator offers beyond its attributes: the statistic it read, the closed-form
+operator at its rank, ``predict`` and ``score``, and its risk curve read at another tolerance."""
+
+import numpy as np
+from sklearn.utils.validation import check_is_fitted
+
+from ._backend import resolve_backend
+from ._validation import check_tokens
+from .metrics import token_r2_score
+from .risk import rank_read_again
+
+__all__ = ["FittedOperatorMixin"]
+
+
+class FittedOperatorMixin:
+    """``statistic_``, ``operator_``, ``predict``, ``score`` and ``rank_at_tolerance`` of a fitted data-only
+    estimator (which provides ``_whiten``, ``_choose`` and the fitted state)."""
+
+    def rank_at_tolerance(self, tolerance):
+        """r*(tolerance) from the fitted curve without refitting (read as the fit reads it: ``risk_curve_upper_``,
+        the curve's upper bound at ``tolerance_level``).
+
+        Parameters
+        ----------
+        tolerance : float in [0, 1)
+
+        Returns
+        -------
+        int
+            The smallest rank whose relative excess risk (its upper bound) is at most ``tolerance``; the number
+            of features d where the curve reached the rank beyond which its models no longer change (the
+            factored fit's q) without reaching ``tolerance``, as ``fit`` reads it.
+
+        Raises
+        ------
+        ValueError
+            If the estimator was fitted without a ``tolerance`` (no curve), or the curve was computed only up to
+            ranks that do not reach this tolerance (fit again with it).
+        """
+        check_is_fitted(self, "rank_")
+        if "risk_curve_" not in self.__dict__:
+            raise ValueError("no risk curve: fit with tolerance=... (any value) to compute risk_curve_.")
+        return rank_read_again(self.risk_curve_, self.__dict__.get("risk_curve_upper_"),
+                               self.__dict__.get("_risk_curve_full_rank"), tolerance)
+
+    @property
+    def statistic_(self):
+        """The :class:`rstar.inversions.WhitenedStatistic` the rule read: the whitened eigen-decomposition
+        (``spectrum_`` is its ``eigenvalues`` in Y units), its null model and any extra evidence (internal units:
+        the data rescaled to unit RMS)."""
+        check_is_fitted(self, "rank_")
+        return self._whiten(self._choose())
+
+    @property
+    def operator_(self):
+        """The closed-form operator used by ``predict`` (built on first access, then cached)."""
+        check_is_fitted(self, "rank_")
+        cache = self._operator_cache
+        if "operator" not in cache:
+            kw = {"ops": resolve_backend(self.device)} if self._inv.capabilities.reads_sample_passes else {}
+            cache["operator"] = self._inv.fit_operator(self._stats, self.components_, **kw)
+        return cache["operator"]
+
+    # -- prediction -----------------------------------------------------------
+    def predict(self, X):
+        """Ŷ from the operator fitted in closed form at rank ``rank_``.
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, T, d) or (n_samples, d)
+
+        Returns
+        -------
+        Y_pred : ndarray of shape (n_samples, T, d_v)
+            (or ``(n_samples, d_v)`` / ``(n_samples,)`` matching the ``Y`` given to fit).
+        """
+        check_is_fitted(self, "rank_")
+        X = check_tokens(X, "X")
+        n, T, d = X.shape
+        if d != self.n_features_in_:
+            raise ValueError(f"X has {d} features, but {type(self).__name__} is expecting "
+                             f"{self.n_features_in_} features as input.")
+        if self._inv.space == "tokens" and T != self._dims[0]:
+            raise ValueError(f"X has T={T} tokens, but the linear-proxy operator A is {self._dims[0]} x "
+                             f"{self._dims[0]} (fitted on T={self._dims[0]}).")
+        operator = self.operator_
+        if operator is None:
+            raise ValueError("predict is not available: the moment sums for the closed-form operator were not "
+                             "accumulated because they would exceed the memory budget for this T, d and d_v "
+                             "(rank_ and the spectrum are unaffected).")
+        Y = operator.predict(X / self._x_scale) * self._y_scale
+        return Y.reshape((n,) if self._y_ndim == 1 else (n, -1)) if self._y_ndim in (1, 2) else Y
+
+    def score(self, X, y, sample_weight=None):
+        """Token-wise R² of ``predict(X)`` (same as ``r2_score`` on ``(n*T, d_v)``).
+
+        Parameters
+        ----------
+        X : array-like of shape (n_samples, T, d)
+        y : array-like of shape (n_samples, T, d_v)
+            The targets Y (named ``y`` as scikit-learn passes it by keyword).
+        sample_weight : None
+            Not supported; must be None.
+
+        Returns
+        -------
+        float
+        """
+        if sample_weight is not None:
+            raise ValueError("sample_weight is not supported by the token-wise R² score.")
+        Y_pred = self.predict(X)
+        Y = np.asarray(y, dtype=np.float64)
+        if Y.shape != Y_pred.shape:
+            raise ValueError(f"Y has shape {Y.shape}, but predict(X) has shape {Y_pred.shape}.")
+        return token_r2_score(Y, Y_pred)

@@ -1,0 +1,170 @@
+"""The identifiability gates (rstar.rules.identifiability): pure functions of facts and shape, one module."""
+
+import ast
+import pathlib
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+
+from rstar import OperatorMisfitWarning, RStarEstimator, UnidentifiableRankWarning
+from rstar.calibration import DEFAULT_CALIBRATION
+from rstar.datasets import make_attention_task
+from rstar.inversions import Finding
+from rstar.rules import identifiability as idf
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "rstar"
+
+
+def _first_order_gate(centred, tokens, features, calibration=DEFAULT_CALIBRATION):
+    return idf._STATISTIC_GATES["first_order_shape"](
+        {"centred": centred, "tokens": tokens, "features": features}, calibration)
+
+
+def test_verdict_unpacks_as_a_warning_and_carries_its_reason():
+    v = idf.Verdict("single_token", UnidentifiableRankWarning, "why", (0, 4))
+    category, message = v
+    assert (category, message) == (UnidentifiableRankWarning, "why")
+    assert v.reason == "single_token" and v.bounds == (0, 4)
+    w = v.warning()
+    assert isinstance(w, UnidentifiableRankWarning) and w.reason == "single_token" and w.bounds == (0, 4)
+    again = pickle.loads(pickle.dumps(v))
+    assert again == v and again.reason == v.reason and again.bounds == v.bounds
+
+
+def test_every_reason_is_documented():
+    source = (ROOT / "rules" / "identifiability.py").read_text()
+    for reason in idf.REASONS:
+        assert f'"{reason}"' in source.split("REASONS = {", 1)[1] or reason in source
+
+
+def test_covering_widens_only_the_ends_a_verdict_names():
+    vs = [idf.Verdict("a", None, "", (None, 9)), idf.Verdict("b", None, "", (0, 3)), idf.Verdict("c", None, "")]
+    assert idf.covering((2, 4), vs) == (0, 9)
+    assert idf.covering((2, 4), vs[:1]) == (2, 9)
+    assert idf.covering((2, 4), []) == (2, 4)
+
+
+@pytest.mark.parametrize("centred,tokens,features,reasons", [
+    (True, 31, 16, []),                                            # T - 1 > d: identified
+    (True, 31, 32, ["first_order_near_square"]),                  # aspect 0.97, T - 1 <= d
+    (True, 31, 100, ["first_order_too_few_tokens"]),              # d > 3 (T - 1)
+    (False, 8, 33, ["first_order_qk_too_few_tokens"]),            # d > 4 T
+    (False, 8, 32, []),
+])
+def test_first_order_shape_gates(centred, tokens, features, reasons):
+    out = _first_order_gate(centred, tokens, features)
+    assert [v.reason for v in out] == reasons
+    assert all(v.bounds == (0, features) and v.category is UnidentifiableRankWarning for v in out)
+
+
+def test_first_order_gate_reads_its_calibration():
+    # d = 100 with 31 centred tokens is refused at the default aspect 3; allowed at 4
+    loose = DEFAULT_CALIBRATION.replace(first_order_max_aspect=4.0)
+    assert [v.reason for v in _first_order_gate(True, 31, 100)] == ["first_order_too_few_tokens"]
+    assert _first_order_gate(True, 31, 100, loose) == []
+
+
+def test_factored_fit_gates():
+    base = dict(settled=True, iterations=50, fitted_rank=8, budget_ran_out=False, count=(3, 3), capped=False,
+                features=64)
+    gate = idf._STATISTIC_GATES["factored_fit"]
+    assert gate(base, DEFAULT_CALIBRATION) == []
+    unsettled = gate(dict(base, settled=False, budget_ran_out=True), DEFAULT_CALIBRATION)
+    assert [v.reason for v in unsettled] == ["factored_unsettled"] and unsettled[0].bounds == (0, 8)
+    assert "(the compute budget ran out)" in unsettled[0].message
+    capped = gate(dict(base, capped=True, count=(7, 7)), DEFAULT_CALIBRATION)
+    # the rule warns at the cap; this gate only widens
+    assert [v.reason for v in capped] == ["factored_at_cap"] and capped[0].bounds == (0, 64)
+    assert capped[0].category is None
+
+
+def test_fallback_verdicts_carry_the_reason_as_data():
+    v = idf.fallback_verdict(Finding("softmax_misfit", {"ratio": 2.5, "features": 16}), DEFAULT_CALIBRATION)
+    assert v.reason == "softmax_misfit" and v.bounds == (0, 16) and "Fallback in use" in v.message
+    v = idf.fallback_verdict(Finding("no_output", {}), DEFAULT_CALIBRATION)
+    assert v.bounds is None and v.category is UnidentifiableRankWarning
+
+
+def test_tolerance_gates():
+    kw = dict(tolerance=0.05, rank=3, dim=16, inversion="x", identified=True, disagreement=None, noise_upper=4,
+              calibration=DEFAULT_CALIBRATION)
+    assert idf.tolerance_verdicts(**kw) == []
+    assert [v.reason for v in idf.tolerance_verdicts(**dict(kw, identified=False))] == [
+        "curve_against_unidentified_fit"]
+    fraction = DEFAULT_CALIBRATION.curve_resolution_fraction
+    assert idf.tolerance_verdicts(**dict(kw, disagreement=fraction * 0.05 * 0.99)) == []
+    assert [v.reason for v in idf.tolerance_verdicts(**dict(kw, disagreement=fraction * 0.05 * 1.01))] == [
+        "curve_resolution"]
+    below = idf.tolerance_verdicts(**dict(kw, rank=5))
+    assert [v.reason for v in below] == ["tolerance_below_noise"] and below[0].bounds is None
+
+
+def test_estimator_gates_on_the_samples():
+    from rstar.inversions import WhitenedStatistic, WishartNull
+
+    ws = WhitenedStatistic(np.ones(8), np.eye(8), np.eye(8), 5.0, WishartNull(), "token")
+    few = idf.estimator_verdicts(ws, 10, 4, "linear_proxy", identified=True)
+    assert [v.reason for v in few] == ["too_few_noise_columns"] and few[0].bounds == (0, 8)
+    # an inversion that already did not identify r* says so itself: the samples' gate is not added
+    assert idf.estimator_verdicts(ws, 10, 4, "linear_proxy", identified=False) == []
+    one = idf.estimator_verdicts(WhitenedStatistic(np.ones(8), np.eye(8), np.eye(8), 100.0, WishartNull(), "x"),
+                                 100, 1, "softmax", identified=True)
+    assert [v.reason for v in one] == ["single_token"]
+
+
+def test_the_fit_records_its_verdicts_and_warns_with_their_reason():
+    X, Y = make_attention_task(400, seq_len=8, n_features=6, rank=2, random_state=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = RStarEstimator().fit(X[:, :1], Y[:, :1])   # one token per sample
+    assert "single_token" in [v.reason for v in est.verdicts_]
+    assert est.rank_interval_ == (0, 6)
+    assert any(issubclass(w.category, UnidentifiableRankWarning) for w in caught)
+    clean = RStarEstimator().fit(X, Y)
+    assert clean.verdicts_ == [] and clean.rank_ == 2
+
+
+def test_swapped_arrays_give_an_operator_misfit_verdict():
+    X, Y = make_attention_task(1500, seq_len=16, n_features=8, rank=2, random_state=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = RStarEstimator().fit(Y, X)
+    reasons = [v.reason for v in est.verdicts_]
+    assert "softmax_misfit" in reasons or "operator_misfit" in reasons
+    assert est.rank_interval_ == (0, 8)
+    assert all(v.category is None or issubclass(v.category, (UnidentifiableRankWarning, OperatorMisfitWarning))
+               for v in est.verdicts_)
+
+
+def _warning_sites(path):
+    """Places in a module that build an UnidentifiableRankWarning / OperatorMisfitWarning or an interval bound."""
+    tree = ast.parse(path.read_text())
+    names = {"UnidentifiableRankWarning", "OperatorMisfitWarning", "rank_bounds"}
+    return [node.lineno for node in ast.walk(tree)
+            if (isinstance(node, ast.Name) and node.id in names) or (isinstance(node, ast.Attribute)
+                                                                     and node.attr in names)]
+
+
+def test_only_the_identifiability_module_decides():
+    # the package's modules other than rstar/rules/identifiability.py neither raise UnidentifiableRankWarning /
+    # OperatorMisfitWarning nor set rank bounds (the exceptions module defines them, the package exports them,
+    # and the estimator reads the category of verdicts it is handed)
+    allowed = {"exceptions.py", "__init__.py", "rules/identifiability.py", "estimators.py", "paper/experiments.py"}
+    offenders = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in allowed:
+            continue
+        sites = _warning_sites(path)
+        if sites:
+            offenders[rel] = sites
+    assert offenders == {}
+
+
+def test_the_estimator_only_reads_verdict_categories():
+    source = (ROOT / "estimators.py").read_text()
+    assert "warnings.warn(message, category" in source
+    assert "UnidentifiableRankWarning(" not in source and "OperatorMisfitWarning(" not in source
+    assert "rank_bounds" not in source
