@@ -28,11 +28,12 @@ from ._backend import check_device, resolve_backend
 from ._validation import check_positive, check_rank_param, check_value_map
 from .budgets import CostBudget
 from .calibration import DEFAULT_CALIBRATION, Calibration
-from .exceptions import InversionFallbackWarning, UnidentifiableRankWarning
+from .exceptions import InversionFallbackWarning
 from .inversions import choose_inversion, make_inversion
 from .model_check import model_check
 from .risk import tolerance_reading
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule, identifiability
+from .rules.split_half import split_half_counts
 from ._fitted import FittedOperatorMixin
 from .streaming import StreamingFitMixin, is_dask_collection
 
@@ -199,7 +200,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                                    method=config["method"], clip=config["clip"], budget=self._budget,
                                    seed=self._seed, n_null_draws=config["n_null_draws"],
                                    predict_sums=config["predict_sums"], causal=config["causal"],
-                                   calibration=config["calibration"])
+                                   calibration=config["calibration"], stopping_count=split_half_counts)
         self._stats = self._inv.new_stats(T, d, d_v)
         self._shared_statistic = False
         self._samples_read_in_passes = False
@@ -254,8 +255,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         identified = not any(v.bounds for v in found)
         gates = found + identifiability.estimator_verdicts(ws, self._stats["n"], self._dims[0],
                                                            self._config["operator"], identified)
-        for category, message in notes + list(ws.warnings) + list(res.warnings) + _issued(gates):
-            warnings.warn(message, category, stacklevel=4)
+        _warn(notes + list(ws.warnings) + list(res.warnings) + _issued(gates), stacklevel=5)
         interval = identifiability.covering((int(res.rank_interval[0]), int(res.rank_interval[1])), gates)
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
@@ -305,8 +305,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         gates = identifiability.tolerance_verdicts(
             tolerance=self.tolerance, rank=reading.rank, dim=ws.dim, inversion=ws.inversion, identified=identified,
             disagreement=reading.risk_curve_resolution, noise_upper=res.rank_interval[1], calibration=cal)
-        for category, message in _issued(gates):
-            warnings.warn(message, category, stacklevel=5)
+        _warn(_issued(gates), stacklevel=6)
         self.verdicts_ += gates
         return reading.rank, identifiability.covering(reading.interval, gates)
 
@@ -323,17 +322,26 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                 self._operator_cache["operator"] = operator   # the very operator predict uses: fitted once
             gates.append(identifiability.first_order_misfit_verdict(
                 self._inv.first_order_misfit(self._stats, operator, samples), cal))
-        if not any(v.category is not None and issubclass(v.category, UnidentifiableRankWarning) for v in found):
+        if not identifiability.said_by_the_inversion(found):
             # (already out of the class or not identified: said once, by the inversion)
             self.model_check_ = model_check(self._config["operator"], self._inv, ws, self._stats, samples,
                                             alpha=cal.model_check_alpha)
             gates.append(identifiability.operator_misfit_verdict(self.model_check_, self._config["operator"], ws.dim))
         gates = [v for v in gates if v is not None]
-        for category, message in _issued(gates):
-            warnings.warn(message, category, stacklevel=5)
+        _warn(_issued(gates), stacklevel=6)
         self.verdicts_ += gates
         self.rank_interval_ = identifiability.covering(self.rank_interval_, gates)
         self.noise_floor_interval_ = identifiability.covering(self.noise_floor_interval_, gates)
+
+
+def _warn(items, stacklevel):
+    """Issue each ``(category, message)``; a verdict as its warning instance, which carries its ``reason`` and
+    ``bounds`` (so a program can read ``caught.message.reason``)."""
+    for item in items:
+        if isinstance(item, identifiability.Verdict):
+            warnings.warn(item.warning(), stacklevel=stacklevel)
+        else:
+            warnings.warn(item[1], item[0], stacklevel=stacklevel)
 
 
 def _issued(verdicts):

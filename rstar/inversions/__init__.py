@@ -87,7 +87,7 @@ __all__ = [
 
 
 def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=1e-3, budget=None, seed=None,
-                   n_null_draws=None, predict_sums=True, causal=False, calibration=None):
+                   n_null_draws=None, predict_sums=True, causal=False, calibration=None, stopping_count=None):
     """The inversion object that accumulates the sums for an operator, value map and shape.
 
     It is the inversion :func:`choose_inversion` prefers for the shape alone
@@ -121,6 +121,9 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
     calibration : Calibration or None, default=None
         The tuned values the choice and the inversion read (:mod:`rstar.calibration`); None:
         ``DEFAULT_CALIBRATION``.
+    stopping_count : callable or None, default=None
+        The factored least squares' stopping test: the split-half rule's count
+        (:func:`rstar.rules.split_half.split_half_counts`, which the estimators pass; None: the same function).
 
     Returns
     -------
@@ -161,4 +164,5 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
                                  **opts)
     if name == "softmax_exact":
         return SoftmaxExactInversion(value_map, clip=clip, **opts)
-    return SoftmaxLeastSquaresInversion(value_map, predict_sums=predict_sums, causal=causal, **opts)
+    return SoftmaxLeastSquaresInversion(value_map, predict_sums=predict_sums, causal=causal,
+                                        stopping_count=stopping_count, **opts)

@@ -241,6 +241,14 @@ class SplitHalfEvidence:
     residual_variance: float = None
 
 
+def split_half_counts(singular_values, edge, margin):
+    """The split-half test's counts of a half-sum's ``singular_values`` against the half-difference's largest,
+    ``edge``: ``(directions above margin x edge, directions above edge)``. The split-half rule
+    (:func:`rstar.rules.split_half.split_half_counts`) hands it to the factored fit as its stopping test."""
+    s = np.asarray(singular_values)
+    return (int(np.sum(s > margin * edge)), int(np.sum(s > edge)))
+
+
 @dataclass(frozen=True)
 class Finding:
     """A fact an inversion reports about its statistic (``kind``, with its ``values``), for

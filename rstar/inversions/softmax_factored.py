@@ -26,7 +26,7 @@ from ._numerics import softmax_factored as sf
 from ..budgets import DEFAULT_BUDGET, largest_count
 from ..calibration import DEFAULT_CALIBRATION
 from ..risk import centred_sums, total_sum_of_squares
-from ._statistic import Finding, SplitHalfNull, WhitenedStatistic
+from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, split_half_counts
 
 __all__ = ["FACTORED_NAME", "factored_fit_blocker", "factored_capacity", "factored_statistic",
            "factored_rank_residuals", "factored_half_disagreement", "factored_output_distances",
@@ -111,7 +111,8 @@ def _split_half(K1, K2, metric):
 
 
 def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
-                       margin=None, start_rank=None, mask=None, *, calibration=DEFAULT_CALIBRATION):
+                       margin=None, start_rank=None, mask=None, *, calibration=DEFAULT_CALIBRATION,
+                       stopping_count=split_half_counts):
     """The split-half statistic of the factored least squares.
 
     Parameters
@@ -129,6 +130,10 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         The first rank q (None: :func:`first_order_start_rank`, at least the calibration's ``factored_start_rank``).
     mask : ndarray of bool, shape (T, T), or None
         The logits the attention keeps (causal: :func:`rstar.inversions._numerics.softmax_factored.causal_mask`); None keeps all.
+    stopping_count : callable, default=split_half_counts
+        ``(singular_values, edge, margin) -> (count above the margin, count above the null)``: the split-half
+        rule's count, which decides when the fit has settled, when q doubles and what it reports
+        (:func:`rstar.rules.split_half.split_half_counts`; the estimators pass it).
     calibration : Calibration, default=DEFAULT_CALIBRATION
         The tuned values of the fit and its test (:mod:`rstar.calibration`: ``split_half_margin``, the
         ``factored_*`` values, ``min_noise_dof``, ...).
@@ -182,7 +187,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         spent += _segment_cost(n, T, d, d_v, q, known, calibration)
         U, s, _, sd = _split_half(current[0].kernel, current[1].kernel, metric)
         edge = sd[0] if sd[0] > 0 else 0.0
-        count = (int(np.sum(s > margin * edge)), int(np.sum(s > edge)))
+        count = stopping_count(s, edge, margin)
         if count[1] >= q - 1 and not state["capped"]:
             if can_double():
                 state["outcome"] = "double"
@@ -236,7 +241,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     budget_out = state["outcome"] == "budget"
     U, s, W, sd = _split_half(fits[0].kernel, fits[1].kernel, metric)
     edge = sd[0] if sd[0] > 0 else 0.0
-    count = (int(np.sum(s > margin * edge)), int(np.sum(s > edge)))
+    count = stopping_count(s, edge, margin)
     rss = sum(f.rss for f in fits)
     dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
     sigma2 = rss / max(dof, 1)

@@ -10,9 +10,9 @@ from ._numerics.linalg import solve_psd
 from ..streaming import ArraySamples
 from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_fit_cost
 from ..calibration import DEFAULT_CALIBRATION
-
 from ._base import KeptSamplesMixin, fell_back, kept_half, operator_residuals
 from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_kronecker_product
+from ._statistic import split_half_counts
 from ._numerics.softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
 from .query_key import QueryKeyInversion
 from .softmax_factored import (
@@ -157,10 +157,12 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     name = "softmax_least_squares"
 
     def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, predict_sums=True,
-                 causal=False, calibration=None):
+                 causal=False, calibration=None, stopping_count=None):
         super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
                          n_null_draws=n_null_draws, predict_sums=predict_sums, calibration=calibration)
         self.causal = bool(causal)
+        # the split-half rule's count, the factored fit's stopping test (None: the split-half null's own)
+        self.stopping_count = split_half_counts if stopping_count is None else stopping_count
 
     def _mask(self, stats):
         """The logits kept: the lower triangle for causal attention, else None (all)."""
@@ -306,7 +308,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             return fell_back(first_order(stats), "no_value_signal", alpha=self.calibration.value_signal_alpha)
         if run == self.factored_name:
             ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats),
-                                    calibration=self.calibration)
+                                    calibration=self.calibration, stopping_count=self.stopping_count)
             self._factored_cache = (self._stats_key(stats), ws)   # for predict's operator: fitted once
             return ws
         K, V, sigma2, converged = self._fit(source, ops=ops)

@@ -37,6 +37,9 @@ from sklearn.base import clone
 from sklearn.model_selection import KFold, cross_validate
 
 from ..datasets import make_attention_task, make_linear_proxy
+from ..estimators import (EnergyRankEstimator, MPRankEstimator, NumericalRankEstimator, RStarEstimator,
+                          SoftmaxInversionEstimator)
+from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 from ..metrics import make_rank_scorer, sample_risk, token_r2_score, token_r2_scorer
 
 __all__ = ["ExperimentResult", "EXPERIMENTS", "CONFIGS", "table1", "table2", "table3", "frontier",
@@ -341,8 +344,6 @@ def table1(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
     >>> res.summary[0]["r"]  # doctest: +SKIP
     3
     """
-    from .. import MPRankEstimator, NumericalRankEstimator, RStarEstimator
-
     t0 = time.perf_counter()
     cfg = _config("table1", quick, overrides)
     records = []
@@ -415,8 +416,6 @@ def table2(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
     -------
     ExperimentResult
     """
-    from .. import RStarEstimator
-
     t0 = time.perf_counter()
     cfg = _config("table2", quick, overrides)
     ladder = [("linear_proxy", cfg["rank"]), ("linear_proxy", None), ("linear_qk", cfg["rank"]),
@@ -484,8 +483,6 @@ def table3(*, quick=False, device="auto", random_state=0, verbose=0, **overrides
     -------
     ExperimentResult
     """
-    from .. import EnergyRankEstimator, NumericalRankEstimator, RStarEstimator
-
     t0 = time.perf_counter()
     cfg = _config("table3", quick, overrides)
     records = []
@@ -554,9 +551,6 @@ def frontier_estimators(operator, value_map=None, student=None, device="auto", r
     -------
     list of (str, estimator)
     """
-    from .. import EnergyRankEstimator, MPRankEstimator, NumericalRankEstimator, RStarEstimator, \
-        SoftmaxInversionEstimator
-
     ests = [("numerical", NumericalRankEstimator(operator)), ("MP", MPRankEstimator(operator)),
             ("energy", EnergyRankEstimator(operator)), ("RStar", RStarEstimator(operator))]
     if operator == "softmax" and value_map is not None:
@@ -594,8 +588,6 @@ def frontier(*, quick=False, device="auto", random_state=0, verbose=0, **overrid
     ExperimentResult
     """
     import warnings
-
-    from ..exceptions import IllConditionedInversionWarning, UnidentifiableRankWarning
 
     t0 = time.perf_counter()
     cfg = _config("frontier", quick, overrides)

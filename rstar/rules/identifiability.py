@@ -17,7 +17,8 @@ as it is).
 from ..exceptions import (IllConditionedInversionWarning, OperatorMisfitWarning, UnidentifiableRankWarning)
 
 __all__ = ["REASONS", "Verdict", "covering", "estimator_verdicts", "fallback_verdict", "first_order_misfit_verdict",
-           "operator_misfit_verdict", "rule_verdict", "statistic_verdicts", "tolerance_verdicts"]
+           "operator_misfit_verdict", "rule_verdict", "said_by_the_inversion", "statistic_verdicts",
+           "tolerance_verdicts"]
 
 
 class Verdict(tuple):
@@ -250,6 +251,12 @@ def statistic_verdicts(ws, calibration):
     if ws.fallback is not None:
         out.append(fallback_verdict(ws.fallback, calibration))
     return out
+
+
+def said_by_the_inversion(verdicts):
+    """Whether the inversion's own verdicts already say r* is not identified (then the operator-class check,
+    which would say it again, does not run)."""
+    return any(v.category is not None and issubclass(v.category, UnidentifiableRankWarning) for v in verdicts)
 
 
 # -- the samples: what the estimator sees ---------------------------------------------------------------------

@@ -4,10 +4,11 @@ import numpy as np
 
 from ..calibration import DEFAULT_CALIBRATION
 from ..spectral import entropy_effective_rank_from_singular_values
+from ..inversions._statistic import split_half_counts  # noqa: F401  (the rule's count, handed to the factored fit)
 from ._base import RuleResult
 from .identifiability import covering, rule_verdict
 
-__all__ = ["split_half_result"]
+__all__ = ["split_half_counts", "split_half_result"]
 
 def split_half_result(ws, max_rank=None, *, calibration=DEFAULT_CALIBRATION):
     """The rule's result on a statistic with a :class:`~rstar.inversions.SplitHalfNull`.
