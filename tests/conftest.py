@@ -23,6 +23,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))
 
 from rstar.datasets import make_attention_task, make_linear_proxy
 
+# Identifiability warnings are checked by class and structured fields (reason, bounds), not by their prose: the
+# helpers reasons / assert_warned live in tests/_reasons.py (a conftest's functions cannot be imported by tests).
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():

@@ -14,6 +14,8 @@ from rstar.datasets import make_attention_task
 from rstar.inversions import Finding
 from rstar.rules import identifiability as idf
 
+from _reasons import assert_warned
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "rstar"
 
 
@@ -121,7 +123,7 @@ def test_the_fit_records_its_verdicts_and_warns_with_their_reason():
         est = RStarEstimator().fit(X[:, :1], Y[:, :1])   # one token per sample
     assert "single_token" in [v.reason for v in est.verdicts_]
     assert est.rank_interval_ == (0, 6)
-    assert any(issubclass(w.category, UnidentifiableRankWarning) for w in caught)
+    assert_warned(caught, "single_token", bounds=(0, 6), category=UnidentifiableRankWarning)
     clean = RStarEstimator().fit(X, Y)
     assert clean.verdicts_ == [] and clean.rank_ == 2
 

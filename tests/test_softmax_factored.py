@@ -17,6 +17,8 @@ from rstar.inversions.softmax_factored import FACTORED_NAME, factored_fit_blocke
 from rstar.risk import centred_sums, total_sum_of_squares
 from rstar.rules import MarchenkoPasturRule, split_half_result
 
+from _reasons import assert_warned, reasons
+
 # d = 96: the full least squares' information (8 d^4 bytes = 0.63 GiB) exceeds half the default memory budget
 SHAPE = dict(seq_len=8, n_features=96, value_dim=8, noise=0.05)
 
@@ -122,14 +124,16 @@ def test_factors_capped_by_the_budget_are_warned_with_an_interval_to_d():
     budget = 1.3 * (sf.factored_start_cost(800, 8, 96, 8) + 2 * 50 * sf.factored_eval_cost(800, 8, 96, 8, 8)
                     + sf.token_metric_cost(800, 8, 96))
     est = RStarEstimator(value_map=teacher.value_map, compute_budget=budget)
-    with pytest.warns(UnidentifiableRankWarning, match="largest rank q = 8"):
+    with pytest.warns(UnidentifiableRankWarning) as caught:
         est.fit(X, Y)
-    assert est.inversion_ == FACTORED_NAME
+    assert_warned(caught, "split_half_at_cap", bounds=(None, 96), category=UnidentifiableRankWarning)
+    assert est.inversion_ == FACTORED_NAME and est.statistic_.null.fitted_rank == 8
     assert est.rank_interval_[1] == 96 and est.rank_interval_[0] <= 10
     # r*(tolerance) measured against a fit that did not settle: warned, and its interval reaches d
     est.set_params(tolerance=0.05)
-    with pytest.warns(UnidentifiableRankWarning, match="may be too small"):
+    with pytest.warns(UnidentifiableRankWarning) as caught:
         est.fit(X, Y)
+    assert_warned(caught, "curve_against_unidentified_fit", bounds=(None, 96), category=UnidentifiableRankWarning)
     assert est.rank_interval_[1] == 96
 
 
@@ -159,11 +163,12 @@ def test_split_half_rule_counts_above_the_margin():
     # are not resolved either, so the interval reaches the fitted rank q = 8
     res = split_half_result(_statistic([100.0, 9.0, 2.0], 1.0, fitted_rank=8, rank_cap=20))
     assert res.rank == 2 and res.rank_interval == (2, 8)
-    assert res.warnings[0][0] is UnidentifiableRankWarning and "not told from noise" in res.warnings[0][1]
-    assert "(2, 8)" in res.warnings[0][1] and "q = 8" in res.warnings[0][1]
+    assert reasons(res.warnings) == {"split_half_band"} and res.warnings[0][0] is UnidentifiableRankWarning
+    assert res.warnings[0].bounds == (None, 8)   # up to the fitted rank q = 8
     # ... but never below the band's own count, nor above max_rank
     res = split_half_result(_statistic([100.0, 9.0, 2.0, 2.0, 2.0], 1.0, fitted_rank=4, rank_cap=20))
-    assert res.rank_interval == (2, 5) and "q = 4" not in res.warnings[0][1]
+    assert res.rank_interval == (2, 5)
+    assert_warned(res.warnings, "split_half_band", bounds=(None, 5))   # the band's 5, not q = 4
     assert split_half_result(_statistic([100.0, 9.0, 2.0], 1.0, fitted_rank=8, rank_cap=20),
                              max_rank=5).rank_interval == (2, 5)
     assert MarchenkoPasturRule()(ws).rank == 2
@@ -172,7 +177,7 @@ def test_split_half_rule_counts_above_the_margin():
     full = _statistic([9.0] * 8, 1.0, fitted_rank=8, rank_cap=8)
     res = split_half_result(full)
     assert res.rank == 8 and res.rank_interval == (8, 20)
-    assert res.warnings and res.warnings[0][0] is UnidentifiableRankWarning
+    assert_warned(res.warnings, "split_half_at_cap", bounds=(None, 20), category=UnidentifiableRankWarning)
 
 
 def test_causal_attention_is_fitted_with_its_mask():
@@ -281,8 +286,9 @@ def test_halves_that_disagree_beyond_the_tolerance_are_warned():
     assert factored_half_disagreement(same, halves, V) == 0.0
     # few noisy samples: the halves' fits differ by far more than 1% of Var(Y)
     X, Y, teacher = make_attention_task(200, rank=3, random_state=0, return_teacher=True, **{**SHAPE, "noise": 0.5})
-    with pytest.warns(UnidentifiableRankWarning, match="finer than this risk curve resolves"):
+    with pytest.warns(UnidentifiableRankWarning) as caught:
         noisy = RStarEstimator(value_map=teacher.value_map, tolerance=0.01).fit(X, Y)
+    assert_warned(caught, "curve_resolution", bounds=(None, SHAPE["n_features"]), category=UnidentifiableRankWarning)
     assert noisy.risk_curve_resolution_ > 0.05 and noisy.rank_interval_[1] == SHAPE["n_features"]
     # its interval still covers the planted 3 (the lower end is read off the curve itself)
     assert noisy.rank_interval_[0] <= 3

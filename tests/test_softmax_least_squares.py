@@ -22,6 +22,8 @@ from rstar.inversions import (
 )
 from rstar.inversions.softmax_least_squares import softmax_fit_blocker, softmax_fit_sizes_fit
 
+from _reasons import assert_warned
+
 
 def _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05, seed=0, **kw):
     return make_attention_task(n, seq_len=T, n_features=d, value_dim=d_v, rank=rank, noise=noise,
@@ -323,9 +325,11 @@ def test_predict_uses_the_rank_constrained_fit():
 def test_non_convergence_is_warned_and_falls_back_to_first_order():
     X, Y, _ = _task(n=300, T=10, d=5, d_v=4, rank=2, noise=0.05, logit_scale=4.0)
     two = DEFAULT_CALIBRATION.replace(softmax_max_iter=2)
-    with pytest.warns(UnidentifiableRankWarning, match="after 2 L-BFGS.*Fallback in use: the first-order inversion"):
+    with pytest.warns(UnidentifiableRankWarning) as caught:
         est = RStarEstimator(operator="softmax", calibration=two).fit(X, Y)
-    assert est.inversion_ == "softmax_first_order" and "L-BFGS" in est.inversion_reason_
+    hit = assert_warned(caught, "not_converged", category=UnidentifiableRankWarning)
+    assert est.statistic_.fallback.kind == "not_converged" and est.statistic_.fallback.values["max_iter"] == 2
+    assert est.inversion_ == "softmax_first_order" and est.inversion_reason_ == str(hit.message)
     with pytest.warns(InversionFallbackWarning, match="exceeds the compute budget"):
         ref = RStarEstimator(operator="softmax", compute_budget=1).fit(X, Y)   # the first-order inversion
     assert ref.inversion_ == "softmax_first_order"
@@ -359,8 +363,9 @@ def test_no_value_signal_is_the_first_order_inversion():
     ref_stats = ref.new_stats(16, 6, 6)
     ref.update(ref_stats, X, Y)
     np.testing.assert_allclose(inv.whiten(stats).eigenvalues, ref.whiten(ref_stats).eigenvalues)
-    with pytest.warns(UnidentifiableRankWarning, match="no value signal"):
+    with pytest.warns(UnidentifiableRankWarning) as caught:
         est = RStarEstimator(operator="softmax").fit(X, Y)
+    assert_warned(caught, "no_value_signal", category=UnidentifiableRankWarning)
     assert est.rank_ == 0 and est.inversion_ == "softmax_first_order"
     # with a value signal the test rejects
     X, Y, _ = _task(n=400, T=16, d=6, d_v=6, rank=0, noise=0.3)
@@ -373,11 +378,12 @@ def test_linear_qk_data_fall_back_to_first_order_with_a_warning():
     # the softmax model does not hold: its residual is far above the power outside col(P X_i), and the
     # first-order inversion (which holds for linear QK too) reads r*
     X, Y = make_attention_task(400, kind="linear_qk", seq_len=24, n_features=8, rank=3, noise=0.05, random_state=0)
-    with pytest.warns(UnidentifiableRankWarning, match="do not follow softmax"):
+    with pytest.warns(UnidentifiableRankWarning) as caught:
         est = RStarEstimator().fit(X, Y)
     # the fit ran (within the budgets) and failed the model check
+    hit = assert_warned(caught, "softmax_misfit", bounds=(0, 8), category=UnidentifiableRankWarning)
     assert est.rank_ == 3 and est.inversion_ == "softmax_first_order"
-    assert "do not follow softmax" in est.inversion_reason_
+    assert est.inversion_reason_ == str(hit.message)
     assert est.spectrum_.shape == (8,) and est.n_columns_ > 8   # the first-order statistic, not the Wald one
 
 

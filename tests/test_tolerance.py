@@ -11,6 +11,8 @@ from rstar import MPRankEstimator, RStarEstimator, UnidentifiableRankWarning
 from rstar.datasets import make_attention_task, make_linear_proxy
 from rstar.risk import rank_at_tolerance, relative_excess_risk
 
+from _reasons import assert_warned
+
 
 @pytest.fixture(scope="module")
 def graded_softmax():
@@ -73,8 +75,10 @@ def test_curve_is_scale_free(graded_softmax):
 
 def test_tiny_tolerance_warns_beyond_the_noise():
     X, Y = make_linear_proxy(400, rank=2, noise=0.3, random_state=1)
-    with pytest.warns(UnidentifiableRankWarning, match="finer than the noise"):
+    with pytest.warns(UnidentifiableRankWarning) as caught:
         est = MPRankEstimator(tolerance=0.0).fit(X, Y)
+    assert_warned(caught, "tolerance_below_noise", category=UnidentifiableRankWarning)
+    assert "tolerance_below_noise" in [v.reason for v in est.verdicts_]
     assert est.rank_ > est.noise_floor_rank_
 
 
