@@ -9,8 +9,8 @@ P(p < 0.1) = 0.1, P(p < 0.5) = 0.5). The estimator's default level
 resolve its tails, so the levels are checked at 1%; the column "rank_ > 0 at
 the default" is P(p₀ < rstar_alpha), the false-alarm rate of the default
 estimator (``rank_ > 0`` exactly when the first p-value is below alpha). The regimes are those of
-``tests/test_uncertainty.py::NULL_TASKS``, plus linear QK with a known V
-(the least-squares inversion, tested in ``tests/test_least_squares_qk.py``)
+``tests/rules/test_intervals.py::NULL_TASKS``, plus linear QK with a known V
+(the least-squares inversion, tested in ``tests/inversions/test_query_key_least_squares.py``)
 and softmax least squares at T = d, with Student-t tokens and with a known V.
 
 Usage::

@@ -290,7 +290,7 @@ def test_t_close_to_d_softmax_forced_exact_warns():
 # inversions each M_i = K G_i V has only d_v columns, but they lie in range(K*) and, pooled over
 # samples with varying G_i = X_i^T X_i, span all of it (the r* - d_v directions beyond range(V) only through
 # the isotropic part of E[G_i V V^T G_i], about T / d_v times weaker: with V unknown and d_v < d RStar
-# cross-fits the least squares instead, see tests/test_cross_fit_qk.py).
+# cross-fits the least squares instead, see tests/inversions/test_query_key_cross_fit.py).
 def test_value_dim_below_rank_linear_proxy_recovers():
     _assert_recovers(lambda s: _proxy(s, value_dim=2, rank=4), "linear_proxy", range(5), op_key="operator")
 

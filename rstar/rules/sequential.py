@@ -36,7 +36,7 @@ def top_down_p_values(eigenvalues, n_columns, min_bulk_columns=None, max_rank=No
     ``P(min_k q_k < alpha) <= alpha`` under pure noise (family-wise); the
     lower part of an MP bulk is not an MP bulk, but its fitted width is never
     below the nominal one, and on white Wishart nulls the scan adds no false
-    alarms (``tests/test_uncertainty.py``). When the scan makes the count,
+    alarms (``tests/rules/test_intervals.py``). When the scan makes the count,
     :func:`sequential_spike_test` reports the noise level, width and cut of
     the bulk below it.
 

@@ -16,7 +16,7 @@ from rstar.rules import identifiability as idf
 
 from _reasons import assert_warned
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "rstar"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "rstar"
 
 
 def _first_order_gate(centred, tokens, features, calibration=DEFAULT_CALIBRATION):

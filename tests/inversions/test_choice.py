@@ -374,7 +374,7 @@ def test_the_documented_decision_table_is_current():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "generate_decision_table.py"
+    path = Path(__file__).resolve().parents[2] / "docs" / "generate_decision_table.py"
     spec = importlib.util.spec_from_file_location("generate_decision_table", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
