@@ -7,9 +7,12 @@ The table lies between the marker lines ``<!-- calibration table: begin -->`` an
 (added after the placeholder comment on the first run), one section per group.
 """
 
-import argparse
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _marked_table  # noqa: E402
 
 from rstar.calibration import DEFAULT_CALIBRATION, GROUPS
 
@@ -48,29 +51,11 @@ def table_markdown(calibration=DEFAULT_CALIBRATION):
 
 def render(text):
     """``text`` with the generated table between the markers."""
-    table = f"{BEGIN}\n{table_markdown()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        return head + table + rest.split(END, 1)[1]
-    if PLACEHOLDER in text:
-        return text.replace(PLACEHOLDER, PLACEHOLDER + "\n\n" + table, 1)
-    return text.rstrip("\n") + "\n\n" + PLACEHOLDER + "\n\n" + table + "\n"
+    return _marked_table.render(text, table_markdown(), BEGIN, END, PLACEHOLDER)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only check that the committed table is current")
-    args = parser.parse_args(argv)
-    text = open(PAGE).read() if os.path.exists(PAGE) else "# Calibration\n"
-    new = render(text)
-    if args.check:
-        if new != text:
-            print(f"{PAGE} is stale: run python docs/generate_calibration_table.py", file=sys.stderr)
-            return 1
-        return 0
-    with open(PAGE, "w") as fh:
-        fh.write(new)
-    return 0
+    return _marked_table.main(PAGE, "Calibration", render, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

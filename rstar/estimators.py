@@ -265,8 +265,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
             self.__dict__.pop(attr, None)
         rank = res.rank if self.rank is None else self.rank
         if self.tolerance is not None:
-            rank, interval = self._read_tolerance(ws, res, curve_samples, identified=not any(
-                v.bounds for v in found), cal=cal)
+            rank, interval = self._read_tolerance(ws, res, curve_samples, identified=identified, cal=cal)
         self.rank_ = int(rank)
         self.effective_rank_ = float(res.effective_rank)
         self.spectrum_ = ws.eigenvalues * unit
@@ -280,7 +279,8 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         self.n_samples_seen_ = int(self._stats["n"])
         self.inversion_ = ws.inversion
         if ws.fallback is not None:
-            self.inversion_reason_ = identifiability.fallback_verdict(ws.fallback, cal).message
+            # the fallback's verdict, made with the others above
+            self.inversion_reason_ = next(v.message for v in found if v.reason == ws.fallback.kind)
         elif choice.is_fallback:
             self.inversion_reason_ = choice.messages()[0]
         else:

@@ -89,7 +89,6 @@ REASONS = {
     "mostly_spikes": "most eigenvalues are spikes: the bulk's noise level decides nothing",
     "energy_discounts": "the energy rank counts fewer directions than the noise-aware test",
     "numerical_outside": "the numerical rank lies outside the noise-aware test's range",
-    "noise_aware": "the noise-aware test beside the numerical rank is not identified itself",
     "split_half_band": "split-half directions in the band between noise edge and margin",
     "split_half_at_cap": "the factored fit's count filled its largest rank q",
     # the risk curve
@@ -393,6 +392,7 @@ def rule_verdict(reason, **f):
                        "rank_interval_ reaches the count; MPRankEstimator gives the count, RStarEstimator "
                        "with a tolerance the smallest rank reaching a given risk.")
     if reason == "noise_aware":
+        # the noise-aware test's own verdict, passed on by the numerical rule under its own reason
         inner = f["verdict"]
         return Verdict(inner.reason, inner.category, "the noise-aware test beside the numerical rank: " + inner.message)
     if reason == "numerical_outside":
