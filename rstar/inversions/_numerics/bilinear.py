@@ -239,7 +239,7 @@ def _query_key_als(X, Y, grams, K0, max_iter, fit_tol):
     V, explained = v_step(K)
     for _ in range(max_iter):
         B = np.matmul(G, V)
-        rhs = np.einsum("nav,nbv->ab", F, B, optimize=True).ravel()
+        rhs = np.tensordot(F, B, axes=([0, 2], [0, 2])).ravel()   # sum_i F_i B_i^T
         k = solve_psd(sym(query_key_normal_matrix(G, B)), rhs)
         norm = np.linalg.norm(k)
         if norm == 0:

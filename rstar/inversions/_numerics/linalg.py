@@ -1,7 +1,12 @@
 """Small dense linear-algebra helpers shared by the inversions (pure functions)."""
 
 import numpy as np
-from scipy import linalg
+from scipy.linalg import lapack
+
+# LAPACK's Cholesky factor and solve, called directly: scipy.linalg.cho_factor / cho_solve compute the same (they
+# call these two routines) behind checks that cost more than the factorisation itself at the small d of the
+# alternating least squares (about 0.1 ms a call, 16,000 calls in a cross-fitted query-key fit at d = 8)
+_potrf, _potrs = lapack.get_lapack_funcs(("potrf", "potrs"), (np.zeros(1),))
 
 
 def sym(A):
@@ -24,13 +29,13 @@ def solve_psd(A, B, rcond=1e-12):
     well conditioned, else the least-squares (pseudo-inverse) solution."""
     A = sym(A)
     if A.size and np.all(np.isfinite(A)):
-        try:
-            factor = linalg.cho_factor(A, check_finite=False)
-            diag = np.abs(np.diag(factor[0]))
+        factor, info = _potrf(A, lower=False, clean=False)
+        if info == 0:
+            diag = np.abs(np.diag(factor))
             if diag.min() > np.sqrt(rcond) * diag.max():
-                return linalg.cho_solve(factor, B, check_finite=False)
-        except linalg.LinAlgError:
-            pass
+                Z, info = _potrs(factor, B, lower=False)
+                if info == 0:
+                    return Z
     return psd_power(A, -1.0, rcond) @ B
 
 
