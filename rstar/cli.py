@@ -73,6 +73,9 @@ def _parser():
                        help="tolerances of the r*(EPS) columns; the heatmap shows the first")
     heads.add_argument("--seed", type=int, default=0, help="random seed of the token windows")
     heads.add_argument("--out", default="rstar-heads", help="output folder")
+    heads.add_argument("--device", default="auto",
+                       help="where the factored fits' loss evaluations run: auto (CUDA when present, else torch on "
+                            "the CPU's threads), cpu (numpy), cuda, cuda:N")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
                             "(the other options must be the same)")
@@ -267,11 +270,14 @@ def _read_progress(path):
 
 def _heads(args):
     from .paper.experiments import markdown_table
+    from . import RStarEstimator
+    from ._backend import check_device
     from .heads import collect_attention, estimate_heads, plot_head_rank_panels, text_windows
 
     layers = None if args.layers is None else _index_list(args.layers, "--layers")
     heads = None if args.heads is None else _index_list(args.heads, "--heads")
     _check_heads_args(args)
+    check_device(args.device)
     out = Path(args.out)
     progress_file = out / "heads.jsonl"
     record = _run_record(args, layers, heads)
@@ -322,7 +328,8 @@ def _heads(args):
                       f"{todo} heads", file=sys.stderr, flush=True)
 
         try:
-            estimate_heads(collected, tolerances=tuple(args.tolerance), skip=skip, on_row=write, progress=True)
+            estimate_heads(collected, RStarEstimator(device=args.device), tolerances=tuple(args.tolerance),
+                           skip=skip, on_row=write, progress=True)
         except KeyboardInterrupt:
             print(f"\ninterrupted: {len(done) + len(fitted)} of {total} heads are in {progress_file}; rerun the "
                   "same command with --resume to fit the rest.", file=sys.stderr, flush=True)

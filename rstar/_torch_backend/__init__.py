@@ -25,13 +25,27 @@ def resolve_torch_device(device):
     return dev
 
 
+#: The dtype of the factored softmax fit's per-sample work on torch (its sums are float64): float32 reads the same
+#: ranks as float64 and numpy on the planted and real-head benchmarks, in about 60% of float64's time on the CPU
+#: (python benchmarks/speed.py --real-size; tests/inversions/test_softmax_factored.py checks the agreement).
+FACTORED_FIT_DTYPE = torch.float32
+
+
 class TorchOps:
     """The operations of the chunk functions (:mod:`rstar._backend`) on float64 torch tensors on one device."""
 
     name = "torch"
+    fit_dtype = FACTORED_FIT_DTYPE
 
     def __init__(self, device):
         self.device = resolve_torch_device(device)
+
+    def factored_half_loss(self, X, Y, mask, chunk_entries):
+        """One half's factored loss on this device, in :attr:`fit_dtype`
+        (:class:`rstar._torch_backend.factored.FactoredHalfLoss`)."""
+        from .factored import FactoredHalfLoss
+
+        return FactoredHalfLoss(X, Y, mask, self.device, self.fit_dtype, chunk_entries)
 
     def asarray(self, a):
         return torch.as_tensor(np.asarray(a, dtype=float), dtype=torch.float64, device=self.device)

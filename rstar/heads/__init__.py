@@ -134,7 +134,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     estimator : data-only rstar estimator or None
         Cloned for each head, with ``tolerance=min(tolerances)`` (and the head's value map when
         ``value_map_known``; ``causal=True`` for a causal head, which only :class:`rstar.RStarEstimator`
-        models). None: :class:`rstar.RStarEstimator`. Where it has no rank-r operators at a
+        models). None: ``RStarEstimator(device="auto")`` (its factored fits' loss evaluations on torch: CUDA
+        where present, else the CPU's threads, in float32). Where it has no rank-r operators at a
         head's shape, the heads of that shape are fitted for the noise floor alone.
     tolerances : tuple of float
         The r*(ε) columns (``rank_at_<ε>``), read off one fit's ``risk_curve_``; empty: noise floor only.
@@ -222,7 +223,7 @@ class _LineProgress:
 
 def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators):
     """One head's row of :func:`estimate_heads`."""
-    est = clone(RStarEstimator() if estimator is None else estimator)
+    est = clone(RStarEstimator(device="auto") if estimator is None else estimator)
     if head.causal:
         if "causal" not in est.get_params():
             raise ValueError(f"layer {layer.index} ({layer.name}) is causal, and {type(est).__name__}'s "

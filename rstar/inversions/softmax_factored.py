@@ -22,6 +22,7 @@ stopped at.
 
 import numpy as np
 
+from .._backend import NUMPY
 from ._numerics import softmax_factored as sf
 from ..budgets import DEFAULT_BUDGET, largest_count
 from ..calibration import DEFAULT_CALIBRATION
@@ -101,6 +102,25 @@ def first_order_start_rank(count, *, calibration=DEFAULT_CALIBRATION):
     return max(calibration.factored_start_rank, 1 << int(np.ceil(np.log2(count + 2))))
 
 
+def _split_half_values(halves_factors, metric):
+    """The singular values of the whitened half-sum and half-difference from the halves' factors, through thin
+    QR factors of the ``d x 2q`` stacks (``O(d q^2)``, not a ``d x d`` SVD at every check): each has rank at most
+    2q, so the values beyond are zero; padded to d with zeros."""
+    Mq, _, Mk, _ = metric
+    (A1, B1), (A2, B2) = halves_factors
+    d = A1.shape[0]
+    left, right = Mq @ np.hstack([A1, A2]), Mk @ np.hstack([B1, B2])
+    Ql, Rl = np.linalg.qr(left)
+    Qr, Rr = np.linalg.qr(right)
+    q = A1.shape[1]
+    out = []
+    for sign in (1.0, -1.0):
+        core = Rl @ np.diag(np.r_[np.ones(q), sign * np.ones(q)]) @ Rr.T / 2
+        s = np.linalg.svd(core, compute_uv=False)
+        out.append(np.pad(s, (0, max(0, d - s.size)))[:d])
+    return out
+
+
 def _split_half(K1, K2, metric):
     Mq, _, Mk, _ = metric
     Ssum = Mq @ ((K1 + K2) / 2) @ Mk
@@ -112,7 +132,7 @@ def _split_half(K1, K2, metric):
 
 def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
                        margin=None, start_rank=None, mask=None, *, calibration=DEFAULT_CALIBRATION,
-                       stopping_count=split_half_counts):
+                       stopping_count=split_half_counts, ops=NUMPY):
     """The split-half statistic of the factored least squares.
 
     Parameters
@@ -134,6 +154,10 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         ``(singular_values, edge, margin) -> (count above the margin, count above the null)``: the split-half
         rule's count, which decides when the fit has settled, when q doubles and what it reports
         (:func:`rstar.rules.split_half.split_half_counts`; the estimators pass it).
+    ops : NumpyOps or TorchOps, default=NUMPY
+        Where the L-BFGS loss evaluations run (:func:`rstar.inversions._numerics.softmax_factored.half_losses`:
+        numpy float64, or torch on its device in its ``fit_dtype``); the statistic, its null and the residuals
+        are computed on numpy in float64 either way.
     calibration : Calibration, default=DEFAULT_CALIBRATION
         The tuned values of the fit and its test (:mod:`rstar.calibration`: ``split_half_margin``, the
         ``factored_*`` values, ``min_noise_dof``, ...).
@@ -172,8 +196,10 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
 
     # L-BFGS and its starts in whitened token coordinates (real tokens are far from isotropic)
     pre = (metric[1], metric[0])
-    starts = [sf.gradient_start(X, Y, G, q, V0, mask, pre, active=first_count or None, calibration=calibration)
-              for (X, Y), G, V0 in zip(halves, grads, uniform_v)]
+    losses = sf.half_losses(halves, mask, ops, calibration=calibration)
+    starts = [sf.gradient_start(X, Y, G, q, V0, mask, pre, active=first_count or None, calibration=calibration,
+                                loss=loss)
+              for (X, Y), G, V0, loss in zip(halves, grads, uniform_v, losses)]
     state = {"capped": False}
 
     def can_double():
@@ -185,7 +211,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         # every segment: the split-half count; stop to double q, once the count has settled, or at the budget
         nonlocal spent
         spent += _segment_cost(n, T, d, d_v, q, known, calibration)
-        U, s, _, sd = _split_half(current[0].kernel, current[1].kernel, metric)
+        s, sd = _split_half_values([(f.A, f.B) for f in current], metric)
         edge = sd[0] if sd[0] > 0 else 0.0
         count = stopping_count(s, edge, margin)
         if count[1] >= q - 1 and not state["capped"]:
@@ -225,7 +251,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         state.update(outcome=None, previous=None, count=None, segments=0, clear=0)
         fits = sf.fit_factored_pair(halves, q, starts, value_map=value_map, mask=mask, max_iter=max_iter,
                                     precondition=pre, on_check=on_check, check_every=calibration.factored_segment_iter,
-                                    calibration=calibration)
+                                    calibration=calibration, losses=losses)
         if state["outcome"] != "double":
             break
         # nearly every direction stands above the null, or the count has not settled in
@@ -233,8 +259,8 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         # residual degrees of freedom and the compute budget (its start and two segments) allow
         q = min(2 * q, d)
         spent += sf.factored_start_cost(n, T, d, d_v, known)
-        starts = [(*sf.extended_start(X, Y, f, q, mask, pre, calibration=calibration), f.value_map)
-                  for (X, Y), f in zip(halves, fits)]
+        starts = [(*sf.extended_start(X, Y, f, q, mask, pre, calibration=calibration, loss=loss), f.value_map)
+                  for (X, Y), f, loss in zip(halves, fits, losses)]
     iters = fits[0].n_iter
     capped = state["capped"]
     stable = state["outcome"] == "settled" or all(f.converged for f in fits)

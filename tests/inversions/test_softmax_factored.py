@@ -347,3 +347,60 @@ def test_value_map_metric_reaches_the_same_fit():
     assert rss[0] == pytest.approx(rss[1], rel=1e-3)
     for a, b in zip(*fits):
         np.testing.assert_allclose(a.kernel, b.kernel, atol=0.05 * np.abs(b.kernel).max())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_half_loss_agrees_with_numpy(causal):
+    torch = pytest.importorskip("torch")
+    from rstar._torch_backend.factored import FactoredHalfLoss
+
+    rng = np.random.default_rng(1)
+    n, T, d, d_v, q = 30, 6, 10, 4, 3
+    X, Y = rng.standard_normal((n, T, d)), rng.standard_normal((n, T, d_v))
+    A, B, V = rng.standard_normal((d, q)), rng.standard_normal((d, q)), rng.standard_normal((d, d_v))
+    mask = sf.causal_mask(T) if causal else None
+    ref = sf.NumpyHalfLoss(X, Y, mask)
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        # chunks of 7 samples: the sums over chunks are those of one pass
+        loss = FactoredHalfLoss(X, Y, mask, torch.device("cpu"), dtype, chunk_entries=7 * T * d)
+        assert len(loss.parts) > 1
+        for value_grad in (False, True):
+            want, got = ref(A, B, V, value_grad), loss(A, B, V, value_grad)
+            assert got[0] == pytest.approx(want[0], rel=rtol)
+            for w, g in zip(want[1:3], got[1:3]):
+                np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * np.abs(w).max())
+            if value_grad:
+                np.testing.assert_allclose(got[3], want[3], rtol=rtol, atol=rtol * np.abs(want[3]).max())
+            else:
+                assert got[3] is None and want[3] is None
+    # a new V is a new value path (the cached one is not reused)
+    assert loss(A, B, 2 * V)[0] == pytest.approx(ref(A, B, 2 * V)[0], rel=1e-4)
+
+
+def test_split_half_values_are_the_singular_values_of_the_half_sum_and_difference():
+    from rstar.inversions.softmax_factored import _split_half, _split_half_values
+
+    rng = np.random.default_rng(2)
+    d, q = 12, 3
+    metric = sf.token_metric_roots(rng.standard_normal((50, 6, d)) @ np.diag(np.linspace(0.5, 2, d)))
+    A1, B1, A2, B2 = (rng.standard_normal((d, q)) for _ in range(4))
+    s, sd = _split_half_values([(A1, B1), (A2, B2)], metric)
+    _, s_full, _, sd_full = _split_half(A1 @ B1.T, A2 @ B2.T, metric)
+    assert s.shape == sd.shape == (d,)
+    np.testing.assert_allclose(s, s_full, rtol=1e-10, atol=1e-10 * s_full[0])
+    np.testing.assert_allclose(sd, sd_full, rtol=1e-10, atol=1e-10 * sd_full[0])
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_factored_fit_on_torch_reads_what_numpy_reads(known):
+    torch = pytest.importorskip("torch")
+    X, Y, t = _task(3)
+    kw = dict(value_map=t.value_map, tolerance=0.05) if known else dict(tolerance=0.05)
+    ref = RStarEstimator(**kw).fit(X, Y)
+    est = RStarEstimator(device=torch.device("cpu"), **kw).fit(X, Y)
+    assert ref.inversion_ == est.inversion_ == FACTORED_NAME
+    assert est.noise_floor_rank_ == ref.noise_floor_rank_ == 3
+    assert est.noise_floor_interval_ == ref.noise_floor_interval_
+    # float32 evaluations: the fit stops within the optimiser's tolerance of numpy's, not at its round-off
+    np.testing.assert_allclose(est.spectrum_[:3], ref.spectrum_[:3], rtol=0.02)
+    assert est.rank_ == ref.rank_ and est.rank_at_tolerance(0.01) == ref.rank_at_tolerance(0.01)

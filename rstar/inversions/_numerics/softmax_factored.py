@@ -52,6 +52,8 @@ __all__ = [
     "gradient_start",
     "value_map_given_kernel",
     "fit_factored_pair",
+    "NumpyHalfLoss",
+    "half_losses",
     "token_metric_roots",
     "token_metric_roots_of_sums",
     "token_metric_sums",
@@ -168,6 +170,34 @@ def factored_loss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
         gA += a
         gB += b
     return f, gA, gB
+
+
+class NumpyHalfLoss:
+    """One half's factored loss on numpy float64: ``loss(A, B, V, value_grad=False) -> (f, grad_A, grad_B, grad_V)``
+    (grad_V None unless ``value_grad``); :func:`joint_loss` with V's gradient, else :func:`factored_loss` on the
+    value path ``X V``, kept while V is unchanged. The torch back-end's
+    :class:`rstar._torch_backend.factored.FactoredHalfLoss` computes the same on a device."""
+
+    def __init__(self, X, Y, mask=None, *, calibration=DEFAULT_CALIBRATION):
+        self.X, self.Y, self.mask, self.calibration = X, Y, mask, calibration
+        self._path = (None, None)
+
+    def __call__(self, A, B, V, value_grad=False):
+        if value_grad:
+            return joint_loss(self.X, self.Y, A, B, V, self.mask, calibration=self.calibration)
+        key, Z = self._path
+        if key is None or key.shape != V.shape or not np.array_equal(key, V):
+            Z = self.X @ V
+            self._path = (np.array(V, dtype=float), Z)
+        return (*factored_loss(self.X, Z, self.Y, A, B, self.mask, calibration=self.calibration), None)
+
+
+def half_losses(halves, mask=None, ops=NUMPY, *, calibration=DEFAULT_CALIBRATION):
+    """Each half's loss-and-gradient function (:class:`NumpyHalfLoss`, or its torch twin on ``ops``'s device, whose
+    per-sample work runs in ``ops.fit_dtype``: :class:`rstar._torch_backend.factored.FactoredHalfLoss`)."""
+    if ops.name == "numpy":
+        return [NumpyHalfLoss(X, Y, mask, calibration=calibration) for X, Y in halves]
+    return [ops.factored_half_loss(X, Y, mask, calibration.chunk_entries) for X, Y in halves]
 
 
 def factored_rss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
@@ -322,14 +352,17 @@ def kernel_gradient(X, Z, Y, A=None, B=None, mask=None, *, calibration=DEFAULT_C
     return G / np.sqrt(d)
 
 
-def _line_start(X, Z, Y, A0, B0, G, k, mask, precondition=None, active=None, calibration=DEFAULT_CALIBRATION):
+def _line_start(X, Y, V, A0, B0, G, k, mask, precondition=None, active=None, calibration=DEFAULT_CALIBRATION,
+                loss=None):
     """``(A0, B0)`` extended by the top-``k`` singular pairs of ``-G`` at the scale that lowers the loss most.
 
     With ``precondition = (P, P_inv)`` the pairs are those of the whitened gradient ``-P G P``, mapped back
     (``K = P U S W^T P``). Only the first ``active`` new pairs (all if None) start at that scale; the others
     start 100 times weaker in their logits, so that directions the gradient does not single out are grown by
-    the fit rather than planted in both halves alike.
+    the fit rather than planted in both halves alike. ``loss`` is the half's :func:`half_losses` function (None:
+    :class:`NumpyHalfLoss`).
     """
+    loss = NumpyHalfLoss(X, Y, mask, calibration=calibration) if loss is None else loss
     P = None if precondition is None else precondition[0]
     U, s, Wt = linalg.svd(-G if P is None else -(P @ G @ P), full_matrices=False, check_finite=False)
     U, s, W = U[:, :k], s[:k], Wt[:k].T
@@ -349,24 +382,23 @@ def _line_start(X, Z, Y, A0, B0, G, k, mask, precondition=None, active=None, cal
     best = (np.inf, 0.0)
     for t in t0 * 2.0 ** np.arange(-6, 5):
         root = np.sqrt(t * s) * weight
-        f = factored_loss(X, Z, Y, np.hstack([A0, U * root]), np.hstack([B0, W * root]), mask,
-                          calibration=calibration)[0]
+        f = loss(np.hstack([A0, U * root]), np.hstack([B0, W * root]), V)[0]
         best = min(best, (f, t))
     root = np.sqrt(best[1] * s) * weight
     return np.hstack([A0, U * root]), np.hstack([B0, W * root])
 
 
 def gradient_start(X, Y, G, rank, value_map=None, mask=None, precondition=None, active=None, *,
-                   calibration=DEFAULT_CALIBRATION):
+                   calibration=DEFAULT_CALIBRATION, loss=None):
     """Starting factors of rank ``rank`` from a given gradient of K at ``K = 0`` (:func:`kernel_gradient`),
     V known or the uniform-attention least squares, scaled by a line search (see :func:`_line_start` for
-    ``precondition`` and ``active``)."""
+    ``precondition``, ``active`` and ``loss``)."""
     V = value_map_given_kernel(X, Y, mask=mask, calibration=calibration) if value_map is None else value_map
     empty = np.zeros((X.shape[2], 0))
-    return _line_start(X, X @ V, Y, empty, empty, G, rank, mask, precondition, active, calibration)
+    return _line_start(X, Y, V, empty, empty, G, rank, mask, precondition, active, calibration, loss)
 
 
-def extended_start(X, Y, fit, rank, mask=None, precondition=None, *, calibration=DEFAULT_CALIBRATION):
+def extended_start(X, Y, fit, rank, mask=None, precondition=None, *, calibration=DEFAULT_CALIBRATION, loss=None):
     """Starting factors of rank ``rank`` from a smaller fit: its factors and the top singular pairs of the
     gradient of K at its kernel (the directions it leaves most to gain on), scaled by a line search."""
     Z = X @ fit.value_map
@@ -374,7 +406,8 @@ def extended_start(X, Y, fit, rank, mask=None, precondition=None, *, calibration
     if k <= 0:
         return fit.A[:, :rank], fit.B[:, :rank]
     G = kernel_gradient(X, Z, Y, fit.A, fit.B, mask, calibration=calibration)
-    return _line_start(X, Z, Y, fit.A, fit.B, G, k, mask, precondition, calibration=calibration)
+    return _line_start(X, Y, fit.value_map, fit.A, fit.B, G, k, mask, precondition, calibration=calibration,
+                       loss=loss)
 
 
 def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, check_every=None,
@@ -426,7 +459,7 @@ def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, ch
 
 def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=None,
                       tol=None, precondition=None, on_check=None, check_every=50,
-                      value_precondition=True, *, calibration=DEFAULT_CALIBRATION):
+                      value_precondition=True, *, calibration=DEFAULT_CALIBRATION, losses=None):
     """Both halves' fits as one L-BFGS run on their summed (separable) loss, so that its curvature memory
     survives the checks made along the way.
 
@@ -463,6 +496,8 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     calibration : Calibration, default=DEFAULT_CALIBRATION
         Its ``factored_max_iter``, ``least_squares_loss_tol``, ``value_ridge`` and ``chunk_entries``
         (:mod:`rstar.calibration`).
+    losses : list of two callables or None
+        Each half's loss-and-gradient function (:func:`half_losses`: numpy, or torch on a device); None: numpy.
 
     Returns
     -------
@@ -492,18 +527,15 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     def split(bl):
         return bl[:per], bl[per:]
 
-    # the value path of a known V, once (not at every evaluation: n T d d_v multiply-adds)
+    # the value path of a known V is computed once by each half's loss (not at every evaluation)
+    losses = half_losses(halves, mask, calibration=calibration) if losses is None else losses
     paths = [None if fitted_v else X @ value_map for X, _ in halves]
 
     def fun(bl):
         f, grads = 0.0, []
-        for (X, Y), Z, part in zip(halves, paths, split(bl)):
-            if fitted_v:
-                fp, gA, gB, gV = joint_loss(X, Y, *part, mask, calibration=calibration)
-                grads += [gA, gB, gV]
-            else:
-                fp, gA, gB = factored_loss(X, Z, Y, *part, mask, calibration=calibration)
-                grads += [gA, gB]
+        for loss, part in zip(losses, split(bl)):
+            fp, gA, gB, gV = loss(part[0], part[1], part[2] if fitted_v else value_map, value_grad=fitted_v)
+            grads += [gA, gB, gV] if fitted_v else [gA, gB]
             f += fp
         return f, grads
 
