@@ -11,6 +11,8 @@ accumulated sums are small (``d x d``, ``d^2 x d^2``), so only they cross
 between host and device.
 """
 
+import contextlib
+
 import numpy as np
 
 __all__ = ["NumpyOps", "resolve_backend", "check_device"]
@@ -59,6 +61,11 @@ class NumpyOps:
     @staticmethod
     def scalar(a):
         return float(a)
+
+    @staticmethod
+    def sharing_the_cpu():
+        """Nothing to share: numpy alone (see :meth:`rstar._torch_backend.TorchOps.sharing_the_cpu`)."""
+        return contextlib.nullcontext()
 
 
 NUMPY = NumpyOps()

@@ -307,8 +307,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             # no value signal: the first-order inversion's null is calibrated without one
             return fell_back(first_order(stats), "no_value_signal", alpha=self.calibration.value_signal_alpha)
         if run == self.factored_name:
-            ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats),
-                                    calibration=self.calibration, stopping_count=self.stopping_count, ops=ops)
+            with ops.sharing_the_cpu():
+                ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats),
+                                        calibration=self.calibration, stopping_count=self.stopping_count, ops=ops)
             self._factored_cache = (self._stats_key(stats), ws)   # for predict's operator: fitted once
             return ws
         K, V, sigma2, converged = self._fit(source, ops=ops)
