@@ -123,10 +123,15 @@ class CostBudget:
         ``memory_budget``, :mod:`rstar.calibration`).
     multiply_adds : float, default=2**39
         Arithmetic of one least-squares fit or information matrix (the calibration's ``compute_budget``).
+    fit_multiply_adds : float or None, default=None
+        The factored least squares' own allowance (its stages, segments and doublings); None: ``multiply_adds``.
+        The estimators' ``compute_budget="auto"`` sets it to infinity, so that the factored fit stops on its
+        split-half count or its iteration caps, not on a number that cannot scale with the problem.
     """
 
     memory_bytes: int = DEFAULT_CALIBRATION.memory_budget
     multiply_adds: float = DEFAULT_CALIBRATION.compute_budget
+    fit_multiply_adds: float = None
 
     def allows_array(self, entries):
         """Whether one float64 array of ``entries`` entries fits in half the memory budget."""
@@ -148,8 +153,20 @@ class CostBudget:
         """Whether a computation of this many multiply-adds is within the budget."""
         return multiply_adds <= self.multiply_adds
 
+    def allows_fit_compute(self, multiply_adds):
+        """Whether the factored least squares may spend this many multiply-adds (``fit_multiply_adds``)."""
+        return multiply_adds <= (self.multiply_adds if self.fit_multiply_adds is None else self.fit_multiply_adds)
+
+    @property
+    def fit_scales(self):
+        """Whether the factored fit runs to its iteration caps (``compute_budget="auto"``)."""
+        return self.fit_multiply_adds == float("inf")
+
     def describe(self):
         """The budget in words, for messages."""
+        if self.fit_scales:
+            return (f"memory_budget={_bytes(self.memory_bytes)}, compute_budget='auto' ({self.multiply_adds:.3g} "
+                    "multiply-adds to choose the inversion; the factored fit to its iteration caps)")
         return f"memory_budget={_bytes(self.memory_bytes)}, compute_budget={self.multiply_adds:.3g} multiply-adds"
 
 

@@ -59,11 +59,20 @@ _SHARED_CONSTRAINTS = {
     "random_state": ["random_state"],
     "n_null_draws": [Interval(Integral, 1, None, closed="left")],
     "memory_budget": [Interval(Integral, 1, None, closed="left")],
-    "compute_budget": [Interval(Real, 1, None, closed="left")],
+    "compute_budget": [Interval(Real, 1, None, closed="left"), StrOptions({"auto"})],
     "predict_sums": ["boolean"],
     "device": "no_validation",   # validated by rstar._backend.check_device (imports torch only when needed)
     "calibration": [Calibration, None],
 }
+
+
+def _budget_config(memory_budget, compute_budget, calibration):
+    """``(memory bytes, multiply-adds, the factored fit's multiply-adds)`` of :class:`rstar.budgets.CostBudget`:
+    ``compute_budget="auto"`` chooses within the calibration's ``compute_budget`` and lets the factored fit run to
+    its iteration caps (an unbounded allowance)."""
+    if isinstance(compute_budget, str):
+        return int(memory_budget), float(calibration.compute_budget), float("inf")
+    return int(memory_budget), float(compute_budget), None
 
 
 def _resolve_seed(random_state, calibration=DEFAULT_CALIBRATION):
@@ -175,7 +184,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         V = check_value_map(self.value_map, d, d_v)
         return dict(operator=self._get_operator(), method=self._method(), clip=self._clip(), causal=self._causal(),
                     value_map=None if V is None else V * (x_scale / y_scale),
-                    budget=(int(self.memory_budget), float(self.compute_budget)),
+                    budget=_budget_config(self.memory_budget, self.compute_budget, self._calibration()),
                     seed=(_resolve_seed(self.random_state, self._calibration())
                           if not hasattr(self.random_state, "randint") else None),
                     n_null_draws=int(self.n_null_draws), predict_sums=bool(self.predict_sums),
@@ -427,11 +436,20 @@ _COMMON_PARAMS_DOC = """
         Bytes (512 MiB) an inversion may keep beyond its ``O(d^2)`` sums:
         the samples of a least-squares fit, or (half of it each) moment sums
         and ``d^2 x d^2`` matrices (:mod:`rstar.budgets`).
-    compute_budget : float, default=2**39
+    compute_budget : float or "auto", default="auto"
         Multiply-adds one least-squares fit or information matrix may cost
-        (minutes of one core at the default; :mod:`rstar.budgets`). Beyond
-        either budget :func:`rstar.inversions.choose_inversion` falls back
-        to the first-order inversion with an ``InversionFallbackWarning``.
+        (:mod:`rstar.budgets`). Beyond either budget
+        :func:`rstar.inversions.choose_inversion` falls back to the
+        first-order inversion with an ``InversionFallbackWarning``, and a
+        factored fit that reaches it stops, warned. ``"auto"`` scales with
+        the problem: the inversion is chosen within the calibration's
+        ``compute_budget`` (2**39, minutes of one core), and the factored
+        least squares of real sizes runs until its split-half count settles
+        or its iteration caps (the calibration's ``factored_max_iter`` and
+        ``factored_max_iter_fitted_v`` at each rank it visits), whatever
+        multiply-adds that takes: a fixed number stopped V-unknown fits on
+        MiniLM's tokens (d = 384, T = 32, n = 2000) before they settled,
+        and they read a planted rank 8 as 6.
     predict_sums : bool, default=True
         Accumulate the moment sums behind ``predict``'s closed-form operator
         (query–key inversions, ``d^4`` entries). False saves their memory and
@@ -663,7 +681,7 @@ class MPRankEstimator(_RankEstimator):
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  tolerance_level=0.05, noise_variance=None,
                  alpha=0.01, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws, memory_budget=DEFAULT_CALIBRATION.memory_budget,
-                 compute_budget=DEFAULT_CALIBRATION.compute_budget, predict_sums=True, device="cpu",
+                 compute_budget="auto", predict_sums=True, device="cpu",
                  calibration=None):
         self.operator = operator
         self.value_map = value_map
@@ -740,7 +758,7 @@ class NumericalRankEstimator(_RankEstimator):
     def __init__(self, operator="linear_proxy", *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  tolerance_level=0.05, noise_variance=None,
                  tol=None, rtol=1e-2, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws,
-                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget=DEFAULT_CALIBRATION.compute_budget, predict_sums=True, device="cpu",
+                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget="auto", predict_sums=True, device="cpu",
                  calibration=None):
         self.operator = operator
         self.value_map = value_map
@@ -805,7 +823,7 @@ class SoftmaxInversionEstimator(MPRankEstimator):
     def __init__(self, *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  tolerance_level=0.05, noise_variance=None, alpha=0.01,
                  method="auto", clip=1e-3, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws,
-                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget=DEFAULT_CALIBRATION.compute_budget, predict_sums=True, device="cpu",
+                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget="auto", predict_sums=True, device="cpu",
                  calibration=None):
         self.value_map = value_map
         self.alpha = alpha
@@ -876,7 +894,7 @@ class RStarEstimator(MPRankEstimator):
     def __init__(self, operator="softmax", *, value_map=None, rank=None, max_rank=None, tolerance=None,
                  tolerance_level=0.05, noise_variance=None,
                  alpha=DEFAULT_CALIBRATION.rstar_alpha, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws,
-                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget=DEFAULT_CALIBRATION.compute_budget, predict_sums=True, device="cpu",
+                 memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget="auto", predict_sums=True, device="cpu",
                  causal=False, calibration=None):
         super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, tolerance=tolerance,
                          tolerance_level=tolerance_level, noise_variance=noise_variance,

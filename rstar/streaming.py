@@ -23,6 +23,7 @@ materialised, for the inversions that need them in memory).
 """
 
 import copy
+import os
 
 import numpy as np
 from sklearn.utils.validation import check_is_fitted
@@ -234,10 +235,11 @@ class Samples:
 
     def chunks(self, per_sample=1):
         """The samples of one pass, in order, as ``(X, Y)`` float arrays of at most ``chunk_entries // per_sample``
-        samples each."""
-        for X, Y in self._scaled_batches():
+        samples each (each chunk rescaled on its own: a batch is never copied whole)."""
+        for X, Y in self.batches():
+            X, Y = check_X_Y(X, Y)
             for part in chunk_slices(X.shape[0], per_sample, self.chunk_entries):
-                yield X[part], Y[part]
+                yield X[part] / self.x_scale, Y[part] / self.y_scale
 
     def map_sum(self, fn, per_sample, *args):
         """``sum over chunks of fn(X_chunk, Y_chunk, *args)`` (tuples summed entry-wise), in chunk order."""
@@ -364,17 +366,38 @@ class BatchSamples(Samples):
             yield X, Y
 
 
-def _block_statistic(inv, X, Y, x_scale, y_scale, start):
+def update_step(T, d, d_v, entries):
+    """Samples per update of the sums: ``entries`` bound the rescaled (X, Y) of a step or its per-sample ``d x d``
+    temporaries, whichever is larger per sample."""
+    return max(1, int(entries) // max(T * (d + d_v), d * d))
+
+
+def _block_statistic(inv, X, Y, x_scale, y_scale, start, entries):
     """The sums of one chunk of samples whose global indices start at ``start`` (the split halves follow the
-    global index), without keeping the samples: ``[stats]`` (a dask bag partition)."""
+    global index), without keeping the samples: ``[stats]`` (a dask bag partition). The chunk is added
+    ``update_step(..., entries)`` samples at a time, rescaled step by step (not a rescaled copy of the chunk)."""
 
     X, Y = check_X_Y(X, Y)
     stats = inv.new_stats(X.shape[1], X.shape[2], Y.shape[2])
     stop_keeping_samples(stats)
     stats["n"] = int(start)
-    inv.update(stats, X / x_scale, Y / y_scale)
+    step = update_step(X.shape[1], X.shape[2], Y.shape[2], entries)
+    for lo in range(0, X.shape[0], step):
+        inv.update(stats, X[lo:lo + step] / x_scale, Y[lo:lo + step] / y_scale)
     stats["n"] -= int(start)
     return [stats]
+
+
+def _worker_entries(inv):
+    """Float entries one dask worker's update may hold at once: the calibration's ``update_chunk_entries``, and
+    at most the memory budget shared by the scheduler's workers (each holding a rescaled step and its
+    temporaries: half each). A 781 MiB lazily generated array (T = 32, d = 16, chunks of 5000 samples, two
+    threads) fitted with ``memory_budget=2**26`` peaked at 420 MiB of traced memory with whole rescaled chunks."""
+    import dask
+
+    workers = int(dask.config.get("num_workers", None) or os.cpu_count() or 1)
+    budget = inv.budget.memory_bytes // (8 * 2 * max(workers, 1))
+    return max(1, min(inv.calibration.update_chunk_entries, budget))
 
 
 def _merge_all(parts):
@@ -449,7 +472,8 @@ class DaskSamples(Samples):
         import dask.bag as db
 
         starts = np.concatenate([[0], np.cumsum(self.X.chunks[0])[:-1]])
-        parts = [dask.delayed(_block_statistic)(inversion, xb, yb, x_scale, y_scale, int(start))
+        entries = _worker_entries(inversion)
+        parts = [dask.delayed(_block_statistic)(inversion, xb, yb, x_scale, y_scale, int(start), entries)
                  for (xb, yb), start in zip(self.delayed_blocks(), starts)]
         return db.from_delayed(parts).reduction(_merge_all, _merge_all, split_every=split_every).compute()
 
@@ -791,8 +815,7 @@ class StreamingFitMixin:
     def _update(self, X, Y):
         """Add a batch to the sums, ``update_chunk_entries`` entries of (X, Y) at a time (so an update's
         temporaries stay bounded whatever the batch size)."""
-        T, d, d_v = self._dims
-        step = max(1, self._config["calibration"].update_chunk_entries // max(T * (d + d_v), d * d))
+        step = update_step(*self._dims, self._config["calibration"].update_chunk_entries)
         for start in range(0, X.shape[0], step):
             part = slice(start, start + step)
             self._inv.update(self._stats, X[part] / self._x_scale, Y[part] / self._y_scale)

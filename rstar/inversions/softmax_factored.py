@@ -69,7 +69,7 @@ def factored_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUD
                 f"factors at T={T}, d={d}, d_v={d_v}")
     if not budget.allows_samples(n, T, d, d_v):
         return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
-    if not budget.allows_compute(_stage_cost(n, T, d, d_v, q, value_map_known, calibration)):
+    if not budget.allows_fit_compute(_stage_cost(n, T, d, d_v, q, value_map_known, calibration)):
         return (f"two segments of {calibration.factored_segment_iter} iterations of the rank-{q} factored fits on "
                 f"{n} samples exceed the compute budget ({budget.describe()})")
     return None
@@ -79,7 +79,7 @@ def factored_capacity(T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, *
     """The most samples the factored least squares keeps and fits within the budgets (0 if none)."""
     def fits(n):
         return (budget.allows_samples(n, T, d, d_v)
-                and budget.allows_compute(_stage_cost(n, T, d, d_v, min(calibration.factored_start_rank, d),
+                and budget.allows_fit_compute(_stage_cost(n, T, d, d_v, min(calibration.factored_start_rank, d),
                                                       value_map_known, calibration)))
 
     return largest_count(fits, budget.max_samples(T, d, d_v))
@@ -188,7 +188,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     first_count = first_order_count(grads, metric, margin)
     q = min(first_order_start_rank(first_count, calibration=calibration) if start_rank is None else int(start_rank),
             d)
-    while q > start_rank_min and not (budget.allows_compute(spent + 2 * _segment_cost(n, T, d, d_v, q, known,
+    while q > start_rank_min and not (budget.allows_fit_compute(spent + 2 * _segment_cost(n, T, d, d_v, q, known,
                                                                                       calibration))
                                       and _residual_dof(n, T, d, d_v, q, known) >= min_dof):
         q //= 2
@@ -205,7 +205,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     def can_double():
         nxt = min(2 * q, d)
         return (nxt > q and _residual_dof(n, T, d, d_v, nxt, known) >= min_dof
-                and budget.allows_compute(spent + _stage_cost(n, T, d, d_v, nxt, known, calibration)))
+                and budget.allows_fit_compute(spent + _stage_cost(n, T, d, d_v, nxt, known, calibration)))
 
     def on_check(current, n_iter):
         # every segment: the split-half count; stop to double q, once the count has settled, or at the budget
@@ -242,7 +242,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         if state["segments"] >= calibration.factored_unsettled_segments and moving and filled and can_double():
             state["outcome"] = "double"
             return True
-        if not budget.allows_compute(spent + _segment_cost(n, T, d, d_v, q, known, calibration)):
+        if not budget.allows_fit_compute(spent + _segment_cost(n, T, d, d_v, q, known, calibration)):
             state["outcome"] = "budget"
             return True
         return False

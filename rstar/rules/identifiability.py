@@ -168,8 +168,11 @@ def _factored_fit(facts, calibration):
             f"the factored least squares ran {facts['iterations']} L-BFGS iterations per half at rank q = {q} "
             f"{'(the compute budget ran out) ' if facts['budget_ran_out'] else ''}and the split-half count was "
             f"still changing ({count[0]} above the margin, {count[1]} above the null): rank_ may be "
-            f"off; rank_interval_ is widened to (0, {q}). A larger compute_budget, more samples or "
-            "fewer features would help.", (0, int(q)))]
+            f"off; rank_interval_ is widened to (0, {q}). "
+            + ("A larger compute_budget (or compute_budget='auto', which runs the fit to its iteration caps), "
+               if facts["budget_ran_out"] else
+               "Larger iteration caps (the calibration's factored_max_iter / factored_max_iter_fitted_v), ")
+            + "more samples or fewer features would help.", (0, int(q)))]
     if facts["capped"] and count[1] >= q - 1:
         # the count filled the largest q allowed: the rule warns (split_half_at_cap) and reaches d; a risk curve
         # measured against this fit may fall short of the unconstrained model as well

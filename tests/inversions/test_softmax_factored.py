@@ -10,6 +10,7 @@ from rstar import RStarEstimator, UnidentifiableRankWarning
 from rstar.inversions._numerics import softmax_factored as sf
 from rstar.inversions._numerics.linalg import psd_power
 from rstar.budgets import CostBudget
+from rstar.calibration import DEFAULT_CALIBRATION
 from rstar.datasets import make_attention_task
 from rstar.inversions import SplitHalfNull, WhitenedStatistic, choose_inversion
 from rstar.inversions._kernel import SoftmaxOperator
@@ -404,3 +405,35 @@ def test_factored_fit_on_torch_reads_what_numpy_reads(known):
     # float32 evaluations: the fit stops within the optimiser's tolerance of numpy's, not at its round-off
     np.testing.assert_allclose(est.spectrum_[:3], ref.spectrum_[:3], rtol=0.02)
     assert est.rank_ == ref.rank_ and est.rank_at_tolerance(0.01) == ref.rank_at_tolerance(0.01)
+
+
+def test_auto_compute_budget_lets_the_factored_fit_reach_the_rank_a_fixed_one_caps():
+    from rstar.inversions.softmax_factored import _stage_cost
+
+    X, Y, _ = _task(8)
+    n, T, d = X.shape
+    tight = 1.05 * _stage_cost(n, T, d, Y.shape[2], 8, False)   # the first rank's stage, no doubling
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        capped = RStarEstimator(compute_budget=tight).fit(X, Y)
+    assert capped.inversion_ == FACTORED_NAME
+    assert "split_half_at_cap" in reasons(caught) and capped.rank_interval_ == (0, d)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = RStarEstimator().fit(X, Y)   # compute_budget="auto"
+    assert est.compute_budget == "auto" and est.inversion_ == FACTORED_NAME
+    assert est.rank_ == 8 and est.rank_interval_ == (8, 8)
+    assert not reasons(caught)
+
+
+def test_auto_budget_chooses_within_the_calibrations_and_fits_to_the_iteration_caps():
+    from rstar.estimators import _budget_config
+
+    budget = CostBudget(*_budget_config(2**20, "auto", DEFAULT_CALIBRATION))
+    assert budget.multiply_adds == DEFAULT_CALIBRATION.compute_budget and budget.fit_scales
+    assert budget.allows_fit_compute(1e30) and not budget.allows_compute(1e30)
+    assert "compute_budget='auto'" in budget.describe()
+    fixed = CostBudget(*_budget_config(2**20, 1e9, DEFAULT_CALIBRATION))
+    assert not fixed.fit_scales and fixed.allows_fit_compute(1e9) and not fixed.allows_fit_compute(2e9)
+    with pytest.raises(ValueError, match="compute_budget"):
+        RStarEstimator(compute_budget="fast").fit(*_task(1)[:2])
