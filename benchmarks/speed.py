@@ -25,6 +25,18 @@ noisy cores. Four parts:
    peak memory and the inversion that ran (beyond its budgets the least
    squares falls back, with a warning, to first order).
 4. **Figures**: log–log time and memory against n, d and T.
+5. **Real size** (``--real-size``, MiniLM's heads through :mod:`rstar.heads`): the
+   physical limit (the forward pass that reads every layer's inputs and heads'
+   outputs, plus one ``d x d`` Gram per layer), each head's
+   ``estimate_heads`` (the noise floor, r*(ε) for ε = 1% and 5%, and the
+   truncation check) on numpy and on torch (``device="auto"``), an Eigen
+   Attention-style per-head energy sweep (the rank of the head's keys and
+   queries at energy 1 - ε, from the same forward pass), and a distilled
+   student rank sweep on one head (``rstar.students.AttentionStudent`` at
+   ranks 1 ... r̂(1%) + 1, each timed; the sweep's time is their sum). With
+   ``--all-heads`` every head of the layers is fitted (the whole-model time);
+   otherwise the whole model's time is the measured heads' mean times 72,
+   said so in the table.
 
 Usage::
 
@@ -34,6 +46,9 @@ Usage::
     python benchmarks/speed.py --out benchmarks/out/speed --docs-figures docs/img
     python benchmarks/speed.py --device auto        # the least-squares fits in torch, on CUDA when present
     python benchmarks/speed.py --head-to-head --qk-students   # part 1 alone, both tasks' students (about 15 min)
+    python benchmarks/speed.py --real-size --layers 0,3 --heads 0,1,2   # part 5 on 6 MiniLM heads (about 15 min)
+    python benchmarks/speed.py --real-size --all-heads --devices auto   # part 5, all 72 heads on torch
+    python benchmarks/speed.py --dask-memory        # a 781 MiB dask array fitted within memory_budget=2**26
 
 Writes ``speed.json`` (every number) and ``speed.md`` (the tables) under
 ``--out``, and ``speed_*.png`` under ``--docs-figures`` when given.
@@ -244,6 +259,154 @@ def scaling_shape(points, n, seed):
     return rows
 
 
+def dask_memory(seed, n=100_000, T=32, d=16, chunk=5000, budget=2**26):
+    """Traced peak memory of ``RStarEstimator(memory_budget=budget).fit`` on lazily generated dask arrays (softmax
+    attention of a rank-3 kernel plus noise, generated chunk by chunk), threaded scheduler with two workers,
+    against a plain dask reduction over the same arrays (dask's own working set)."""
+    import dask
+    import dask.array as da
+
+    rng = np.random.default_rng(seed)
+    K = rng.standard_normal((d, 3)) @ rng.standard_normal((3, d)) / 4
+
+    def head(Xb):
+        L = Xb @ K @ Xb.transpose(0, 2, 1) / np.sqrt(d)
+        P = np.exp(L - L.max(-1, keepdims=True))
+        P /= P.sum(-1, keepdims=True)
+        return P @ Xb + 0.1 * np.random.default_rng(Xb.shape[0]).standard_normal(Xb.shape)
+
+    def arrays():
+        X = da.random.RandomState(seed).standard_normal((n, T, d), chunks=(chunk, T, d))
+        return X, X.map_blocks(head, dtype=float)
+
+    out = dict(budget_mib=budget / 2**20)
+    with dask.config.set(scheduler="threads", num_workers=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        X, Y = arrays()
+        out["array_mib"] = (X.nbytes + Y.nbytes) / 2**20
+        tracemalloc.start()
+        t = time.perf_counter()
+        (X.sum(axis=0).sum() + (Y**2).sum()).compute()
+        out["plain_seconds"], out["plain_peak_mib"] = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+        X, Y = arrays()
+        tracemalloc.start()
+        t = time.perf_counter()
+        est = RStarEstimator(memory_budget=budget).fit(X, Y)
+        out["fit_seconds"], out["fit_peak_mib"] = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    out.update(rank=int(est.rank_), inversion=est.inversion_)
+    return out
+
+
+def _peak_rss_mib():
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=False):
+    """Part 5: MiniLM's heads at the README's size (T = 32, n = 500 by default), through the public API."""
+    import torch
+
+    from rstar.heads import collect_attention, estimate_heads, load_minilm, text_windows
+    from rstar.students import AttentionStudent
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model, tok = load_minilm()
+    windows = text_windows(tok, T, n, random_state=seed)
+    res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+               gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+               date=time.strftime("%Y-%m-%d"), T=T, n=n, devices=devices)
+    # the physical limit: one forward pass reading every layer's inputs and heads' outputs, one Gram per layer
+    t = time.perf_counter()
+    collected = collect_attention(model, windows, layers=layers)
+    res["forward_seconds"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for layer in collected:
+        Xf = layer.X.reshape(-1, layer.X.shape[-1]).astype(float)
+        Xf.T @ Xf
+    res["gram_seconds"] = time.perf_counter() - t
+    res["n_layers_model"] = len(collect_attention(model, windows[:2]))
+    res["heads_per_layer"] = collected[0].n_heads
+    if heads is not None:
+        collected = [layer.select_heads(heads) for layer in collected]
+    rows = []
+    for layer in collected:
+        for head in layer.heads():
+            row = dict(layer=layer.index, head=head.head, d=int(head.features().shape[-1]), d_head=head.d_head)
+            for dev in devices:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    t = time.perf_counter()
+                    table = estimate_heads([layer.select_heads([head.head])], RStarEstimator(device=dev),
+                                           tolerances=(0.01, 0.05))
+                    row[f"seconds_{dev}"] = time.perf_counter() - t
+                r = table.iloc[0] if hasattr(table, "iloc") else table[0]
+                row[f"rank_{dev}"] = int(r["rank"])
+                row[f"rank_at_0.01_{dev}"], row[f"rank_at_0.05_{dev}"] = r["rank_at_0.01"], r["rank_at_0.05"]
+                row["truncation_rank_at_0.05"] = int(r["truncation_rank_at_0.05"])
+                print(f"layer {layer.index} head {head.head} {dev}: {row[f'seconds_{dev}']:.1f} s, r*={row[f'rank_{dev}']}"
+                      f", r*(1%)={row[f'rank_at_0.01_{dev}']}, r*(5%)={row[f'rank_at_0.05_{dev}']}", flush=True)
+            # Eigen Attention's sizing: the rank of the head's keys and queries at energy 1 - eps (their PCA)
+            t = time.perf_counter()
+            Xh = head.features().reshape(-1, row["d"]).astype(float)
+            for W in (head.query, head.key):
+                s2 = np.linalg.svd(Xh @ W, compute_uv=False) ** 2
+                share = np.cumsum(s2) / s2.sum()
+                row.setdefault("energy_rank", []).append({eps: int(np.searchsorted(share, 1 - eps) + 1)
+                                                          for eps in (0.01, 0.05)})
+            row["energy_seconds"] = time.perf_counter() - t
+            rows.append(row)
+    res["heads"] = rows
+    res["peak_rss_mib"] = _peak_rss_mib()
+    if not no_students and rows:
+        # a distilled-student sweep on the first head: ranks 1 ... r_hat(1%) + 1, each student timed
+        layer, first = collected[0], rows[0]
+        head = layer.head(first["head"])
+        target = int(first[f"rank_at_0.01_{devices[-1]}"] or 1)
+        X, Y = head.features(), head.Y
+        sweep = []
+        for rank in range(1, target + 2):
+            t = time.perf_counter()
+            st = AttentionStudent(kind="softmax", rank=rank, device="auto", max_epochs=student_epochs,
+                                  random_state=seed).fit(X, Y)
+            sweep.append(dict(rank=rank, seconds=time.perf_counter() - t, r2=float(st.score(X, Y))))
+            print(f"student rank {rank}: {sweep[-1]['seconds']:.1f} s, R^2 {sweep[-1]['r2']:.4f}", flush=True)
+        res["student_sweep"] = dict(layer=layer.index, head=first["head"], ranks=sweep,
+                                    seconds=sum(s["seconds"] for s in sweep))
+    return res
+
+
+def _real_size_markdown(res):
+    rows, devices = res["heads"], res["devices"]
+    lines = [f"MiniLM, T = {res['T']}, n = {res['n']}; {res['machine']}; GPU: {res['gpu'] or 'none'}; "
+             f"{res['date']}", "",
+             f"Physical limit: forward pass and heads' outputs {res['forward_seconds']:.1f} s for the layers read, "
+             f"Grams {res['gram_seconds']:.2f} s. Peak RSS {res['peak_rss_mib']:.0f} MiB.", "",
+             "| layer | head | " + " | ".join(f"{dev}: s | r* | r*(1%) | r*(5%)" for dev in devices)
+             + " | truncation r(5%) | energy sweep s |",
+             "|---|---|" + "---|---|---|---|" * len(devices) + "---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['head']} | " + " | ".join(
+            f"{r[f'seconds_{d}']:.1f} | {r[f'rank_{d}']} | {r[f'rank_at_0.01_{d}']} | {r[f'rank_at_0.05_{d}']}"
+            for d in devices) + f" | {r['truncation_rank_at_0.05']} | {r['energy_seconds']:.2f} |")
+    n_model = res["n_layers_model"] * res["heads_per_layer"]
+    for dev in devices:
+        mean = float(np.mean([r[f"seconds_{dev}"] for r in rows]))
+        whole = "measured" if len(rows) == n_model else f"extrapolated from {len(rows)} heads"
+        lines.append(f"\n{dev}: {mean:.1f} s per head; the whole model ({n_model} heads) "
+                     f"{mean * n_model / 60:.1f} min ({whole}), {mean * n_model / (res['forward_seconds'] + res['gram_seconds']):.0f}x "
+                     "the physical limit of the layers read")
+    if "student_sweep" in res:
+        sw = res["student_sweep"]
+        per_head = rows[0][f"seconds_{devices[-1]}"]
+        lines.append(f"\nStudent sweep on layer {sw['layer']} head {sw['head']} (ranks 1 ... "
+                     f"{sw['ranks'][-1]['rank']}): {sw['seconds']:.0f} s, {sw['seconds'] / per_head:.0f}x rstar's "
+                     f"{per_head:.0f} s on {devices[-1]}")
+    return "\n".join(lines)
+
+
 def _markdown(res):
     out = [f"Machine: {res['machine']}; one BLAS thread; {res['date']}.", ""]
     if res["head_to_head"]:
@@ -367,7 +530,35 @@ def main(argv=None):
                    help="only the head-to-head part (with the students unless --no-students); head_to_head.json")
     p.add_argument("--stream-head", action="store_true",
                    help="only stream 10^4, 10^5 and 10^6 samples of T = d = 64 through partial_fit (about 30 min)")
+    p.add_argument("--real-size", action="store_true", help="only part 5: MiniLM's heads at real size")
+    p.add_argument("--dask-memory", action="store_true",
+                   help="only the distributed fit's memory: a 781 MiB lazily generated dask array, two threads, "
+                        "memory_budget=2**26, against a plain dask reduction over the same arrays")
+    p.add_argument("--layers", default="0,3", help="--real-size: comma-separated layers")
+    p.add_argument("--heads", default="0,1,2", help="--real-size: comma-separated heads of each layer")
+    p.add_argument("--all-heads", action="store_true", help="--real-size: all layers and heads (the whole model)")
+    p.add_argument("--devices", default="cpu,auto", help="--real-size: devices of the per-head fits")
+    p.add_argument("--seq-len", type=int, default=32, help="--real-size: tokens per window")
+    p.add_argument("--n-samples", type=int, default=500, help="--real-size: windows")
+    p.add_argument("--student-epochs", type=int, default=3000, help="--real-size: max_epochs of each student")
     args = p.parse_args(argv)
+    if args.dask_memory:
+        res = dask_memory(args.seed)
+        print(f"| {res['array_mib']:.0f} MiB | plain reduction {res['plain_peak_mib']:.0f} MiB, {res['plain_seconds']:.1f} s"
+              f" | fit {res['fit_peak_mib']:.0f} MiB, {res['fit_seconds']:.1f} s (r = {res['rank']}, "
+              f"{res['inversion']}) | budget {res['budget_mib']:.0f} MiB | over the plain peak: "
+              f"{res['fit_peak_mib'] - res['plain_peak_mib']:.0f} MiB |")
+        return
+    if args.real_size:
+        res = real_size(None if args.all_heads else [int(v) for v in args.layers.split(",")],
+                        None if args.all_heads else [int(v) for v in args.heads.split(",")],
+                        args.seq_len, args.n_samples, args.devices.split(","), args.student_epochs, args.seed,
+                        no_students=args.no_students)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "real_size.json").write_text(json.dumps(res, indent=1, default=float))
+        print(_real_size_markdown(res))
+        return
     if args.replot:
         _figures(json.loads(Path(args.replot).read_text()), Path(args.docs_figures or args.out))
         return

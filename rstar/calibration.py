@@ -346,8 +346,9 @@ class Calibration:
         "the project's reference machine (one core of a shared 2-core x86-64 box, OpenBLAS)")
     compute_budget: float = _value(
         2**39, "budgets", "positive",
-        "Default compute_budget of the estimators, in multiply-adds (about 5.5e11): of the order of minutes of one "
-        "core for the largest fit it admits.",
+        "The multiply-adds (about 5.5e11) within which the estimators' default compute_budget='auto' chooses the "
+        "inversion (one least-squares fit or information matrix: minutes of one core for the largest it admits); "
+        "the factored fit it chooses then runs to its iteration caps.",
         "python benchmarks/recovery.py",
         "the largest grid tasks of benchmarks/recovery.py that fit within it took up to about 6 minutes on the "
         "reference machine")
@@ -379,6 +380,15 @@ class Calibration:
         2**22, "memory chunks", "count",
         "Entries of the per-chunk work array of the cross-fit's value-map error leak (its right-hand sides).",
         _BY_HAND, "a memory bound, not measured")
+    chunk_temporaries: int = _value(
+        8, "memory chunks", "count",
+        "Chunk-sized temporaries a pass function holds at once at most (the softmax information's chunk sums hold "
+        "six of T d^2 entries per sample; the least-squares loss four of T^2): a dask worker's chunks are this "
+        "many times smaller than its share of the memory budget.",
+        "python benchmarks/speed.py --dask-memory",
+        "a 781 MiB lazily generated dask array (T = 32, d = 16, chunks of 5000, two threads), "
+        "memory_budget=2**26: the fit peaked 62-83 MiB above a plain dask reduction's 285 MiB of traced memory "
+        "(420 MiB in all before the chunks were rescaled step by step and shared the budget)")
     max_cached_weights: int = _value(
         2**23, "memory chunks", "count0",
         "The softmax least squares keeps the attention weights of all samples between the two passes of a loss "

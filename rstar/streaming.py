@@ -221,8 +221,8 @@ class Samples:
 
     def mean_squares(self):
         """``(mean X**2, mean Y**2)`` over every entry (one pass)."""
-        sx, sy = self.map_sum(_sums_of_squares, 1)
         T, d, d_v = self.dims
+        sx, sy = self.map_sum(_sums_of_squares, T * (d + d_v))   # a chunk's squares: T (d + d_v) per sample
         return sx / (self.n_samples * T * d), sy / (self.n_samples * T * d_v)
 
     def batches(self):  # pragma: no cover - abstract
@@ -250,7 +250,8 @@ class Samples:
 
     def y_sum_of_squares(self):
         """``sum Y**2`` over every entry (one pass)."""
-        return float(self.map_sum(_sums_of_squares, 1)[1])
+        T, d, d_v = self.dims
+        return float(self.map_sum(_sums_of_squares, T * (d + d_v))[1])
 
     def rescaled(self, fx, fy):
         """This source with X divided by ``fx`` and Y by ``fy`` (a copy; the data are not read)."""
@@ -409,10 +410,14 @@ def _merge_all(parts):
     return out
 
 
-def _dask_block_sum(X, Y, fn, per_sample, x_scale, y_scale, args):
-    """One dask chunk's share of :meth:`Samples.map_sum` (runs where the chunk lives)."""
+def _dask_block_sum(X, Y, fn, per_sample, x_scale, y_scale, args, chunk_entries):
+    """One dask chunk's share of :meth:`Samples.map_sum` (runs where the chunk lives), its sub-chunks rescaled one
+    at a time (not a rescaled copy of the chunk)."""
     X, Y = check_X_Y(X, Y)
-    return ArraySamples(X / x_scale, Y / y_scale).map_sum(fn, per_sample, *args)
+    total = None
+    for part in chunk_slices(X.shape[0], per_sample, chunk_entries):
+        total = _add(total, fn(X[part] / x_scale, Y[part] / y_scale, *args))
+    return total
 
 
 class DaskSamples(Samples):
@@ -465,7 +470,7 @@ class DaskSamples(Samples):
         """``[(X_block, Y_block)]`` as ``dask.delayed`` objects, in order."""
         return list(zip(self.X.to_delayed().ravel(), self.Y.to_delayed().ravel()))
 
-    def statistic(self, inversion, x_scale, y_scale, split_every=8):
+    def statistic(self, inversion, x_scale, y_scale, split_every=2):
         """An inversion's sums over every chunk (without the samples), each chunk's computed where it lives and
         reduced by ``dask.bag``'s tree reduction, in units ``X / x_scale``, ``Y / y_scale``."""
         import dask
@@ -480,7 +485,8 @@ class DaskSamples(Samples):
     def map_sum(self, fn, per_sample, *args):
         import dask
 
-        parts = [dask.delayed(_dask_block_sum)(xb, yb, fn, per_sample, self.x_scale, self.y_scale, args)
+        parts = [dask.delayed(_dask_block_sum)(xb, yb, fn, per_sample, self.x_scale, self.y_scale, args,
+                                               self.chunk_entries)
                  for xb, yb in self.delayed_blocks()]
         total = None
         for part in dask.compute(*parts):
@@ -684,6 +690,10 @@ class StreamingFitMixin:
                 raise ValueError("batches gave no (X, Y) batch.")
         samples.set_shape(self._stats["n"], self._dims).with_scales(self._x_scale, self._y_scale)
         samples.chunk_entries = self._config["calibration"].chunk_entries
+        if isinstance(samples, DaskSamples):
+            # the workers read chunks side by side: their temporaries share the memory budget
+            samples.chunk_entries = min(samples.chunk_entries, _worker_entries(self._inv)
+                                         // self._config["calibration"].chunk_temporaries)
         passes = place_samples(self._stats, samples, self._inv, self._budget, self._dims)
         self._samples_read_in_passes = passes
         self._check_enough_samples()

@@ -71,6 +71,7 @@ DEFAULTS = {
     "chunk_entries": 2**20,
     "update_chunk_entries": 2**22,
     "value_error_chunk_entries": 2**22,
+    "chunk_temporaries": 8,
     "max_cached_weights": 2**23,
     # risk curve
     "curve_resolution_fraction": 0.5,

@@ -360,3 +360,30 @@ def test_first_order_sums_equal_their_per_sample_definitions(centred, T, d):
     assert stats["s1"] == pytest.approx(s1, rel=1e-9)
     if stats.get("N_coherent") is not None:
         np.testing.assert_allclose(stats["N_coherent"], N2, rtol=1e-9, atol=1e-12 * np.abs(N2).max())
+
+
+def test_dask_chunk_work_never_copies_a_whole_chunk():
+    """Each dask chunk is added to the sums, and read in passes, a bounded step at a time, rescaled step by step:
+    a 20 MiB chunk (X and Y) costs its work a few MiB of traced memory, not rescaled copies of the chunk (a 781 MiB
+    lazily generated array fitted with memory_budget=2**26 on two threads peaked at 420 MiB with them; 347 MiB
+    without, where a plain dask reduction over the same arrays peaked at 285 MiB)."""
+    import tracemalloc
+
+    from rstar.streaming import _block_statistic, _dask_block_sum, _sums_of_squares
+
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((5000, 32, 8)), rng.standard_normal((5000, 32, 8))
+    est = RStarEstimator(memory_budget=2**22).fit(X[:200], Y[:200])
+    inv = est._inv
+    tracemalloc.start()
+    [stats] = _block_statistic(inv, X, Y, 2.0, 3.0, 0, entries=2**16)
+    peak_sums = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    tracemalloc.start()
+    sx, sy = _dask_block_sum(X, Y, _sums_of_squares, 32 * 16, 2.0, 3.0, (), 2**16)
+    peak_pass = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert stats["n"] == 5000
+    assert sx == pytest.approx(np.sum(X**2) / 4) and sy == pytest.approx(np.sum(Y**2) / 9)
+    chunk = X.nbytes + Y.nbytes   # 20 MiB
+    assert peak_sums < chunk / 4 and peak_pass < chunk / 10, (peak_sums / 2**20, peak_pass / 2**20)

@@ -4,6 +4,9 @@ import contextlib
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
+
+from .factored import FactoredHalfLoss
 
 __all__ = ["TorchOps", "resolve_torch_device"]
 
@@ -48,15 +51,11 @@ class TorchOps:
         slower (a MiniLM head's factored fit: 57 s, 28 s with one BLAS thread, on 2 cores). On CUDA, nothing."""
         if self.device.type != "cpu":
             return contextlib.nullcontext()
-        from threadpoolctl import threadpool_limits
-
         return threadpool_limits(limits=1, user_api="blas")
 
     def factored_half_loss(self, X, Y, mask, chunk_entries):
         """One half's factored loss on this device, in :attr:`fit_dtype`
         (:class:`rstar._torch_backend.factored.FactoredHalfLoss`)."""
-        from .factored import FactoredHalfLoss
-
         return FactoredHalfLoss(X, Y, mask, self.device, self.fit_dtype, chunk_entries)
 
     def asarray(self, a):
