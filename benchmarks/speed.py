@@ -312,7 +312,11 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
     from rstar.heads import collect_attention, estimate_heads, load_minilm, text_windows
     from rstar.students import AttentionStudent
 
+    from threadpoolctl import threadpool_limits
+
+    # every core for both back-ends here (the other parts run on one thread): numpy's BLAS and torch's threads
     torch.set_num_threads(os.cpu_count() or 1)
+    threadpool_limits(limits=os.cpu_count() or 1, user_api="blas")
     model, tok = load_minilm()
     windows = text_windows(tok, T, n, random_state=seed)
     res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",

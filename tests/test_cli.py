@@ -293,3 +293,10 @@ def test_heads_progress_shows_heads_done_and_time_left(tmp_path, capsys):
     assert "2 heads in 1 layers" in captured.out and "heads.jsonl" in captured.out
     assert "first head fitted in" in captured.err and "minutes for the 2 heads" in captured.err
     assert "2/2" in captured.err   # the progress bar: heads done of the total
+
+
+def test_heads_bad_device_is_a_one_line_error(tmp_path, capsys):
+    assert cli.main(["heads", "--device", "nonsense", "--out", str(tmp_path / "h")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "device" in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "h").exists()
