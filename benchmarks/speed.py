@@ -314,9 +314,9 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
 
     from threadpoolctl import threadpool_limits
 
-    # every core for both back-ends here (the other parts run on one thread): numpy's BLAS and torch's threads
+    # every core for both back-ends here (the other parts run on one thread): torch's threads, and numpy's BLAS
+    # threads during the numpy fits only (OpenBLAS's spinning threads beside torch's slow torch down severalfold)
     torch.set_num_threads(os.cpu_count() or 1)
-    threadpool_limits(limits=os.cpu_count() or 1, user_api="blas")
     model, tok = load_minilm()
     windows = text_windows(tok, T, n, random_state=seed)
     res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
@@ -340,7 +340,8 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
         for head in layer.heads():
             row = dict(layer=layer.index, head=head.head, d=int(head.features().shape[-1]), d_head=head.d_head)
             for dev in devices:
-                with warnings.catch_warnings():
+                blas = (os.cpu_count() or 1) if dev == "cpu" else 1
+                with warnings.catch_warnings(), threadpool_limits(limits=blas, user_api="blas"):
                     warnings.simplefilter("ignore")
                     t = time.perf_counter()
                     table = estimate_heads([layer.select_heads([head.head])], RStarEstimator(device=dev),
