@@ -44,6 +44,14 @@ def chunk_slices(n, per_sample, chunk_entries=DEFAULT_CALIBRATION.chunk_entries)
     return [slice(s, min(s + step, n)) for s in range(0, n, step)]
 
 
+def scaled_chunks(X, Y, per_sample, chunk_entries, x_scale, y_scale):
+    """A batch's chunks (:func:`chunk_slices`), validated and each rescaled on its own (``X / x_scale``,
+    ``Y / y_scale``): the batch is never copied whole."""
+    X, Y = check_X_Y(X, Y)
+    for part in chunk_slices(X.shape[0], per_sample, chunk_entries):
+        yield X[part] / x_scale, Y[part] / y_scale
+
+
 def _add(total, part):
     if total is None:
         return part
@@ -237,9 +245,7 @@ class Samples:
         """The samples of one pass, in order, as ``(X, Y)`` float arrays of at most ``chunk_entries // per_sample``
         samples each (each chunk rescaled on its own: a batch is never copied whole)."""
         for X, Y in self.batches():
-            X, Y = check_X_Y(X, Y)
-            for part in chunk_slices(X.shape[0], per_sample, self.chunk_entries):
-                yield X[part] / self.x_scale, Y[part] / self.y_scale
+            yield from scaled_chunks(X, Y, per_sample, self.chunk_entries, self.x_scale, self.y_scale)
 
     def map_sum(self, fn, per_sample, *args):
         """``sum over chunks of fn(X_chunk, Y_chunk, *args)`` (tuples summed entry-wise), in chunk order."""
@@ -413,10 +419,9 @@ def _merge_all(parts):
 def _dask_block_sum(X, Y, fn, per_sample, x_scale, y_scale, args, chunk_entries):
     """One dask chunk's share of :meth:`Samples.map_sum` (runs where the chunk lives), its sub-chunks rescaled one
     at a time (not a rescaled copy of the chunk)."""
-    X, Y = check_X_Y(X, Y)
     total = None
-    for part in chunk_slices(X.shape[0], per_sample, chunk_entries):
-        total = _add(total, fn(X[part] / x_scale, Y[part] / y_scale, *args))
+    for Xc, Yc in scaled_chunks(X, Y, per_sample, chunk_entries, x_scale, y_scale):
+        total = _add(total, fn(Xc, Yc, *args))
     return total
 
 
