@@ -74,3 +74,38 @@ def test_each_point_is_evaluated_once():
     minimize_lbfgs(fun, np.array([-1.2, 1.0]), 50, 0.0)
     keys = [p.tobytes() for p in seen]
     assert len(keys) == len(set(keys))
+
+
+def _two_loop_reference(g, pairs):
+    # Nocedal & Wright, Algorithm 7.4, written out pair by pair
+    r, coef = g.copy(), []
+    for s, y in reversed(pairs):
+        a = (s @ r) / (s @ y)
+        r -= a * y
+        coef.append(a)
+    s, y = pairs[-1]
+    r *= (s @ y) / (y @ y)
+    for (s, y), a in zip(pairs, reversed(coef)):
+        r += (a - (y @ r) / (s @ y)) * s
+    return r
+
+
+def test_compact_memory_is_the_two_loop_recursion():
+    # the ring buffers wrap around (12 pairs through 5 slots) and survive a reset
+    from rstar.inversions._numerics.lbfgs import _CurvatureMemory
+
+    rng = np.random.default_rng(1)
+    n, memory = 300, 5
+    mem, pairs = _CurvatureMemory(n, memory), []
+    for k in range(16):
+        if k == 12:
+            mem.clear()
+            pairs = []
+            assert not mem
+        s = rng.standard_normal(n)
+        y = s * rng.uniform(0.5, 2.0, n)
+        mem.add(s, y)
+        pairs = (pairs + [(s, y)])[-memory:]
+        g = rng.standard_normal(n)
+        expected = _two_loop_reference(g, pairs)
+        np.testing.assert_allclose(mem.inverse_hessian_times(g), expected, rtol=0, atol=1e-12 * np.abs(expected).max())
