@@ -76,6 +76,9 @@ def _parser():
     heads.add_argument("--device", default="auto",
                        help="where the factored fits' loss evaluations run: auto (CUDA when present, else torch on "
                             "the CPU's threads), cpu (numpy), cuda, cuda:N")
+    heads.add_argument("--no-rank-bound", action="store_true",
+                       help="fit without each head's d_head as max_rank (slower: the factored fit then goes to rank "
+                            "2 d_head; a count beyond d_head is then reported in the note)")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
                             "(the other options must be the same)")
@@ -243,7 +246,8 @@ def _run_record(args, layers, heads):
     from . import __version__
 
     return {"model": args.model, "seq_len": args.seq_len, "n_samples": args.n_samples, "seed": args.seed,
-            "tolerance": [float(t) for t in args.tolerance], "layers": layers, "heads": heads, "rstar": __version__}
+            "tolerance": [float(t) for t in args.tolerance], "layers": layers, "heads": heads,
+            "rank_bound": not args.no_rank_bound, "rstar": __version__}
 
 
 def _read_progress(path):
@@ -329,7 +333,7 @@ def _heads(args):
 
         try:
             estimate_heads(collected, RStarEstimator(device=args.device), tolerances=tuple(args.tolerance),
-                           skip=skip, on_row=write, progress=True)
+                           skip=skip, on_row=write, progress=True, rank_bound=not args.no_rank_bound)
         except KeyboardInterrupt:
             print(f"\ninterrupted: {len(done) + len(fitted)} of {total} heads are in {progress_file}; rerun the "
                   "same command with --resume to fit the rest.", file=sys.stderr, flush=True)

@@ -363,6 +363,28 @@ def test_table_warnings_give_reasons_and_intervals_respect_d_head(ids):
         assert r["warnings"].startswith("UserWarning: the known value_map is not used by the softmax_first_order")
 
 
+class _RecordingMaxRank(MPRankEstimator):
+    seen = []
+
+    def fit(self, X, Y):
+        type(self).seen.append(self.max_rank)
+        return super().fit(X, Y)
+
+
+@pytest.mark.parametrize("rank_bound, max_rank, expected", [(True, None, 4), (False, None, None), (True, 2, 2)])
+def test_each_head_s_d_head_is_its_rank_bound_unless_told_otherwise(ids, rank_bound, max_rank, expected):
+    torch.manual_seed(0)
+    layer = collect_attention(_Block(d=12, heads=3), ids[:40])[0]
+    _RecordingMaxRank.seen = []
+    rows = estimate_heads([layer], _RecordingMaxRank("softmax", max_rank=max_rank), tolerances=(), truncation=False,
+                          rank_bound=rank_bound)
+    rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
+    assert _RecordingMaxRank.seen == [expected] * 3
+    if max_rank is None:
+        # bounded or not, a count beyond d_head is reported, never capped silently
+        assert all("the fit read 12, more than a head's kernel can have" in r["note"] for r in rows)
+
+
 def test_default_heatmap_is_r_star_at_tolerance_beside_the_truncation_rank():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")

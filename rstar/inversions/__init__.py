@@ -87,7 +87,8 @@ __all__ = [
 
 
 def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=1e-3, budget=None, seed=None,
-                   n_null_draws=None, predict_sums=True, causal=False, calibration=None, stopping_count=None):
+                   n_null_draws=None, predict_sums=True, causal=False, calibration=None, stopping_count=None,
+                   rank_bound=None):
     """The inversion object that accumulates the sums for an operator, value map and shape.
 
     It is the inversion :func:`choose_inversion` prefers for the shape alone
@@ -124,6 +125,9 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
     stopping_count : callable or None, default=None
         The factored least squares' stopping test: the split-half rule's count
         (:func:`rstar.rules.split_half.split_half_counts`, which the estimators pass; None: the same function).
+    rank_bound : int or None, default=None
+        A bound on r* the model class gives (the estimators pass ``max_rank``): the factored least squares fits
+        no rank above it (:func:`rstar.inversions.softmax_factored.factored_statistic`). None: no bound.
 
     Returns
     -------
@@ -165,4 +169,4 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
     if name == "softmax_exact":
         return SoftmaxExactInversion(value_map, clip=clip, **opts)
     return SoftmaxLeastSquaresInversion(value_map, predict_sums=predict_sums, causal=causal,
-                                        stopping_count=stopping_count, **opts)
+                                        stopping_count=stopping_count, rank_bound=rank_bound, **opts)

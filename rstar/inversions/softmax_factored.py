@@ -16,8 +16,9 @@ q starts at the calibration's ``factored_start_rank`` (or above the first-order 
 doubles, from the previous fit, while nearly all of its directions stand above
 the null (r* could exceed q), or while its count has not settled after
 ``factored_unsettled_segments`` segments (a rank-q fit below r* has no stable
-optimum), where d and the compute budget allow; the statistic records the q it
-stopped at.
+optimum), where d, the compute budget and a bound on r* the model class gives
+(``rank_bound``: the estimators' ``max_rank``, a head's ``d_head``) allow; the
+statistic records the q it stopped at.
 """
 
 import numpy as np
@@ -132,7 +133,7 @@ def _split_half(K1, K2, metric):
 
 def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
                        margin=None, start_rank=None, mask=None, *, calibration=DEFAULT_CALIBRATION,
-                       stopping_count=split_half_counts, ops=NUMPY):
+                       stopping_count=split_half_counts, ops=NUMPY, rank_bound=None):
     """The split-half statistic of the factored least squares.
 
     Parameters
@@ -154,6 +155,9 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         ``(singular_values, edge, margin) -> (count above the margin, count above the null)``: the split-half
         rule's count, which decides when the fit has settled, when q doubles and what it reports
         (:func:`rstar.rules.split_half.split_half_counts`; the estimators pass it).
+    rank_bound : int or None
+        A bound on r* the model class gives (the estimators' ``max_rank``; a head's ``d_head``): q never exceeds
+        it, and a count that fills it is read there rather than doubled past (r* > q is excluded). None: d.
     ops : NumpyOps or TorchOps, default=NUMPY
         Where the L-BFGS loss evaluations run (:func:`rstar.inversions._numerics.softmax_factored.half_losses`:
         numpy float64, or torch on its device in its ``fit_dtype``); the statistic, its null and the residuals
@@ -186,13 +190,15 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
                          else value_map)
         grads.append(sf.kernel_gradient(X, X @ uniform_v[-1], Y, mask=mask, calibration=calibration))
     first_count = first_order_count(grads, metric, margin)
+    # the largest q the fit may take: d, or the class's bound on r*
+    top = d if rank_bound is None else max(1, min(int(rank_bound), d))
     q = min(first_order_start_rank(first_count, calibration=calibration) if start_rank is None else int(start_rank),
-            d)
+            top)
     while q > start_rank_min and not (budget.allows_fit_compute(spent + 2 * _segment_cost(n, T, d, d_v, q, known,
                                                                                       calibration))
                                       and _residual_dof(n, T, d, d_v, q, known) >= min_dof):
         q //= 2
-    q = min(max(q, start_rank_min if start_rank is None else 1), d)
+    q = min(max(q, start_rank_min if start_rank is None else 1), top)
 
     # L-BFGS and its starts in whitened token coordinates (real tokens are far from isotropic)
     pre = (metric[1], metric[0])
@@ -203,7 +209,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     state = {"capped": False}
 
     def can_double():
-        nxt = min(2 * q, d)
+        nxt = min(2 * q, top)
         return (nxt > q and _residual_dof(n, T, d, d_v, nxt, known) >= min_dof
                 and budget.allows_fit_compute(spent + _stage_cost(n, T, d, d_v, nxt, known, calibration)))
 
@@ -214,7 +220,9 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         s, sd = _split_half_values([(f.A, f.B) for f in current], metric)
         edge = sd[0] if sd[0] > 0 else 0.0
         count = stopping_count(s, edge, margin)
-        if count[1] >= q - 1 and not state["capped"]:
+        # at the class's bound a full count is read there: r* cannot exceed it (not capped, nothing to double)
+        at_bound = rank_bound is not None and q >= rank_bound
+        if count[1] >= q - 1 and not state["capped"] and not at_bound:
             if can_double():
                 state["outcome"] = "double"
                 return True
@@ -257,7 +265,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         # nearly every direction stands above the null, or the count has not settled in
         # factored_unsettled_segments segments: r* may exceed q, so double it from the fits at hand, where d, the
         # residual degrees of freedom and the compute budget (its start and two segments) allow
-        q = min(2 * q, d)
+        q = min(2 * q, top)
         spent += sf.factored_start_cost(n, T, d, d_v, known)
         starts = [(*sf.extended_start(X, Y, f, q, mask, pre, calibration=calibration, loss=loss), f.value_map)
                   for (X, Y), f, loss in zip(halves, fits, losses)]
@@ -288,10 +296,15 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
 
 
 def _truncation(metric, A, B, r):
-    """Rank-r truncation of ``K = A B^T`` in the token metric, as factors of shape (d, r)."""
+    """Rank-r truncation of ``K = A B^T`` in the token metric, as factors of shape (d, r): the SVD of
+    ``M_q^{1/2} A B^T M_k^{1/2}`` through thin QR factors of its two ``d x q`` sides (``O(d q^2)``, not a
+    ``d x d`` SVD)."""
     Mq, Mq_inv, Mk, Mk_inv = metric
-    U, s, Wt = np.linalg.svd((Mq @ A) @ (B.T @ Mk), full_matrices=False)
-    return Mq_inv @ (U[:, :r] * s[:r]), Mk_inv @ Wt[:r].T
+    Ql, Rl = np.linalg.qr(Mq @ A)
+    Qr, Rr = np.linalg.qr(Mk @ B)
+    u, s, wt = np.linalg.svd(Rl @ Rr.T)
+    pad = ((0, 0), (0, max(0, min(r, A.shape[0]) - s.size)))   # beyond rank q: zero directions, as a d x d SVD has
+    return (np.pad(Mq_inv @ (Ql @ (u[:, :r] * s[:r])), pad), np.pad(Mk_inv @ (Qr @ wt[:r].T), pad))
 
 
 def truncated_kernel(ws, r):

@@ -157,10 +157,12 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     name = "softmax_least_squares"
 
     def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, predict_sums=True,
-                 causal=False, calibration=None, stopping_count=None):
+                 causal=False, calibration=None, stopping_count=None, rank_bound=None):
         super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
                          n_null_draws=n_null_draws, predict_sums=predict_sums, calibration=calibration)
         self.causal = bool(causal)
+        # a bound on r* from the model class (the estimators' max_rank): the factored fit's rank q stays within it
+        self.rank_bound = None if rank_bound is None else int(rank_bound)
         # the split-half rule's count, the factored fit's stopping test (None: the split-half null's own)
         self.stopping_count = split_half_counts if stopping_count is None else stopping_count
 
@@ -309,7 +311,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         if run == self.factored_name:
             with ops.sharing_the_cpu():
                 ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats),
-                                        calibration=self.calibration, stopping_count=self.stopping_count, ops=ops)
+                                        calibration=self.calibration, stopping_count=self.stopping_count, ops=ops,
+                                        rank_bound=getattr(self, "rank_bound", None))
             self._factored_cache = (self._stats_key(stats), ws)   # for predict's operator: fitted once
             return ws
         K, V, sigma2, converged = self._fit(source, ops=ops)

@@ -119,6 +119,19 @@ def test_rank_beyond_the_first_factors_doubles_them():
     assert split_half_result(ws).rank == 10
 
 
+def test_a_class_bound_on_r_star_is_the_largest_rank_fitted_and_is_read_there():
+    X, Y, teacher = _task(10, n=800)
+    # max_rank = r*: the fit stops at q = 10 (not 16) and its full count is read, not warned as a cap
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnidentifiableRankWarning)
+        est = RStarEstimator(value_map=teacher.value_map, max_rank=10).fit(X, Y)
+    assert est.inversion_ == FACTORED_NAME and est.statistic_.null.fitted_rank == 10
+    assert est.rank_ == 10 and est.rank_interval_ == (10, 10)
+    # a bound above r*: the first rank (16, from the first-order count of 10) is cut to it; the same rank
+    est = RStarEstimator(value_map=teacher.value_map, max_rank=12).fit(X, Y)
+    assert est.statistic_.null.fitted_rank == 12 and est.rank_ == 10
+
+
 def test_factors_capped_by_the_budget_are_warned_with_an_interval_to_d():
     X, Y, teacher = _task(10, n=800)
     # enough for the first rank's start and two segments, not for a doubling
@@ -390,6 +403,22 @@ def test_split_half_values_are_the_singular_values_of_the_half_sum_and_differenc
     assert s.shape == sd.shape == (d,)
     np.testing.assert_allclose(s, s_full, rtol=1e-10, atol=1e-10 * s_full[0])
     np.testing.assert_allclose(sd, sd_full, rtol=1e-10, atol=1e-10 * sd_full[0])
+
+
+@pytest.mark.parametrize("r", [1, 3, 5])
+def test_truncation_through_thin_qr_is_the_truncated_svd_in_the_token_metric(r):
+    from rstar.inversions.softmax_factored import _truncation
+
+    rng = np.random.default_rng(3)
+    d, q = 12, 3
+    metric = sf.token_metric_roots(rng.standard_normal((50, 6, d)) @ np.diag(np.linspace(0.5, 2, d)))
+    Mq, Mq_inv, Mk, Mk_inv = metric
+    A, B = rng.standard_normal((d, q)), rng.standard_normal((d, q))
+    U, s, Wt = np.linalg.svd(Mq @ A @ B.T @ Mk)
+    expected = Mq_inv @ (U[:, :r] * s[:r]) @ Wt[:r] @ Mk_inv
+    A_r, B_r = _truncation(metric, A, B, r)
+    assert A_r.shape == B_r.shape == (d, r)   # beyond q, zero directions
+    np.testing.assert_allclose(A_r @ B_r.T, expected, rtol=0, atol=1e-10 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("known", [True, False])
