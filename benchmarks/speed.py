@@ -3,7 +3,7 @@
 Everything is measured in one run, on this machine, through the public API
 (``fit``, ``fit_batches``, ``partial_fit``; students through
 ``rstar.students.AttentionStudent``), so ratios are comparable even on shared,
-noisy cores. Four parts:
+noisy cores. Parts:
 
 1. **Head to head** (n = 2000): ``RStarEstimator().fit``, one
    over-parameterised student (``rank=None``), a rank sweep of students
@@ -37,6 +37,11 @@ noisy cores. Four parts:
    ``--all-heads`` every head of the layers is fitted (the whole-model time);
    otherwise the whole model's time is the measured heads' mean times 72,
    said so in the table.
+6. **Token subspace** (``--token-subspace``): whether MiniLM's heads could be
+   fitted in a few principal directions of their tokens: per layer the
+   directions that hold all but 1%, 0.1%, 0.01% of the tokens' energy, and
+   per head what its own kernel's (row-centred) logits lose when the tokens
+   are projected on the top k = 32 ... 192 of them.
 
 Usage::
 
@@ -49,6 +54,7 @@ Usage::
     python benchmarks/speed.py --real-size --layers 0,3 --heads 0,1,2   # part 5 on 6 MiniLM heads (about 15 min)
     python benchmarks/speed.py --real-size --all-heads --devices auto   # part 5, all 72 heads on torch
     python benchmarks/speed.py --dask-memory        # a 781 MiB dask array fitted within memory_budget=2**26
+    python benchmarks/speed.py --token-subspace --all-heads   # part 6 on every layer and head (about 1 min)
 
 Writes ``speed.json`` (every number) and ``speed.md`` (the tables) under
 ``--out``, and ``speed_*.png`` under ``--docs-figures`` when given.
@@ -383,6 +389,58 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
     return res
 
 
+def token_subspace(layers, heads, T, n, seed, ks=(32, 64, 128, 192), energies=(1e-2, 1e-3, 1e-4)):
+    """Part 6: whether MiniLM's heads could be fitted in a subspace of the tokens (issue 37, item 3).
+
+    Per layer, the principal directions of the layer's input tokens (with the constant feature): how many hold all
+    but 1%, 0.1%, 0.01% of their energy. Per head, what its own kernel loses when the tokens are projected on the
+    top k of them: ``||L_k - L|| / ||L||`` for the logits ``L = X K X^T`` (each row centred: the softmax ignores
+    a row's shift), on the first 100 windows. A fit in such a subspace costs ``k / d`` of a full one; it is only
+    sound where that loss is small.
+    """
+    from rstar.heads import collect_attention, load_minilm, text_windows
+
+    model, tok = load_minilm()
+    collected = collect_attention(model, text_windows(tok, T, n, random_state=seed), layers=layers)
+    rows = []
+    for layer in collected:
+        X = layer.head(0).features().astype(float)
+        d = X.shape[-1]
+        w, U = np.linalg.eigh(np.einsum("ntd,nte->de", X, X) / (X.shape[0] * X.shape[1]))
+        w, U = w[::-1], U[:, ::-1]
+        left = 1.0 - np.cumsum(w) / w.sum()
+        row = dict(layer=layer.index, d=d, dims={e: int(np.argmax(left <= e) + 1) for e in energies}, heads={})
+        Xs = X[:100]
+        for h in (heads if heads is not None else range(layer.n_heads)):
+            K = layer.head(h).kernel()
+
+            def centred_logits(Z):
+                L = (Z @ K) @ Z.transpose(0, 2, 1)
+                return L - L.mean(axis=2, keepdims=True)
+
+            full = centred_logits(Xs)
+            row["heads"][h] = {k: float(np.linalg.norm(centred_logits(Xs @ U[:, :k] @ U[:, :k].T) - full)
+                                        / np.linalg.norm(full)) for k in ks if k < d}
+        rows.append(row)
+        print(f"layer {layer.index}: d = {d}, dims for {energies}: {list(row['dims'].values())}; logit loss at "
+              f"k = {list(ks)}: " + "; ".join(f"head {h} " + " ".join(f"{v:.2f}" for v in r.values())
+                                              for h, r in row["heads"].items()), flush=True)
+    return dict(T=T, n=n, ks=list(ks), energies=list(energies), layers=rows)
+
+
+def _token_subspace_markdown(res):
+    ks = res["ks"]
+    lines = [f"MiniLM, T = {res['T']}, n = {res['n']}: principal directions of each layer's tokens",
+             "", "| layer | d | " + " | ".join(f"dims for {e:g} left" for e in res["energies"])
+             + " | " + " | ".join(f"logit loss at k = {k} (heads: min-max)" for k in ks) + " |",
+             "|---|---|" + "---|" * (len(res["energies"]) + len(ks))]
+    for r in res["layers"]:
+        losses = [[h[k] for h in r["heads"].values() if k in h] for k in ks]
+        lines.append(f"| {r['layer']} | {r['d']} | " + " | ".join(str(v) for v in r["dims"].values()) + " | "
+                     + " | ".join(f"{min(v):.2f}-{max(v):.2f}" if v else "-" for v in losses) + " |")
+    return "\n".join(lines)
+
+
 def _real_size_markdown(res):
     rows, devices = res["heads"], res["devices"]
     lines = [f"MiniLM, T = {res['T']}, n = {res['n']}; {res['machine']}; GPU: {res['gpu'] or 'none'}; "
@@ -539,6 +597,9 @@ def main(argv=None):
     p.add_argument("--dask-memory", action="store_true",
                    help="only the distributed fit's memory: a 781 MiB lazily generated dask array, two threads, "
                         "memory_budget=2**26, against a plain dask reduction over the same arrays")
+    p.add_argument("--token-subspace", action="store_true",
+                   help="only part 6: how many principal directions MiniLM's tokens need, and what the heads' own "
+                        "kernels lose in fewer")
     p.add_argument("--layers", default="0,3", help="--real-size: comma-separated layers")
     p.add_argument("--heads", default="0,1,2", help="--real-size: comma-separated heads of each layer")
     p.add_argument("--all-heads", action="store_true", help="--real-size: all layers and heads (the whole model)")
@@ -563,6 +624,15 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         (out / "real_size.json").write_text(json.dumps(res, indent=1, default=float))
         print(_real_size_markdown(res))
+        return
+    if args.token_subspace:
+        res = token_subspace(None if args.all_heads else [int(v) for v in args.layers.split(",")],
+                             None if args.all_heads else [int(v) for v in args.heads.split(",")],
+                             args.seq_len, args.n_samples, args.seed)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "token_subspace.json").write_text(json.dumps(res, indent=1, default=float))
+        print(_token_subspace_markdown(res))
         return
     if args.replot:
         _figures(json.loads(Path(args.replot).read_text()), Path(args.docs_figures or args.out))

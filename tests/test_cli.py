@@ -258,6 +258,7 @@ def test_heads_interrupted_run_resumes(tmp_path, capsys, monkeypatch):
         if len(calls) == 2:
             raise KeyboardInterrupt
         calls.append(args[1].head)
+        assert args[7] is True   # each head's d_head is its rank bound by default
         return real_fit(*args, **kwargs)
 
     monkeypatch.setattr(heads_module, "_fit_head", interrupted_after_two)
@@ -273,6 +274,8 @@ def test_heads_interrupted_run_resumes(tmp_path, capsys, monkeypatch):
     assert cli.main(argv[:-2] + ["--seed", "3", "--out", str(out), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "cannot resume" in err and "seed was 0, not 3" in err
+    assert cli.main(argv + ["--no-rank-bound", "--resume"]) == 2
+    assert "rank_bound was True, not False" in capsys.readouterr().err
     monkeypatch.setattr(heads_module, "_fit_head", lambda *a, **k: (calls.append(a[1].head), real_fit(*a, **k))[1])
     calls.clear()
     assert cli.main(argv + ["--resume"]) == 0
