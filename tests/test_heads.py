@@ -429,3 +429,58 @@ def test_swapped_real_token_arrays_are_never_a_confident_rank(minilm_layer, seed
         est = RStarEstimator().fit(Y, Z)
     assert any(issubclass(w.category, UnidentifiableRankWarning) for w in caught)
     assert est.rank_interval_ == (0, 8), (est.rank_, est.rank_interval_, est.inversion_, est.model_check_)
+
+
+def test_allocate_ranks_is_the_exact_optimum_not_greedy():
+    from itertools import product
+
+    from rstar.heads import allocate_ranks
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        # non-convex curves (a head whose gain comes late): greedy on marginal gains misses, the exact split does not
+        curves = [np.minimum.accumulate(np.r_[1.0, np.sort(rng.uniform(0, 1, 4))[::-1] * rng.uniform(0.2, 1)])
+                  for _ in range(3)]
+        curves[0][1:4] = curves[0][0]   # flat, then a drop at rank 4
+        budget = int(rng.integers(0, 13))
+        ranks = allocate_ranks(curves, budget)
+        best = min((sum(c[r] for c, r in zip(curves, rs)), sum(rs))
+                   for rs in product(range(5), repeat=3) if sum(rs) <= budget)
+        assert sum(ranks) <= budget
+        assert sum(c[r] for c, r in zip(curves, ranks)) == pytest.approx(best[0], abs=1e-12)
+        assert sum(ranks) == best[1]   # the least width reaching it
+    assert allocate_ranks([[1.0, 0.2, 0.1], [1.0, 0.9, 0.0]], 2) == [0, 2]
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        allocate_ranks([[1.0, 0.0]], -1)
+
+
+def test_rank_plan_by_tolerance_and_by_budget_and_its_rank_pattern(ids):
+    from rstar.heads import rank_pattern, rank_plan
+
+    torch.manual_seed(0)
+    layer = collect_attention(_Block(d=6, heads=2), ids)[0]
+    table = estimate_heads([layer], MPRankEstimator("softmax"), tolerances=(0.01, 0.05))
+    rows = table.to_dict("records")
+    for r in rows:
+        # the curve the table's r*(eps) were read from
+        assert len(r["risk_curve"]) <= r["d_head"] + 1
+        assert r["rank_at_0.05"] == min(next(k for k, v in enumerate(r["risk_curve"] + [0.0]) if v <= 0.05),
+                                        r["d_head"])
+    plan = rank_plan(table, tolerance=0.05).to_dict("records")
+    assert [p["rank"] for p in plan] == [r["rank_at_0.05"] for r in rows]
+    assert all(p["predicted_excess"] <= 0.05 and p["reached"] for p in plan)
+    # within a total width: never more, and no worse in summed excess than the tolerance plan at its own width
+    width = sum(p["rank"] for p in plan)
+    budgeted = rank_plan(table, budget=width).to_dict("records")
+    assert sum(p["rank"] for p in budgeted) <= width
+    assert sum(p["predicted_excess"] for p in budgeted) <= sum(p["predicted_excess"] for p in plan) + 1e-12
+    assert [p["rank"] for p in rank_plan(table, budget=0).to_dict("records")] == [0, 0]
+    pattern = rank_pattern(budgeted, [layer])
+    assert pattern == {layer.name: sum(p["rank"] for p in budgeted)}
+    for kwargs, message in [({}, "exactly one of"), (dict(tolerance=0.05, budget=3), "exactly one of"),
+                            (dict(tolerance=1.5), "tolerance must be in"), (dict(budget=2.5), "whole number"),
+                            (dict(budget=-1), "budget must be >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            rank_plan(table, **kwargs)
+    with pytest.raises(ValueError, match="has no risk_curve"):
+        rank_plan(estimate_heads([layer], MPRankEstimator("softmax"), tolerances=()), tolerance=0.05)

@@ -39,12 +39,13 @@ from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
 from ._collect import AttentionLayer, HeadTask, attention_modules, attention_rows, collect_attention
+from ._plan import allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
-__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_modules", "attention_rows",
-           "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve", "load_minilm",
-           "plot_head_rank_panels", "plot_head_ranks", "stdlib_text", "text_windows", "token_windows",
-           "truncation_rank", "weight_mp_spike_count"]
+__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "allocate_ranks", "attention_modules",
+           "attention_rows", "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve",
+           "load_minilm", "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text",
+           "text_windows", "token_windows", "truncation_rank", "weight_mp_spike_count"]
 
 #: Tolerances of the table's r*(ε) columns by default (relative excess risk: 1% and 5% of Var(Y)).
 DEFAULT_TOLERANCES = (0.01, 0.05)
@@ -163,13 +164,16 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     -------
     table : pandas.DataFrame, or list of dict without pandas
         Columns ``layer, head, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
-        kernel_rank, truncation_rank_at_<ε> ..., warnings, note``: ``rank`` and its interval are the
+        kernel_rank, truncation_rank_at_<ε> ..., risk_curve, warnings, note``: ``rank`` and its interval are the
         noise-floor estimate, within what the class allows (a head's kernel has rank at most ``d_head``: an
         interval reaching beyond is capped, and a count beyond makes the interval ``(0, d_head)``; ``note``
         says which); ``rank_at_<ε>`` (at most ``d_head``) is
         None where the estimator has no rank-r operators at this size (the first-order inversion over its
         memory budget for ``d^4`` moment sums), with the reason in ``note``; ``warnings`` holds each distinct
-        warning the fit issued as ``Category: message`` (the reason), separated by a vertical bar.
+        warning the fit issued as ``Category: message`` (the reason), separated by a vertical bar;
+        ``risk_curve`` (a list, None without tolerances) is the head's predicted relative excess at ranks
+        0 ... d_head, the upper bound ``rank_at_<ε>`` is read from (``risk_curve_upper_``), which
+        :func:`rank_plan` splits a total width by.
     """
     tolerances = tuple(float(t) for t in tolerances)
     skip = {(int(layer), int(head)) for layer, head in skip}
@@ -276,6 +280,9 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
     for tol in tolerances:
         # r*(eps) <= d_head: the head's own kernel (rank <= d_head) reproduces it exactly
         row[f"rank_at_{tol:g}"] = None if note else min(est.rank_at_tolerance(tol), head.d_head)
+    # the curve r*(eps) is read from, ranks 0 ... d_head at most (for rank_plan's budget mode)
+    row["risk_curve"] = (None if note or not tolerances or getattr(est, "risk_curve_upper_", None) is None
+                         else [float(v) for v in np.asarray(est.risk_curve_upper_)[:head.d_head + 1]])
     sv = head.kernel_singular_values()
     row["kernel_rank"] = int(np.sum(sv > sv[0] * 1e-10)) if sv.size and sv[0] > 0 else 0
     if truncation:

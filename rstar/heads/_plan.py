@@ -1,0 +1,166 @@
+"""Rank plans: each head's query–key rank from one table of fits, by tolerance or within a total width."""
+
+import numpy as np
+
+__all__ = ["allocate_ranks", "rank_pattern", "rank_plan"]
+
+
+def _rows(table):
+    return table.to_dict("records") if hasattr(table, "to_dict") else [dict(r) for r in table]
+
+
+def _curve(row):
+    """The head's predicted excess at ranks 0 ... d_head (the curve its r*(ε) is read from), non-increasing."""
+    curve = row.get("risk_curve")
+    if curve is None or (isinstance(curve, float) and np.isnan(curve)) or len(curve) == 0:
+        raise ValueError(f"layer {row['layer']} head {row['head']} has no risk_curve: the plan needs the table of "
+                         "estimate_heads with tolerances (its rows' risk_curve), not a noise-floor-only table.")
+    d_head = int(row["d_head"])
+    c = np.asarray(curve, dtype=float)[:d_head + 1]
+    # measured up to the rank reaching half the smallest tolerance: beyond, the last value bounds it; and a rank-r
+    # model is at least as good as a rank-(r-1) one (its factors with a zero column), so the curve is made monotone
+    c = np.concatenate([c, np.full(d_head + 1 - c.size, c[-1])])
+    return np.minimum.accumulate(np.maximum(c, 0.0))
+
+
+def allocate_ranks(curves, budget):
+    """The ranks ``r_h`` with ``sum_h r_h <= budget`` that minimise ``sum_h curves[h][r_h]``, exactly.
+
+    A multiple-choice knapsack solved by dynamic programming over the total width (``O(H budget R)``): no
+    assumption on the curves' shape. (A greedy allocation on marginal gains is optimal only for convex curves;
+    real heads' curves are not all convex.) Among allocations of equal summed excess the one of least total width
+    is returned.
+
+    Parameters
+    ----------
+    curves : list of 1-D arrays
+        ``curves[h][r]``: head h's excess at rank r, r = 0 ... R_h.
+    budget : int
+        The total width, at least 0.
+
+    Returns
+    -------
+    ranks : list of int
+
+    Examples
+    --------
+    >>> allocate_ranks([[1.0, 0.2, 0.1], [1.0, 0.9, 0.0]], 2)   # not greedy: the second head's gain comes at 2
+    [0, 2]
+    """
+    budget = int(budget)
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}.")
+    best = np.zeros(budget + 1)   # best[b]: the least summed excess of the heads so far within width b
+    choices = []
+    for c in curves:
+        c = np.asarray(c, dtype=float)
+        new = np.full(budget + 1, np.inf)
+        pick = np.zeros(budget + 1, dtype=int)
+        for r in range(min(c.size, budget + 1)):
+            cand = np.full(budget + 1, np.inf)
+            cand[r:] = best[:budget + 1 - r] + c[r]
+            # strictly better only: at equal excess the smaller rank (taken first) stays
+            finite = np.isfinite(new)
+            better = ~finite & np.isfinite(cand)
+            better[finite] = cand[finite] < new[finite] - 1e-15 * np.maximum(np.abs(new[finite]), 1.0)
+            new[better], pick[better] = cand[better], r
+        best = new
+        choices.append(pick)
+    # the least total width that reaches the least excess
+    b = int(np.flatnonzero(best <= best.min() + 1e-15 * max(abs(best.min()), 1.0))[0])
+    ranks = []
+    for pick in reversed(choices):
+        r = int(pick[b])
+        ranks.append(r)
+        b -= r
+    return ranks[::-1]
+
+
+def rank_plan(table, *, tolerance=None, budget=None):
+    """Each head's query–key rank, from the table of :func:`rstar.heads.estimate_heads` (with tolerances).
+
+    Give exactly one of
+
+    - ``tolerance=ε`` (tolerance mode): each head's r*(ε), the smallest rank whose predicted excess is at most
+      ε of the head's Var(Y) (where no rank of its curve reaches ε: ``d_head``, flagged ``reached=False``);
+    - ``budget=W`` (budget mode): a total width W (the sum of the heads' ranks) split to minimise the summed
+      predicted excess, exactly (:func:`allocate_ranks`). Each head's excess is relative to its own Var(Y), so
+      the sum weighs every head alike; the heads are treated as independent (the next layers see the changed
+      outputs, which the per-head curves do not model).
+
+    The predicted excess is each head's ``risk_curve`` (the upper bound its r*(ε) is read from, cross-fitted;
+    beyond the rank where the fit stopped measuring it, its last value; made non-increasing).
+
+    Returns
+    -------
+    plan : pandas.DataFrame, or list of dict without pandas
+        One row per head: ``layer, head, d_head, rank, predicted_excess, reached``.
+
+    Raises
+    ------
+    ValueError
+        Neither or both of tolerance and budget, a tolerance outside (0, 1), a negative budget, or a table without
+        risk curves.
+    """
+    if (tolerance is None) == (budget is None):
+        raise ValueError("give exactly one of tolerance (each head's r*(tolerance)) and budget (a total width).")
+    rows = _rows(table)
+    if not rows:
+        raise ValueError("the table has no heads.")
+    curves = [_curve(r) for r in rows]
+    if tolerance is not None:
+        tol = float(tolerance)
+        if not 0.0 < tol < 1.0:
+            raise ValueError(f"tolerance must be in (0, 1), got {tolerance}.")
+        ranks = [int(np.argmax(c <= tol)) if np.any(c <= tol) else c.size - 1 for c in curves]
+        reached = [bool(np.any(c <= tol)) for c in curves]
+    else:
+        if isinstance(budget, bool) or not float(budget).is_integer():
+            raise ValueError(f"budget must be a whole number of query-key dimensions, got {budget!r}.")
+        ranks = allocate_ranks(curves, int(budget))
+        reached = [True] * len(rows)
+    plan = [dict(layer=int(r["layer"]), head=int(r["head"]), d_head=int(r["d_head"]), rank=k,
+                 predicted_excess=float(c[k]), reached=ok) for r, c, k, ok in zip(rows, curves, ranks, reached)]
+    try:
+        import pandas as pd
+    except ImportError:   # pragma: no cover - depends on the environment
+        return plan
+    return pd.DataFrame(plan)
+
+
+def _query_key_modules(layer):
+    """The names of a layer's query and key projections, as PEFT's ``target_modules`` name them."""
+    if layer.style == "bert":
+        return [f"{layer.name}.query", f"{layer.name}.key"]
+    if layer.style == "gpt2":
+        return [f"{layer.name}.c_attn"]
+    return [layer.name]
+
+
+def rank_pattern(plan, layers):
+    """A PEFT-style ``rank_pattern``: each layer's query and key projections mapped to the layer's query–key width.
+
+    A plan's ranks are per head; a projection module serves every head of its layer, so its rank is the sum of its
+    heads' ranks (the width of the layer's block-diagonal rank-r query–key map). Module names are those of
+    ``model.named_modules()`` (BERT-style ``<attention>.query`` and ``.key``, GPT-2-style ``<attention>.c_attn``,
+    ``torch.nn.MultiheadAttention`` the module itself).
+
+    Parameters
+    ----------
+    plan : DataFrame or list of dict
+        From :func:`rank_plan`.
+    layers : list of AttentionLayer
+        The layers the plan's heads were read from (:func:`rstar.heads.collect_attention`): their names.
+
+    Returns
+    -------
+    dict of str to int
+    """
+    widths = {}
+    for row in _rows(plan):
+        widths[int(row["layer"])] = widths.get(int(row["layer"]), 0) + int(row["rank"])
+    by_index = {layer.index: layer for layer in layers}
+    missing = sorted(set(widths) - set(by_index))
+    if missing:
+        raise ValueError(f"the plan has heads of layer {missing[0]}, which is not among the layers given.")
+    return {name: widths[i] for i in sorted(widths) for name in _query_key_modules(by_index[i])}
