@@ -484,3 +484,56 @@ def test_rank_plan_by_tolerance_and_by_budget_and_its_rank_pattern(ids):
             rank_plan(table, **kwargs)
     with pytest.raises(ValueError, match="has no risk_curve"):
         rank_plan(estimate_heads([layer], MPRankEstimator("softmax"), tolerances=()), tolerance=0.05)
+
+
+def test_truncated_heads_put_the_planned_ranks_into_the_model_and_take_them_out(ids):
+    from rstar.heads import truncated_heads
+    from rstar.inversions._numerics.softmax_factored import token_metric_roots
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    # weights large enough that the logits matter (the default initialisation leaves attention nearly uniform)
+    config = transformers.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, initializer_range=0.5)
+    model = transformers.BertModel(config).eval()
+    batch = torch.as_tensor(ids[:20])
+    layers = collect_attention(model, ids[:40])
+    before = model(batch).last_hidden_state.detach().clone()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    plan = [dict(layer=1, head=0, rank=3), dict(layer=1, head=1, rank=8)]   # d_head = 8: head 1 untouched
+    with truncated_heads(model, plan, layers, metric="weights"):
+        inside = collect_attention(model, ids[:40])
+        changed = model(batch).last_hidden_state.detach().clone()
+    with truncated_heads(model, plan, layers):   # in the metric of the layer's tokens [x, 1]
+        truncated = collect_attention(model, ids[:40])[1]
+    X1 = np.concatenate([layers[1].X, np.ones(layers[1].X.shape[:-1] + (1,))], axis=-1)
+    Mq, _, Mk, _ = token_metric_roots(X1)
+    s_full = np.linalg.svd(Mq @ layers[1].query[0] @ layers[1].key[0].T @ Mk, compute_uv=False)
+    s_tokens = np.linalg.svd(Mq @ truncated.query[0] @ truncated.key[0].T @ Mk, compute_uv=False)
+    assert int(np.sum(s_tokens > 1e-6 * s_tokens[0])) == 3
+    np.testing.assert_allclose(s_tokens[:3], s_full[:3], rtol=1e-4)
+    sv = [h.kernel_singular_values() for h in inside[1].heads()]
+    assert int(np.sum(sv[0] > 1e-6 * sv[0][0])) == 3
+    # the truncation of the head's own kernel, as the truncation curve takes it; the rest unchanged
+    np.testing.assert_allclose(sv[0][:3], layers[1].head(0).kernel_singular_values()[:3], rtol=1e-5)
+    np.testing.assert_allclose(inside[1].head(1).kernel(), layers[1].head(1).kernel(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(inside[0].head(0).kernel(), layers[0].head(0).kernel(), rtol=1e-6)
+    assert not torch.allclose(changed, before, atol=1e-4)
+    # restored on exit, and after an exception inside
+    with pytest.raises(RuntimeError), truncated_heads(model, plan, layers):
+        raise RuntimeError
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    assert torch.allclose(model(batch).last_hidden_state, before)
+    for bad, message in [([dict(layer=5, head=0, rank=1)], "not among the layers"),
+                         ([dict(layer=0, head=7, rank=1)], "holds no head 7"),
+                         ([dict(layer=0, head=0, rank=9)], "outside 0 ... d_head = 8")]:
+        with pytest.raises(ValueError, match=message), truncated_heads(model, bad, layers):
+            pass
+    with pytest.raises(ValueError, match="metric must be 'tokens' or 'weights'"), truncated_heads(
+            model, plan, layers, metric="svd"):
+        pass
+    torch.manual_seed(0)
+    (mha,) = collect_attention(_Block(), ids)
+    with pytest.raises(ValueError, match="only BERT-style"), truncated_heads(_Block(), [dict(layer=0, head=0,
+                                                                                             rank=1)], [mha]):
+        pass

@@ -39,13 +39,15 @@ from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
 from ._collect import AttentionLayer, HeadTask, attention_modules, attention_rows, collect_attention
+from ._compress import truncated_head_factors, truncated_heads
 from ._plan import allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
 __all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "allocate_ranks", "attention_modules",
            "attention_rows", "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve",
            "load_minilm", "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text",
-           "text_windows", "token_windows", "truncation_rank", "weight_mp_spike_count"]
+           "text_windows", "token_windows", "truncated_head_factors", "truncated_heads", "truncation_rank",
+           "weight_mp_spike_count"]
 
 #: Tolerances of the table's r*(ε) columns by default (relative excess risk: 1% and 5% of Var(Y)).
 DEFAULT_TOLERANCES = (0.01, 0.05)

@@ -1,0 +1,126 @@
+"""Rank plans put back into a torch model: each head's query–key map truncated to its planned rank, reversibly."""
+
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..inversions._numerics.softmax_factored import token_metric_roots
+
+__all__ = ["truncated_head_factors", "truncated_heads"]
+
+
+def truncated_head_factors(query, key, rank, metric=None):
+    """``(query_r, key_r)`` of shape (d + 1, d_head): the head's ``[W; b]`` maps with ``query_r key_r^T`` the best
+    rank-``rank`` approximation of ``query key^T`` (its SVD, through the ``d_head x d_head`` core), split evenly,
+    columns beyond ``rank`` zero.
+
+    ``metric=None`` truncates the weights' product itself (the truncation of
+    :func:`rstar.heads.kernel_truncation_curve`). ``metric=(Mq_half, Mq_inv_half, Mk_half, Mk_inv_half)``, the
+    token metric's roots (the layer's tokens, and the tokens centred within their sequence), truncates
+    ``M_q^{1/2} query key^T M_k^{1/2}`` — the kernel as it acts on the data, the metric rstar's statistic and risk
+    curve are measured in; it keeps the directions the tokens excite rather than those of largest weight (the
+    bilinear analogue of SVD-LLM's whitened truncation, Wang et al. 2024) — and maps back.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((9, 4)), rng.standard_normal((9, 4))
+    >>> q2, k2 = truncated_head_factors(q, k, 2)
+    >>> q2.shape, int(np.linalg.matrix_rank(q2 @ k2.T))
+    ((9, 4), 2)
+    >>> bool(np.allclose(truncated_head_factors(q, k, 4)[0] @ truncated_head_factors(q, k, 4)[1].T, q @ k.T))
+    True
+    """
+    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
+    if metric is not None:
+        query, key = metric[0] @ query, metric[2] @ key
+    Qq, Rq = np.linalg.qr(query)
+    Qk, Rk = np.linalg.qr(key)
+    U, s, Wt = np.linalg.svd(Rq @ Rk.T)
+    r = int(rank)
+    root = np.sqrt(s[:r])
+    out_q, out_k = np.zeros_like(Qq), np.zeros_like(Qk)
+    out_q[:, :r], out_k[:, :r] = Qq @ (U[:, :r] * root), Qk @ (Wt[:r].T * root)
+    if metric is not None:
+        out_q, out_k = metric[1] @ out_q, metric[3] @ out_k
+    return out_q, out_k
+
+
+def _rows(plan):
+    return plan.to_dict("records") if hasattr(plan, "to_dict") else [dict(r) for r in plan]
+
+
+@contextmanager
+def truncated_heads(model, plan, layers, metric="tokens"):
+    """Within the ``with`` block, each planned head of ``model`` computes its logits with its query–key map
+    truncated to the plan's rank (:func:`truncated_head_factors`); the weights are restored on exit, even after
+    an exception. Value maps, output projections and every other head are unchanged.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model the layers were read from (:func:`rstar.heads.collect_attention`).
+    plan : DataFrame or list of dict
+        Rows with ``layer, head, rank`` (:func:`rstar.heads.rank_plan`).
+    layers : list of AttentionLayer
+        The layers of the plan's heads: their module names, styles, weights and tokens.
+    metric : {"tokens", "weights"}, default="tokens"
+        How a head is truncated (:func:`truncated_head_factors`): in the metric of the layer's tokens (``X`` of
+        the layer as collected; what r*(ε) is measured in), or the weights' own SVD.
+
+    Raises
+    ------
+    ValueError
+        A planned layer not among ``layers``, a head it does not hold, a rank outside ``0 ... d_head``, or a layer
+        whose style is not BERT-style (separate ``query`` and ``key`` projections: the only one rewritten so far).
+    """
+    import torch
+
+    if metric not in ("tokens", "weights"):
+        raise ValueError(f"metric must be 'tokens' or 'weights', got {metric!r}.")
+    modules = dict(model.named_modules())
+    roots = {}
+    by_index = {layer.index: layer for layer in layers}
+    edits = []   # (parameter, new value) per projection touched
+    for row in _rows(plan):
+        index, head, rank = int(row["layer"]), int(row["head"]), int(row["rank"])
+        layer = by_index.get(index)
+        if layer is None:
+            raise ValueError(f"the plan has layer {index}, which is not among the layers given.")
+        if layer.style != "bert":
+            raise ValueError(f"layer {index} ({layer.name}) is {layer.style}-style; only BERT-style attention "
+                             "(separate query and key projections) is rewritten so far.")
+        held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
+        if head not in held:
+            raise ValueError(f"layer {index} holds no head {head} (it holds {held}).")
+        pos = held.index(head)
+        d_head = layer.query.shape[2]
+        if not 0 <= rank <= d_head:
+            raise ValueError(f"layer {index} head {head}: rank {rank} is outside 0 ... d_head = {d_head}.")
+        module = modules[layer.name]
+        # [W; b] on [x, 1] where both projections have bias parameters (a truncation in the tokens' metric may give
+        # a zero bias a non-zero value), else W on x alone
+        biased = module.query.bias is not None and module.key.bias is not None
+        rows = slice(None) if biased else slice(0, -1)
+        if metric == "tokens" and index not in roots:
+            X = layer.X
+            roots[index] = token_metric_roots(np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1)
+                                              if biased else X)
+        q, k = truncated_head_factors(layer.query[pos][rows], layer.key[pos][rows], rank, roots.get(index))
+        cols = slice(head * d_head, (head + 1) * d_head)
+        d = layer.X.shape[-1]
+        for linear, factor in ((module.query, q), (module.key, k)):
+            edits.append((linear.weight, (cols, slice(None)), factor[:d].T))
+            if biased:
+                edits.append((linear.bias, (cols,), factor[d]))
+    saved = [(param, index, param.data[index].clone()) for param, index, _ in edits]
+    try:
+        with torch.no_grad():
+            for param, index, value in edits:
+                param.data[index] = torch.as_tensor(value, dtype=param.dtype, device=param.device)
+        yield model
+    finally:
+        with torch.no_grad():
+            for param, index, value in reversed(saved):
+                param.data[index] = value
