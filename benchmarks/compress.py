@@ -5,7 +5,7 @@ each allocation's ranks are put into the model (:func:`rstar.heads.truncated_hea
 truncated to its rank, by SVD in the metric of the layer's tokens — what rstar's curves measure — and by the
 weights' own SVD; value maps untouched), and the model's sentence embeddings (mean-pooled last hidden
 states, normalised, as all-MiniLM-L6-v2 is used) on other windows of text (another seed) are compared with the
-full model's: the mean cosine similarity and the mean squared distance. Allocations at each width W:
+full model's: the mean and the smallest cosine similarity. Allocations at each width W:
 
 - ``rstar tolerance``: each head's r*(ε) (its width is W);
 - ``rstar budget``: W split to minimise the summed predicted excess (:func:`rstar.heads.rank_plan`);
@@ -53,23 +53,25 @@ def _energy_curves(layers, rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--table", required=True, help="heads.json of `rstar heads` with tolerances (its rows)")
-    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--table", required=True,
+                   help="heads.json of `rstar heads` with tolerances (its rows, and the windows it fitted on)")
     p.add_argument("--n-eval", type=int, default=500, help="windows the embeddings are compared on")
-    p.add_argument("--seed", type=int, default=1, help="seed of those windows (the fits used another)")
-    p.add_argument("--fit-seed", type=int, default=0, help="seed of the fits' windows (rstar heads --seed)")
+    p.add_argument("--seed", type=int, default=1, help="seed of those windows (not the fits' --seed)")
     p.add_argument("--out", default="benchmarks/out/compress")
     args = p.parse_args(argv)
 
     from rstar.heads import (allocate_ranks, collect_attention, load_minilm, rank_plan, text_windows,
                              truncated_heads)
 
-    rows = json.loads(Path(args.table).read_text())["rows"]
+    run = json.loads(Path(args.table).read_text())
+    rows, T = run["rows"], run["seq_len"]
+    if run["seed"] == args.seed:
+        raise SystemExit(f"--seed {args.seed} is the fits' own: give another for the windows compared on.")
     model, tok = load_minilm()
     model.eval()
-    windows = text_windows(tok, args.seq_len, args.n_eval, random_state=args.seed)
-    # the layers' tokens for the truncation metric: windows of the fits' seed, as the fits saw (not the eval ones)
-    fit_windows = text_windows(tok, args.seq_len, 500, random_state=args.fit_seed)
+    windows = text_windows(tok, T, args.n_eval, random_state=args.seed)
+    # the layers' tokens for the truncation metric: the windows the fits read (their seed and count)
+    fit_windows = text_windows(tok, T, run["n_samples"], random_state=run["seed"])
     layers = collect_attention(model, fit_windows, layers=sorted({int(r["layer"]) for r in rows}))
     full = _embed(model, windows)
     energy = _energy_curves(layers, rows)
@@ -91,8 +93,7 @@ def main(argv=None):
                 emb = _embed(model, windows)
             cos = np.sum(emb * full, axis=1)
             res = dict(tolerance=tol, width=width, allocation=name, truncation=metric, ranks=[int(k) for k in ranks],
-                       mean_cosine=float(cos.mean()), min_cosine=float(cos.min()),
-                       mean_sq_distance=float(np.mean(np.sum((emb - full) ** 2, axis=1))))
+                       mean_cosine=float(cos.mean()), min_cosine=float(cos.min()))
             results.append(res)
             print(f"eps {tol:g}, width {width}, {metric} truncation: {name:16s} mean cosine {res['mean_cosine']:.6f} "
                   f"(min {res['min_cosine']:.5f}), 1 - cosine {1 - res['mean_cosine']:.2e}", flush=True)

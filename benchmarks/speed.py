@@ -573,6 +573,14 @@ def _figures(res, folder):
     plt.close(fig)
 
 
+def _save(folder, name, res):
+    """Write ``res`` to ``folder/name.json`` (the folder made if needed) and return the folder."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=float))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -600,12 +608,12 @@ def main(argv=None):
     p.add_argument("--token-subspace", action="store_true",
                    help="only part 6: how many principal directions MiniLM's tokens need, and what the heads' own "
                         "kernels lose in fewer")
-    p.add_argument("--layers", default="0,3", help="--real-size: comma-separated layers")
-    p.add_argument("--heads", default="0,1,2", help="--real-size: comma-separated heads of each layer")
-    p.add_argument("--all-heads", action="store_true", help="--real-size: all layers and heads (the whole model)")
+    p.add_argument("--layers", default="0,3", help="--real-size, --token-subspace: comma-separated layers")
+    p.add_argument("--heads", default="0,1,2", help="--real-size, --token-subspace: comma-separated heads of each layer")
+    p.add_argument("--all-heads", action="store_true", help="--real-size, --token-subspace: all layers and heads (the whole model)")
     p.add_argument("--devices", default="cpu,auto", help="--real-size: devices of the per-head fits")
-    p.add_argument("--seq-len", type=int, default=32, help="--real-size: tokens per window")
-    p.add_argument("--n-samples", type=int, default=500, help="--real-size: windows")
+    p.add_argument("--seq-len", type=int, default=32, help="--real-size, --token-subspace: tokens per window")
+    p.add_argument("--n-samples", type=int, default=500, help="--real-size, --token-subspace: windows")
     p.add_argument("--student-epochs", type=int, default=3000, help="--real-size: max_epochs of each student")
     args = p.parse_args(argv)
     if args.dask_memory:
@@ -615,23 +623,17 @@ def main(argv=None):
               f"{res['inversion']}) | budget {res['budget_mib']:.0f} MiB | over the plain peak: "
               f"{res['fit_peak_mib'] - res['plain_peak_mib']:.0f} MiB |")
         return
+    layers = None if args.all_heads else [int(v) for v in args.layers.split(",")]
+    heads = None if args.all_heads else [int(v) for v in args.heads.split(",")]
     if args.real_size:
-        res = real_size(None if args.all_heads else [int(v) for v in args.layers.split(",")],
-                        None if args.all_heads else [int(v) for v in args.heads.split(",")],
-                        args.seq_len, args.n_samples, args.devices.split(","), args.student_epochs, args.seed,
-                        no_students=args.no_students)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "real_size.json").write_text(json.dumps(res, indent=1, default=float))
+        res = real_size(layers, heads, args.seq_len, args.n_samples, args.devices.split(","), args.student_epochs,
+                        args.seed, no_students=args.no_students)
+        _save(args.out, "real_size", res)
         print(_real_size_markdown(res))
         return
     if args.token_subspace:
-        res = token_subspace(None if args.all_heads else [int(v) for v in args.layers.split(",")],
-                             None if args.all_heads else [int(v) for v in args.heads.split(",")],
-                             args.seq_len, args.n_samples, args.seed)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "token_subspace.json").write_text(json.dumps(res, indent=1, default=float))
+        res = token_subspace(layers, heads, args.seq_len, args.n_samples, args.seed)
+        _save(args.out, "token_subspace", res)
         print(_token_subspace_markdown(res))
         return
     if args.replot:
@@ -642,18 +644,14 @@ def main(argv=None):
     if args.shapes:
         points = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
         rows = scaling_shape(points, 2000, args.seed)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "shapes.json").write_text(json.dumps(rows, indent=1, default=float))
+        _save(args.out, "shapes", rows)
         for r in rows:
             print(f"| {r['T']} | {r['d']} | {r['n']} | {r['seconds']:.2f} s | {r['gram_seconds']:.2f} s | "
                   f"{r['peak_mib']:.0f} MiB | {r['data_mib']:.0f} MiB | {r['inversion']} | {r['rank']} / {r['r']} |")
         return
     if args.stream_head:
         rows = stream_default(64, 64, 8, [10_000, 100_000, 1_000_000], args.seed)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "stream_head.json").write_text(json.dumps(rows, indent=1))
+        _save(args.out, "stream_head", rows)
         for r in rows:
             print(f"| {r['T']} | {r['d']} | {r['n']:,} | {r['fit']} | {r['seconds']:.0f} s | "
                   f"{r['generation_seconds']:.0f} s | {r['peak_mib']:.0f} MiB | {r['rank']} ({r['inversion']}) |")
@@ -668,9 +666,7 @@ def main(argv=None):
         # linear QK: the students' sweep there costs about 10 minutes more (--qk-students)
         res["head_to_head"] += head_to_head([("linear_qk", 64, 32, 3)], 2000, students and args.qk_students, seed)
     if args.head_to_head:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "head_to_head.json").write_text(json.dumps(res, indent=1, default=float))
+        _save(args.out, "head_to_head", res)
         print(_markdown(res))
         return
     ns = [1000, 10_000, 100_000] if quick else [1000, 10_000, 100_000, 1_000_000]
@@ -681,9 +677,7 @@ def main(argv=None):
         ([(64, d, 8) for d in (16, 32, 64, 128, 384) + ((768,) if args.full else ())]
          + [(T, 16, 4) for T in (8, 32, 128, 512)])
     res["scaling_shape"] = scaling_shape(points, 2000, seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "speed.json").write_text(json.dumps(res, indent=1, default=float))
+    out = _save(args.out, "speed", res)
     table = _markdown(res)
     (out / "speed.md").write_text(table)
     print(table)

@@ -227,10 +227,6 @@ def _load_model(name):
     return model, tokenizer
 
 
-def _records(table):
-    return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
-
-
 def _check_heads_args(args, model=None):
     """One-line errors for the heads options: those that need no model, then (given one) its positions."""
     if model is None:
@@ -289,6 +285,7 @@ def _heads(args):
     from . import RStarEstimator
     from ._backend import check_device
     from .heads import collect_attention, estimate_heads, plot_head_rank_panels, rank_pattern, rank_plan, text_windows
+    from .heads._plan import _rows
 
     layers = None if args.layers is None else _index_list(args.layers, "--layers")
     heads = None if args.heads is None else _index_list(args.heads, "--heads")
@@ -370,7 +367,7 @@ def _heads(args):
         if args.budget is not None:
             plans[f"budget={args.budget}"] = rank_plan(table, budget=args.budget)
         (out / "plan.json").write_text(json.dumps(
-            {name: {"heads": _records(plan), "rank_pattern": rank_pattern(plan, collected)}
+            {name: {"heads": _rows(plan), "rank_pattern": rank_pattern(plan, collected)}
              for name, plan in plans.items()}, indent=1, default=float))
     try:
         import matplotlib

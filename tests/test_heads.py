@@ -452,6 +452,10 @@ def test_allocate_ranks_is_the_exact_optimum_not_greedy():
     assert allocate_ranks([[1.0, 0.2, 0.1], [1.0, 0.9, 0.0]], 2) == [0, 2]
     with pytest.raises(ValueError, match="budget must be >= 0"):
         allocate_ranks([[1.0, 0.0]], -1)
+    with pytest.raises(ValueError, match="whole number"):
+        allocate_ranks([[1.0, 0.0]], 1.5)
+    with pytest.raises(ValueError, match="finite excess risks"):
+        allocate_ranks([[1.0, np.nan]], 1)
 
 
 def test_rank_plan_by_tolerance_and_by_budget_and_its_rank_pattern(ids):
@@ -484,6 +488,10 @@ def test_rank_plan_by_tolerance_and_by_budget_and_its_rank_pattern(ids):
             rank_plan(table, **kwargs)
     with pytest.raises(ValueError, match="has no risk_curve"):
         rank_plan(estimate_heads([layer], MPRankEstimator("softmax"), tolerances=()), tolerance=0.05)
+    with pytest.raises(ValueError, match="no 'd_head' column"):
+        rank_plan([{k: v for k, v in r.items() if k != "d_head"} for r in rows], tolerance=0.05)
+    with pytest.raises(ValueError, match="risk_curve holds NaN"):
+        rank_plan([dict(r, risk_curve=[np.nan] * 3) for r in rows], budget=4)
 
 
 def test_truncated_heads_put_the_planned_ranks_into_the_model_and_take_them_out(ids):
@@ -526,7 +534,9 @@ def test_truncated_heads_put_the_planned_ranks_into_the_model_and_take_them_out(
     assert torch.allclose(model(batch).last_hidden_state, before)
     for bad, message in [([dict(layer=5, head=0, rank=1)], "not among the layers"),
                          ([dict(layer=0, head=7, rank=1)], "holds no head 7"),
-                         ([dict(layer=0, head=0, rank=9)], "outside 0 ... d_head = 8")]:
+                         ([dict(layer=0, head=0, rank=9)], "outside 0 ... d_head = 8"),
+                         ([dict(layer=0, head=0, rank=2.5)], "not a whole number"),
+                         ([dict(layer=0, head=0)], "no 'rank' column")]:
         with pytest.raises(ValueError, match=message), truncated_heads(model, bad, layers):
             pass
     with pytest.raises(ValueError, match="metric must be 'tokens' or 'weights'"), truncated_heads(

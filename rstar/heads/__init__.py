@@ -40,7 +40,7 @@ from ..risk import rank_at_tolerance
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
 from ._collect import AttentionLayer, HeadTask, attention_modules, attention_rows, collect_attention
 from ._compress import truncated_head_factors, truncated_heads
-from ._plan import allocate_ranks, rank_pattern, rank_plan
+from ._plan import _rows, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
 __all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "allocate_ranks", "attention_modules",
@@ -304,10 +304,6 @@ def _warning_reasons(caught):
         if text not in seen:
             seen.append(text)
     return " | ".join(seen)
-
-
-def _rows(table):
-    return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
 
 
 def _tolerance_columns(rows, prefix):

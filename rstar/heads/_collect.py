@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._backend import NUMPY
+from ..inversions._numerics.linalg import factored_svd
 
 __all__ = ["AttentionLayer", "HeadTask", "attention_modules", "collect_attention"]
 
@@ -67,10 +68,8 @@ class HeadTask:
         """``(L, s, R)`` with ``kernel() = L diag(s) R^T``: its thin SVD through the ``d_head x d_head`` core of
         ``W~_Q W~_K^T`` (never the d~ x d~ product); ``s`` descending, ``d_head`` entries."""
         q, k = self.query[self._rows()], self.key[self._rows()]
-        Qq, Rq = np.linalg.qr(q)
-        Qk, Rk = np.linalg.qr(k)
-        U, s, Wt = np.linalg.svd(Rq @ Rk.T)
-        return Qq @ U, np.sqrt(q.shape[0] / self.d_head) * s, Qk @ Wt.T
+        U, s, W = factored_svd(q, k)
+        return U, np.sqrt(q.shape[0] / self.d_head) * s, W
 
     def kernel_singular_values(self):
         """Singular values of :meth:`kernel` (at most ``d_head`` non-zero)."""

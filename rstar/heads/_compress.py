@@ -4,7 +4,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..inversions._numerics.linalg import factored_svd
 from ..inversions._numerics.softmax_factored import token_metric_roots
+from ._plan import _rows
 
 __all__ = ["truncated_head_factors", "truncated_heads"]
 
@@ -35,20 +37,14 @@ def truncated_head_factors(query, key, rank, metric=None):
     query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
     if metric is not None:
         query, key = metric[0] @ query, metric[2] @ key
-    Qq, Rq = np.linalg.qr(query)
-    Qk, Rk = np.linalg.qr(key)
-    U, s, Wt = np.linalg.svd(Rq @ Rk.T)
+    U, s, W = factored_svd(query, key)
     r = int(rank)
     root = np.sqrt(s[:r])
-    out_q, out_k = np.zeros_like(Qq), np.zeros_like(Qk)
-    out_q[:, :r], out_k[:, :r] = Qq @ (U[:, :r] * root), Qk @ (Wt[:r].T * root)
+    out_q, out_k = np.zeros_like(U), np.zeros_like(W)
+    out_q[:, :r], out_k[:, :r] = U[:, :r] * root, W[:, :r] * root
     if metric is not None:
         out_q, out_k = metric[1] @ out_q, metric[3] @ out_k
     return out_q, out_k
-
-
-def _rows(plan):
-    return plan.to_dict("records") if hasattr(plan, "to_dict") else [dict(r) for r in plan]
 
 
 @contextmanager
@@ -83,7 +79,9 @@ def truncated_heads(model, plan, layers, metric="tokens"):
     roots = {}
     by_index = {layer.index: layer for layer in layers}
     edits = []   # (parameter, new value) per projection touched
-    for row in _rows(plan):
+    for row in _rows(plan, ("layer", "head", "rank")):
+        if not float(row["rank"]).is_integer():
+            raise ValueError(f"layer {row['layer']} head {row['head']}: rank {row['rank']!r} is not a whole number.")
         index, head, rank = int(row["layer"]), int(row["head"]), int(row["rank"])
         layer = by_index.get(index)
         if layer is None:

@@ -5,8 +5,15 @@ import numpy as np
 __all__ = ["allocate_ranks", "rank_pattern", "rank_plan"]
 
 
-def _rows(table):
-    return table.to_dict("records") if hasattr(table, "to_dict") else [dict(r) for r in table]
+def _rows(table, required=()):
+    """A table's rows as dicts: a DataFrame's records, or a list of dicts (without pandas) as given; a one-line
+    error where a row lacks one of the ``required`` columns."""
+    rows = table.to_dict("records") if hasattr(table, "to_dict") else [dict(r) for r in table]
+    for row in rows:
+        missing = [key for key in required if key not in row]
+        if missing:
+            raise ValueError(f"a row of the table has no {missing[0]!r} column (each needs {', '.join(required)}).")
+    return rows
 
 
 def _curve(row):
@@ -17,6 +24,8 @@ def _curve(row):
                          "estimate_heads with tolerances (its rows' risk_curve), not a noise-floor-only table.")
     d_head = int(row["d_head"])
     c = np.asarray(curve, dtype=float)[:d_head + 1]
+    if not np.all(np.isfinite(c)):
+        raise ValueError(f"layer {row['layer']} head {row['head']}: its risk_curve holds NaN or inf.")
     # measured up to the rank reaching half the smallest tolerance: beyond, the last value bounds it; and a rank-r
     # model is at least as good as a rank-(r-1) one (its factors with a zero column), so the curve is made monotone
     c = np.concatenate([c, np.full(d_head + 1 - c.size, c[-1])])
@@ -47,13 +56,17 @@ def allocate_ranks(curves, budget):
     >>> allocate_ranks([[1.0, 0.2, 0.1], [1.0, 0.9, 0.0]], 2)   # not greedy: the second head's gain comes at 2
     [0, 2]
     """
+    if isinstance(budget, bool) or not float(budget).is_integer():
+        raise ValueError(f"budget must be a whole number of query-key dimensions, got {budget!r}.")
     budget = int(budget)
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}.")
+    curves = [np.asarray(c, dtype=float) for c in curves]
+    if any(c.ndim != 1 or c.size == 0 or not np.all(np.isfinite(c)) for c in curves):
+        raise ValueError("each curve must be a non-empty 1-D array of finite excess risks (ranks 0, 1, ...).")
     best = np.zeros(budget + 1)   # best[b]: the least summed excess of the heads so far within width b
     choices = []
     for c in curves:
-        c = np.asarray(c, dtype=float)
         new = np.full(budget + 1, np.inf)
         pick = np.zeros(budget + 1, dtype=int)
         for r in range(min(c.size, budget + 1)):
@@ -104,7 +117,7 @@ def rank_plan(table, *, tolerance=None, budget=None):
     """
     if (tolerance is None) == (budget is None):
         raise ValueError("give exactly one of tolerance (each head's r*(tolerance)) and budget (a total width).")
-    rows = _rows(table)
+    rows = _rows(table, ("layer", "head", "d_head", "risk_curve"))
     if not rows:
         raise ValueError("the table has no heads.")
     curves = [_curve(r) for r in rows]
@@ -115,9 +128,7 @@ def rank_plan(table, *, tolerance=None, budget=None):
         ranks = [int(np.argmax(c <= tol)) if np.any(c <= tol) else c.size - 1 for c in curves]
         reached = [bool(np.any(c <= tol)) for c in curves]
     else:
-        if isinstance(budget, bool) or not float(budget).is_integer():
-            raise ValueError(f"budget must be a whole number of query-key dimensions, got {budget!r}.")
-        ranks = allocate_ranks(curves, int(budget))
+        ranks = allocate_ranks(curves, budget)
         reached = [True] * len(rows)
     plan = [dict(layer=int(r["layer"]), head=int(r["head"]), d_head=int(r["d_head"]), rank=k,
                  predicted_excess=float(c[k]), reached=ok) for r, c, k, ok in zip(rows, curves, ranks, reached)]
@@ -157,7 +168,7 @@ def rank_pattern(plan, layers):
     dict of str to int
     """
     widths = {}
-    for row in _rows(plan):
+    for row in _rows(plan, ("layer", "rank")):
         widths[int(row["layer"])] = widths.get(int(row["layer"]), 0) + int(row["rank"])
     by_index = {layer.index: layer for layer in layers}
     missing = sorted(set(widths) - set(by_index))

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._backend import NUMPY
 from ._numerics import softmax_factored as sf
+from ._numerics.linalg import factored_svd
 from ..budgets import DEFAULT_BUDGET, largest_count
 from ..calibration import DEFAULT_CALIBRATION
 from ..risk import centred_sums, total_sum_of_squares
@@ -300,11 +301,9 @@ def _truncation(metric, A, B, r):
     ``M_q^{1/2} A B^T M_k^{1/2}`` through thin QR factors of its two ``d x q`` sides (``O(d q^2)``, not a
     ``d x d`` SVD)."""
     Mq, Mq_inv, Mk, Mk_inv = metric
-    Ql, Rl = np.linalg.qr(Mq @ A)
-    Qr, Rr = np.linalg.qr(Mk @ B)
-    u, s, wt = np.linalg.svd(Rl @ Rr.T)
+    U, s, W = factored_svd(Mq @ A, Mk @ B)
     pad = ((0, 0), (0, max(0, min(r, A.shape[0]) - s.size)))   # beyond rank q: zero directions, as a d x d SVD has
-    return (np.pad(Mq_inv @ (Ql @ (u[:, :r] * s[:r])), pad), np.pad(Mk_inv @ (Qr @ wt[:r].T), pad))
+    return np.pad(Mq_inv @ (U[:, :r] * s[:r]), pad), np.pad(Mk_inv @ W[:, :r], pad)
 
 
 def truncated_kernel(ws, r):

@@ -67,6 +67,26 @@ def batched_pseudo_inverse(X, rcond=1e-10):
     return U, inv_s, Wt, smallest, keep.sum(axis=1)
 
 
+def factored_svd(A, B):
+    """The thin SVD ``(U, s, W)`` of ``A B^T`` for ``A`` (d x q) and ``B`` (d' x q), through thin QR factors of the
+    two sides and the SVD of the ``q x q`` core (``O((d + d') q^2)``; the ``d x d'`` product is never formed).
+    ``U`` is d x q, ``s`` has q entries (descending), ``W`` is d' x q.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> A, B = rng.standard_normal((6, 2)), rng.standard_normal((5, 2))
+    >>> U, s, W = factored_svd(A, B)
+    >>> bool(np.allclose((U * s) @ W.T, A @ B.T)), bool(np.allclose(s, np.linalg.svd(A @ B.T)[1][:2]))
+    (True, True)
+    """
+    Qa, Ra = np.linalg.qr(A)
+    Qb, Rb = np.linalg.qr(B)
+    U, s, Wt = np.linalg.svd(Ra @ Rb.T)
+    return Qa @ U, s, Qb @ Wt.T
+
+
 def orthonormal_rows(V):
     """Orthonormal basis (as rows) of the span of the columns of ``V`` (p x k)."""
     if V.shape[1] == 0:
