@@ -38,12 +38,13 @@ from sklearn.base import clone
 from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
-from ._collect import AttentionLayer, HeadTask, attention_modules, attention_rows, collect_attention
+from ..inversions._numerics.rotary import RotaryPositions, plane_strengths
+from ._collect import AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows, collect_attention
 from ._compress import truncated_head_factors, truncated_heads
 from ._plan import _rows, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
-__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "allocate_ranks", "attention_modules",
+__all__ = ["AttentionLayer", "HeadTask", "RotaryPositions", "activation_svd_rank", "attention_mask", "allocate_ranks", "attention_modules",
            "attention_rows", "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve",
            "load_minilm", "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text",
            "text_windows", "token_windows", "truncated_head_factors", "truncated_heads", "truncation_rank",
@@ -85,6 +86,10 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     column means. For a noise-free head the full kernel reproduces ``Y`` exactly, so the rank where the curve
     first reaches ε is an upper bound on r*(ε) (theory §2; a better rank-r kernel may exist).
 
+    A rotary head (``head.rotary``) is truncated inside its class: its planes are kept whole, strongest first by
+    ``||M_q^{1/2} alpha_p|| ||M_k^{1/2} beta_p||`` in the token metric (MHA2MLA's ``||q_p|| ||k_p||`` ranking,
+    measured on the tokens), so width r keeps ``floor(r / 2)`` planes at their own frequencies.
+
     Parameters
     ----------
     head : HeadTask
@@ -103,16 +108,36 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     Y = head.output(X) if Y is None else Y
     Yf = Y.reshape(-1, Y.shape[-1])
     tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
-    L, s, R = head.kernel_factors()
-    left = Xt @ L * (s / np.sqrt(Xt.shape[-1]))          # logits of rank r: left[..., :r] @ right[..., :r]^T
-    right = Xt @ R
     values = Xt @ head.value_map()
     top = head.d_head if max_rank is None else int(max_rank)
     curve = np.empty(top + 1)
+    mask = head.mask()
+    if head.rotary is not None:
+        A, B = head.factors()
+        order = np.argsort(-plane_strengths(A, B, _metric_roots(Xt)), kind="stable")
+        P = A.shape[1] // 2
+        for r in range(top + 1):
+            keep = np.zeros(2 * P, dtype=bool)
+            keep[order[:min(r // 2, P)]] = True
+            keep[P:] = keep[:P]
+            S = attention_rows(head.logits(Xt, factors=(A * keep, B * keep)), mask=mask)
+            curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
+        return curve
+    L, s, R = head.kernel_factors()
+    left = Xt @ L * (s / np.sqrt(Xt.shape[-1]))          # logits of rank r: left[..., :r] @ right[..., :r]^T
+    right = Xt @ R
     for r in range(top + 1):
-        S = attention_rows(left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1), head.causal)
+        S = attention_rows(left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1), mask=mask)
         curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
     return curve
+
+
+def _metric_roots(Xt):
+    """``(M_q^{1/2}, M_k^{1/2})`` of the features (the token metric the fits are compared in)."""
+    from ..inversions._numerics.softmax_factored import token_metric_roots
+
+    roots = token_metric_roots(Xt)
+    return roots[0], roots[2]
 
 
 def truncation_rank(head, tolerance, X=None):

@@ -357,6 +357,12 @@ class SplitHalfNull(NullModel):
         ``(U, S, W)``: the thin SVD of the whitened half-sum ``M_q^{1/2} K M_k^{1/2}``.
     half_kernels : tuple of two (A, B)
         Each half's factors (odd, then even samples), for the cross-fitted risk curve.
+    rotary : RotaryPositions or None
+        A rotary fit's positions (:mod:`rstar.inversions.softmax_rotary`: ``kernel`` is None and
+        ``singular_vectors`` are each group's complex SVD).
+    plane_groups : list of ndarray or None
+        A rotary fit's groups of planes the window cannot tell apart
+        (:func:`rstar.inversions.softmax_rotary.plane_groups`).
     """
 
     null_eigenvalues: np.ndarray = None
@@ -371,4 +377,6 @@ class SplitHalfNull(NullModel):
     metric: tuple = None
     singular_vectors: tuple = None
     half_kernels: tuple = None
+    rotary: object = None
+    plane_groups: list = None
     kind = "split_half"
