@@ -38,12 +38,13 @@ from sklearn.base import clone
 from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
-from ._collect import AttentionLayer, HeadTask, attention_modules, attention_rows, collect_attention
+from ..inversions._numerics.rotary import RotaryPositions, plane_strengths
+from ._collect import AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows, collect_attention
 from ._compress import truncated_head_factors, truncated_heads
 from ._plan import _rows, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
-__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "allocate_ranks", "attention_modules",
+__all__ = ["AttentionLayer", "HeadTask", "RotaryPositions", "activation_svd_rank", "attention_mask", "allocate_ranks", "attention_modules",
            "attention_rows", "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve",
            "load_minilm", "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text",
            "text_windows", "token_windows", "truncated_head_factors", "truncated_heads", "truncation_rank",
@@ -85,6 +86,10 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     column means. For a noise-free head the full kernel reproduces ``Y`` exactly, so the rank where the curve
     first reaches ε is an upper bound on r*(ε) (theory §2; a better rank-r kernel may exist).
 
+    A rotary head (``head.rotary``) is truncated inside its class: its planes are kept whole, strongest first by
+    ``||M_q^{1/2} alpha_p|| ||M_k^{1/2} beta_p||`` in the token metric (MHA2MLA's ``||q_p|| ||k_p||`` ranking,
+    measured on the tokens), so width r keeps ``floor(r / 2)`` planes at their own frequencies.
+
     Parameters
     ----------
     head : HeadTask
@@ -103,16 +108,36 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     Y = head.output(X) if Y is None else Y
     Yf = Y.reshape(-1, Y.shape[-1])
     tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
-    L, s, R = head.kernel_factors()
-    left = Xt @ L * (s / np.sqrt(Xt.shape[-1]))          # logits of rank r: left[..., :r] @ right[..., :r]^T
-    right = Xt @ R
     values = Xt @ head.value_map()
     top = head.d_head if max_rank is None else int(max_rank)
     curve = np.empty(top + 1)
+    mask = head.mask()
+    if head.rotary is not None:
+        A, B = head.factors()
+        order = np.argsort(-plane_strengths(A, B, _metric_roots(Xt)), kind="stable")
+        P = A.shape[1] // 2
+        for r in range(top + 1):
+            keep = np.zeros(2 * P, dtype=bool)
+            keep[order[:min(r // 2, P)]] = True
+            keep[P:] = keep[:P]
+            S = attention_rows(head.logits(Xt, factors=(A * keep, B * keep)), mask=mask)
+            curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
+        return curve
+    L, s, R = head.kernel_factors()
+    left = Xt @ L * (s / np.sqrt(Xt.shape[-1]))          # logits of rank r: left[..., :r] @ right[..., :r]^T
+    right = Xt @ R
     for r in range(top + 1):
-        S = attention_rows(left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1), head.causal)
+        S = attention_rows(left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1), mask=mask)
         curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
     return curve
+
+
+def _metric_roots(Xt):
+    """``(M_q^{1/2}, M_k^{1/2})`` of the features (the token metric the fits are compared in)."""
+    from ..inversions._numerics.softmax_factored import token_metric_roots
+
+    roots = token_metric_roots(Xt)
+    return roots[0], roots[2]
 
 
 def truncation_rank(head, tolerance, X=None):
@@ -165,7 +190,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     Returns
     -------
     table : pandas.DataFrame, or list of dict without pandas
-        Columns ``layer, head, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
+        Columns ``layer, head, kv_group, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
         kernel_rank, truncation_rank_at_<ε> ..., risk_curve, warnings, note``: ``rank`` and its interval are the
         noise-floor estimate, within what the class allows (a head's kernel has rank at most ``d_head``: an
         interval reaching beyond is capped, and a count beyond makes the interval ``(0, d_head)``; ``note``
@@ -178,6 +203,10 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         :func:`rank_plan` splits a total width by.
     """
     tolerances = tuple(float(t) for t in tolerances)
+    for layer in layers:
+        why = _outside_the_estimators(layer)
+        if why is not None:
+            raise ValueError(why)
     skip = {(int(layer), int(head)) for layer, head in skip}
     todo = [(layer, head) for layer in layers for head in layer.heads() if (layer.index, head.head) not in skip]
     rows = []
@@ -202,6 +231,20 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     except ImportError:   # pragma: no cover - depends on the environment
         return rows
     return pd.DataFrame(rows)
+
+
+def _outside_the_estimators(layer):
+    """Why the data-only estimators cannot fit this layer's heads in their class (None if they can)."""
+    if layer.rotary is not None:
+        return (f"layer {layer.index} ({layer.name}) rotates its queries and keys by position (RoPE): rstar's "
+                "estimators do not fit the rotary class yet, and a fit without the rotation would give a rank for a "
+                "class the heads are not in; each head's rotary truncation rank (its strongest planes kept) is "
+                "rstar.heads.truncation_rank(head, tolerance).")
+    if layer.window is not None:
+        return (f"layer {layer.index} ({layer.name}) attends in a sliding window of {layer.window} tokens, shorter "
+                f"than the windows ({layer.X.shape[1]}): the estimators model a causal mask, not a band; read "
+                f"windows of at most {layer.window} tokens.")
+    return None
 
 
 def _progress_bar(total):
@@ -277,7 +320,8 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
         cap = (f"rank_upper capped at d_head = {head.d_head} (a head's kernel has rank <= d_head; the fit's "
                f"interval reached {upper}: see warnings for why it is wide)")
         upper = head.d_head
-    row = dict(layer=layer.index, head=head.head, d_head=head.d_head, rank=rank, rank_lower=min(lower, upper),
+    row = dict(layer=layer.index, head=head.head, kv_group=head.kv_group, d_head=head.d_head, rank=rank,
+               rank_lower=min(lower, upper),
                rank_upper=upper, effective_rank=float(est.effective_rank_), inversion=est.inversion_)
     for tol in tolerances:
         # r*(eps) <= d_head: the head's own kernel (rank <= d_head) reproduces it exactly
