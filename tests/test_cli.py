@@ -152,7 +152,7 @@ def test_heads_on_minilm(tmp_path, capsys):
     assert cli.main(["heads", "--layers", "0", "--heads", "2,5", "--n-samples", "60", "--seq-len", "12",
                      "--tolerance", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| layer | head | d_head | rank |" in text and "[2 heads (2 fitted now) in" in text
+    assert "| layer | head | kv_group | d_head | rank |" in text and "[2 heads (2 fitted now) in" in text
     rows = json.loads((out / "heads.json").read_text())["rows"]
     assert [(r["layer"], r["head"]) for r in rows] == [(0, 2), (0, 5)]
     assert all(r["kernel_rank"] == 32 and r["rank_lower"] <= r["rank"] <= r["rank_upper"] for r in rows)

@@ -190,7 +190,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     Returns
     -------
     table : pandas.DataFrame, or list of dict without pandas
-        Columns ``layer, head, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
+        Columns ``layer, head, kv_group, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
         kernel_rank, truncation_rank_at_<ε> ..., risk_curve, warnings, note``: ``rank`` and its interval are the
         noise-floor estimate, within what the class allows (a head's kernel has rank at most ``d_head``: an
         interval reaching beyond is capped, and a count beyond makes the interval ``(0, d_head)``; ``note``
@@ -203,6 +203,10 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         :func:`rank_plan` splits a total width by.
     """
     tolerances = tuple(float(t) for t in tolerances)
+    for layer in layers:
+        why = _outside_the_estimators(layer)
+        if why is not None:
+            raise ValueError(why)
     skip = {(int(layer), int(head)) for layer, head in skip}
     todo = [(layer, head) for layer in layers for head in layer.heads() if (layer.index, head.head) not in skip]
     rows = []
@@ -227,6 +231,20 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     except ImportError:   # pragma: no cover - depends on the environment
         return rows
     return pd.DataFrame(rows)
+
+
+def _outside_the_estimators(layer):
+    """Why the data-only estimators cannot fit this layer's heads in their class (None if they can)."""
+    if layer.rotary is not None:
+        return (f"layer {layer.index} ({layer.name}) rotates its queries and keys by position (RoPE): rstar's "
+                "estimators do not fit the rotary class yet, and a fit without the rotation would give a rank for a "
+                "class the heads are not in; each head's rotary truncation rank (its strongest planes kept) is "
+                "rstar.heads.truncation_rank(head, tolerance).")
+    if layer.window is not None:
+        return (f"layer {layer.index} ({layer.name}) attends in a sliding window of {layer.window} tokens, shorter "
+                f"than the windows ({layer.X.shape[1]}): the estimators model a causal mask, not a band; read "
+                f"windows of at most {layer.window} tokens.")
+    return None
 
 
 def _progress_bar(total):
@@ -302,7 +320,8 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
         cap = (f"rank_upper capped at d_head = {head.d_head} (a head's kernel has rank <= d_head; the fit's "
                f"interval reached {upper}: see warnings for why it is wide)")
         upper = head.d_head
-    row = dict(layer=layer.index, head=head.head, d_head=head.d_head, rank=rank, rank_lower=min(lower, upper),
+    row = dict(layer=layer.index, head=head.head, kv_group=head.kv_group, d_head=head.d_head, rank=rank,
+               rank_lower=min(lower, upper),
                rank_upper=upper, effective_rank=float(est.effective_rank_), inversion=est.inversion_)
     for tol in tolerances:
         # r*(eps) <= d_head: the head's own kernel (rank <= d_head) reproduces it exactly

@@ -1,0 +1,154 @@
+"""Llama-family attention read by rstar.heads: rotary positions, grouped key/value heads, biases (Qwen2), sliding
+windows (Mistral), scaled RoPE; the rotary truncation in planes; what is refused, and why. Small randomly
+initialised models from transformers' configurations (no download)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rstar.heads import (RotaryPositions, collect_attention, estimate_heads, kernel_truncation_curve,  # noqa: E402
+                         truncation_rank)
+from rstar.inversions._numerics.rotary import plane_strengths, rotate, rotate_adjoint  # noqa: E402
+
+_SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _model(kind, **extra):
+    torch.manual_seed(0)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[kind]
+    return model_cls(config_cls(**{**_SMALL, **extra})).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(0).integers(0, 50, size=(24, 9))
+
+
+def test_rotation_is_orthogonal_and_its_adjoint_is_its_inverse():
+    rng = np.random.default_rng(0)
+    pos = RotaryPositions.from_frequencies([1.0, 0.1, 0.01], length=5, offset=3)
+    U = rng.standard_normal((2, 5, 6))
+    G = rng.standard_normal((2, 5, 6))
+    R = rotate(U, pos)
+    np.testing.assert_allclose(np.linalg.norm(R, axis=-1), np.linalg.norm(U, axis=-1))
+    np.testing.assert_allclose(np.sum(R * G), np.sum(U * rotate_adjoint(G, pos)))
+    np.testing.assert_allclose(rotate_adjoint(R, pos), U, atol=1e-12)
+    # plane 0 at position t = offset + 1 turned by 4 rad: (u_0, u_3) as a complex number times e^{4i}
+    z = (U[0, 1, 0] + 1j * U[0, 1, 3]) * np.exp(4j)
+    np.testing.assert_allclose([R[0, 1, 0], R[0, 1, 3]], [z.real, z.imag])
+
+
+def test_rotary_positions_refuse_what_is_not_a_rotation():
+    with pytest.raises(ValueError, match="2-D array"):
+        RotaryPositions(np.zeros(4))
+    with pytest.raises(ValueError, match="NaN"):
+        RotaryPositions(np.array([[np.nan]]))
+    cos, sin = np.ones((3, 4)), np.zeros((3, 4))
+    cos[:, 0] = 0.5
+    with pytest.raises(ValueError, match="rotate-half layout"):
+        RotaryPositions.from_tables(cos, sin)
+    pos, amplitude = RotaryPositions.from_tables(2 * np.cos(np.ones((3, 4))), 2 * np.sin(np.ones((3, 4))))
+    assert amplitude == pytest.approx(2.0) and pos.n_planes == 2
+    np.testing.assert_allclose(pos.angles, 1.0)
+
+
+@pytest.mark.parametrize("kind, extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 4}),
+                                         ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                     "original_max_position_embeddings": 16}})])
+def test_llama_family_heads_are_recomputed_with_rotation_groups_and_windows(ids, kind, extra):
+    layers = collect_attention(_model(kind, **extra), ids)
+    assert [layer.style for layer in layers] == ["llama", "llama"]
+    layer = layers[1]
+    assert layer.X.shape == (24, 9, 32) and layer.Y.shape == (24, 9, 4, 8)
+    assert layer.causal and layer.rotary.n_planes == 4 and layer.rotary.length == 9
+    assert layer.max_abs_error < 1e-5
+    # two key/value heads, each shared by two query heads: the key and value weights are the group's
+    np.testing.assert_array_equal(layer.kv_groups, [0, 0, 1, 1])
+    np.testing.assert_array_equal(layer.key[0], layer.key[1])
+    np.testing.assert_array_equal(layer.value[2], layer.value[3])
+    assert not np.allclose(layer.key[1], layer.key[2])
+    assert layer.window == (4 if kind == "mistral" else None)
+    head = layer.head(3)
+    assert head.kv_group == 1 and head.rotary is layer.rotary
+    np.testing.assert_allclose(head.output(), head.Y, atol=1e-9)
+    # the planes' strengths, each twice (a plane is two dimensions of the head's width)
+    sv = head.kernel_singular_values()
+    assert sv.size == 8 and np.all(sv[::2] == sv[1::2]) and np.all(np.diff(sv) <= 0)
+    with pytest.raises(ValueError, match="rotary head"):
+        head.kernel()
+
+
+def test_a_rotary_head_recomputed_without_its_rotation_is_not_its_output(ids):
+    """The rotation matters on these heads: dropping it changes their outputs (so the recomputation check is a
+    check, and a non-rotary estimator would be fitting another class)."""
+    head = collect_attention(_model("llama"), ids)[0].head(0)
+    plain = head.features() @ head.factors()[0], head.features() @ head.factors()[1]
+    from rstar.heads import attention_rows
+
+    unrotated = attention_rows(plain[0] @ plain[1].transpose(0, 2, 1), mask=head.mask()) @ (
+        head.features() @ head.value_map())
+    assert np.max(np.abs(unrotated - head.Y)) > 10 * np.max(np.abs(head.output() - head.Y)) + 1e-6
+
+
+def test_qwen2_biases_enter_the_homogeneous_coordinate(ids):
+    model = _model("qwen2")
+    with torch.no_grad():
+        for lin in (model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj,
+                    model.model.layers[0].self_attn.v_proj):
+            lin.bias.normal_(0.0, 0.5)
+    layer = collect_attention(model, ids, layers=[0])[0]
+    assert layer.has_bias and layer.max_abs_error < 1e-5
+    assert np.any(layer.query[:, -1] != 0)
+
+
+def test_rotary_truncation_keeps_whole_planes_strongest_first(ids):
+    """A head whose query/key weights hold two planes (the others zeroed) is reproduced exactly at width 4 and not
+    at width 2; widths are read in whole planes (an odd width keeps the planes below it)."""
+    model = _model("llama", num_key_value_heads=4)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        # head 0's planes 1 and 3 only (rotate-half layout: columns p and p + 4 of the head's 8)
+        keep = torch.zeros(8)
+        keep[[1, 5, 3, 7]] = 1.0
+        attn.q_proj.weight[:8] *= keep[:, None] * 3.0
+        attn.k_proj.weight[:8] *= keep[:, None] * 3.0
+    head = collect_attention(model, ids, layers=[0])[0].head(0)
+    A, B = head.factors()
+    strengths = plane_strengths(A, B)
+    assert np.count_nonzero(strengths) == 2
+    curve = kernel_truncation_curve(head)
+    assert curve.shape == (9,)
+    assert curve[4] < 1e-12 and curve[2] > 1e-4 and curve[0] > curve[2]
+    assert curve[3] == curve[2] and curve[5] == curve[4]
+    assert truncation_rank(head, 1e-6) == 4
+
+
+def test_layers_outside_the_estimators_classes_are_refused_with_the_reason(ids):
+    layers = collect_attention(_model("llama"), ids)
+    with pytest.raises(ValueError, match="rotary class"):
+        estimate_heads(layers[:1], tolerances=())
+
+
+def test_query_key_normalisation_is_refused_by_name(ids):
+    model = _model("llama")
+    attn = model.model.layers[1].self_attn
+    attn.q_norm = torch.nn.LayerNorm(8)
+    with pytest.raises(ValueError, match="normalises its queries and keys"):
+        collect_attention(model, ids)
+    # the other layer alone is read
+    assert len(collect_attention(model, ids, layers=[0])) == 1
+
+
+def test_a_padded_or_shifted_window_is_refused(ids):
+    """Rotary tables that differ between windows (positions other than 0 ... T-1) are refused."""
+    pos = torch.arange(9)[None].repeat(4, 1)
+    pos[2:] += 3
+    with pytest.raises(ValueError, match="different rotary positions"):
+        collect_attention(_model("llama"), ids[:4], batch_size=4, position_ids=pos)
