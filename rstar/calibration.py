@@ -252,15 +252,6 @@ class Calibration:
         "python benchmarks/real_heads.py",
         "a fourth direction on a planted rank 3 (V fitted, MiniLM's tokens) stood at 0.9-1.8 times the null's "
         "largest for 250 iterations, flipping the count above the null at every check")
-    rotary_group_angle: float = _value(
-        0.1, "rotary fit", "nonnegative",
-        "Rotary planes whose relative turn over the window, max_t (phi_tp - phi_tp') - min_t (phi_tp - phi_tp'), "
-        "is below this many radians are one group: at T positions their rotations differ by so little that the "
-        "data tell their kernels apart only through noise, so a group's kernels are counted and truncated by the "
-        "complex SVD of their sum (planes at low frequencies over a short window: most of a Llama head's at T = 32).",
-        "python /tmp/t_rot.py (planted planes 0 and 3 of 4 at T = 12, d = 16; rotary tests)",
-        "planted planes at 1 and 1e-3 rad a position read 2 planes and r*(1%) 8 without groups (the 1e-3 plane's "
-        "kernel split over the planes at 1e-2 and 1e-3)")
     factored_clear_gap: float = _value(
         2.0, "factored fit", "at_least_one",
         "With V fitted a count also settles once it stands clear of the null: its weakest direction at least this "

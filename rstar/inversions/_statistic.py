@@ -359,10 +359,7 @@ class SplitHalfNull(NullModel):
         Each half's factors (odd, then even samples), for the cross-fitted risk curve.
     rotary : RotaryPositions or None
         A rotary fit's positions (:mod:`rstar.inversions.softmax_rotary`: ``kernel`` is None and
-        ``singular_vectors`` are each group's complex SVD).
-    plane_groups : list of ndarray or None
-        A rotary fit's groups of planes the window cannot tell apart
-        (:func:`rstar.inversions.softmax_rotary.plane_groups`).
+        ``singular_vectors`` are the half-sum's directions on the query and the key side ``(U_q, U_k)``).
     """
 
     null_eigenvalues: np.ndarray = None
@@ -378,5 +375,4 @@ class SplitHalfNull(NullModel):
     singular_vectors: tuple = None
     half_kernels: tuple = None
     rotary: object = None
-    plane_groups: list = None
     kind = "split_half"

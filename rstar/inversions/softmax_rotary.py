@@ -1,29 +1,32 @@
-"""Least-squares inversion of rotary softmax attention (Llama-family heads), plane by plane.
+"""Least-squares inversion of rotary softmax attention (Llama-family heads).
 
-A rotary head (theory §2, "Rotary positions") has one plane per frequency of its rotation: plane p's part of the
-logits is ``Re(x_t^T M_p x_s e^{i (phi_tp - phi_sp)})`` with the complex kernel ``M_p = alpha_p beta_p^H``
-(:mod:`rstar.inversions._numerics.rotary`). Its width is counted in planes, two dimensions each, at the model's
-own frequencies: the rotary r* is ``2 x`` the number of planes the risk needs (at most ``2P = d_head``).
+A rotary head (theory §2, "Rotary positions") turns its projected queries and keys by position before the logits,
+``logit_ts = x_t^T A R(phi_s - phi_t) B^T x_s`` with ``A = W_Q``, ``B = W_K`` (d x 2P) and ``R`` the block rotation
+of its P planes (:mod:`rstar.inversions._numerics.rotary`). Its **width** here is the rank of its query and key
+projections with the rotation kept at every plane: a width-r head is ``A' = P_q A``, ``B' = P_k B`` with rank-r
+projections of the tokens on each side (how low-rank query/key compression of RoPE models works: Palu and
+SVD-LLM reconstruct the keys before the rotation), so r* <= 2P = d_head. The logits at each pair are
+``K(delta) = A R(delta) B^T``, and the width a head needs is the rank of that family on each side: the statistic is
+the family side by side, ``Z_q = [sqrt(w_delta) K(delta)]`` over the pairs' angle differences (each with its share
+w of the kept pairs) and ``Z_k`` likewise with ``K(delta)^T``, in the token metric, so every dimension is measured
+by its effect on the logits over the window. Planes whose frequencies the window cannot tell apart (low
+frequencies over a short window) need no special treatment: the family sees only their sum.
 
-Each half of the samples (odd and even global index, as the factored least squares keeps them) is fitted with a
-full rotary head, ``A, B`` of shape (d, 2P) with the given angles
-(:func:`rstar.inversions._numerics.softmax_factored.fit_factored_pair` on the rotary losses), V known or fitted,
-from independent random starts (so a plane the data do not single out is not planted alike in both halves). The
-statistic is plane by plane: the whitened half-sum ``M_q^{1/2} (M_p^1 + M_p^2) / 2 M_k^{1/2}`` against the
-half-difference, the noise of the half-sum (:class:`SplitHalfNull`); a plane counts where its half-sum's largest
-singular value stands above the largest half-difference of any plane by the split-half margin. The plane's two
-real dimensions enter the spectrum as one value twice, so the rules count whole planes.
-
-The truncation of a fitted head to width r keeps its ``floor(r / 2)`` strongest planes in the token metric (each
-half's own, for the cross-fitted risk curve); the half-sum, which can hold two planes at one frequency, is
-truncated by the complex SVD of each frequency's whitened kernel, the strongest pairs kept (its planes keep their
-frequencies, so a kept pair at an already used frequency is a second plane there).
+Each half of the samples (odd and even global index) is fitted with a full rotary head (A, B of shape (d, 2P), the
+given angles) by :func:`rstar.inversions._numerics.softmax_factored.fit_factored_pair` on the rotary losses, V known
+or fitted, from independent random starts (so a direction the data do not single out is not planted alike in both
+halves). The whitened half-sum of the families is tested against their half-difference, the noise of the half-sum
+(:class:`SplitHalfNull`): a dimension counts where its singular value, on the side that has more, stands above the
+half-difference's largest (either side) by the split-half margin. A head truncated to width r projects its query
+and key factors on the top r directions of its own family (each half's own, for the cross-fitted risk curve; the
+half-sum's, for ``predict``).
 """
 
 import numpy as np
 
 from ._numerics import softmax_factored as sf
-from ._numerics.rotary import RotaryPositions, plane_kernels
+from ._numerics.rotary import (RotaryPositions, family_svd, pair_rotations, projected_head, rotary_directions,
+                              truncated_rotary_head)
 from .._backend import NUMPY
 from ..budgets import DEFAULT_BUDGET
 from ..calibration import DEFAULT_CALIBRATION
@@ -62,112 +65,48 @@ def rotary_fit_blocker(n, T, d, d_v, rotary, value_map_known=False, budget=DEFAU
     return None
 
 
-# -- the planes of a fit ---------------------------------------------------------------------------------------
+# -- the logit family of a fit ---------------------------------------------------------------------------------
 
 
-def plane_groups(rotary, angle):
-    """The planes in groups the window cannot tell apart: p and p' are linked where their relative turn over the
-    positions, ``max_t (phi_tp - phi_tp') - min_t (phi_tp - phi_tp')``, is below ``angle`` radians (the
-    calibration's ``rotary_group_angle``); groups are the linked components, each sorted, ordered by first plane."""
-    phi = rotary.angles
-    P = phi.shape[1]
-    diff = phi[:, :, None] - phi[:, None, :]
-    linked = (diff.max(axis=0) - diff.min(axis=0)) < angle
-    label = -np.ones(P, dtype=int)
-    groups = []
-    for p in range(P):
-        if label[p] >= 0:
-            continue
-        stack, members = [p], []
-        label[p] = len(groups)
-        while stack:
-            a = stack.pop()
-            members.append(a)
-            for b in np.flatnonzero(linked[a] & (label < 0)):
-                label[b] = len(groups)
-                stack.append(b)
-        groups.append(np.sort(np.array(members)))
-    return groups
+def _family_svd(metric, heads, weights, pairs, side):
+    """:func:`family_svd` of heads given as raw factors, in the token metric."""
+    return family_svd([(metric[0] @ A, metric[2] @ B) for A, B in heads], weights, pairs, side)
 
 
-def _whitened_planes(metric, A, B):
-    """Each plane's complex factors in the token metric, ``(M_q^{1/2} alpha, M_k^{1/2} beta)``, shape (d, P)."""
-    alpha, beta = plane_kernels(A, B)
-    return metric[0] @ alpha, metric[2] @ beta
+def family_split_half(metric, halves_factors, pairs, width):
+    """``(s, sd, U_q, U_k)``: the half-sum's singular values on the side with more at each rank (the first
+    ``width``), the half-difference's likewise, and the half-sum's directions on each side."""
+    out = {}
+    for side in ("q", "k"):
+        U, sv = _family_svd(metric, halves_factors, [0.5, 0.5], pairs, side)
+        _, dv = _family_svd(metric, halves_factors, [0.5, -0.5], pairs, side)
+        out[side] = (U, np.pad(sv, (0, max(0, width - sv.size)))[:width],
+                     np.pad(dv, (0, max(0, width - dv.size)))[:width])
+    s = np.maximum(out["q"][1], out["k"][1])
+    sd = np.maximum(out["q"][2], out["k"][2])
+    return s, sd, out["q"][0], out["k"][0]
 
 
-def _group_svd(lefts, rights, weights):
-    """Thin SVD of ``sum_h w_h L_h R_h^H`` through QR factors of the stacked sides: ``(U, s, W)``."""
-    Ql, Rl = np.linalg.qr(np.hstack(lefts))
-    Qr, Rr = np.linalg.qr(np.hstack(rights))
-    k = [L.shape[1] for L in lefts]
-    core = Rl @ np.diag(np.repeat(np.asarray(weights, dtype=complex), k)) @ np.conj(Rr.T)
-    u, s, wh = np.linalg.svd(core)
-    return Ql @ u, s, Qr @ np.conj(wh.T)
+def _stacked(halves_factors, rotary):
+    """The half-sum as one rotary head with every plane twice (each half's, scaled by 1/sqrt(2)):
+    ``(A, B, rotary)``."""
+    (A1, B1), (A2, B2) = halves_factors
+    P = A1.shape[1] // 2
 
+    def stack(F1, F2):
+        return np.hstack([F1[:, :P], F2[:, :P], F1[:, P:], F2[:, P:]]) / np.sqrt(2.0)
 
-def _group_pairs(metric, halves_factors, groups, sign):
-    """Per group of planes, the thin SVD of its whitened summed kernel ``(M^1 + sign M^2) / 2`` (complex rank at most
-    twice the group's size; the class allows the group's size): a list of ``(U, s, W)``, s descending."""
-    (a1, b1), (a2, b2) = (_whitened_planes(metric, A, B) for A, B in halves_factors)
-    return [_group_svd([a1[:, g], a2[:, g]], [b1[:, g], b2[:, g]], [0.5, 0.5 * sign]) for g in groups]
-
-
-def plane_split_half(metric, halves_factors, groups):
-    """``(s, sd, U)``: the values the class counts, a group's ``len(group)`` largest singular values of its whitened
-    half-sum, all groups together (shape (P,), not sorted); the half-difference's likewise; and the half-sum's
-    left vector of each value (complex, (P, d))."""
-    s, sd, vecs = [], [], []
-    for g, (U, sv, _), (_, dv, _) in zip(groups, _group_pairs(metric, halves_factors, groups, 1.0),
-                                         _group_pairs(metric, halves_factors, groups, -1.0)):
-        k = len(g)
-        s.append(np.pad(sv[:k], (0, k - min(k, sv.size))))
-        sd.append(np.pad(dv[:k], (0, k - min(k, dv.size))))
-        vecs.append(np.pad(U[:, :k], ((0, 0), (0, k - min(k, U.shape[1])))).T)
-    return np.concatenate(s), np.concatenate(sd), np.concatenate(vecs)
-
-
-def _spectrum(values):
-    """The planes' values as a spectrum of real dimensions: each twice, descending."""
-    return np.sort(np.repeat(np.asarray(values, dtype=float), 2))[::-1]
-
-
-def _model_of_pairs(metric, rotary, groups, group_svds, r):
-    """A rotary head of width r from per-group SVDs: the ``floor(r / 2)`` strongest complex pairs overall, a group's
-    j-th kept pair as a plane at the group's j-th frequency; ``(A, B, rotary)`` (one zero plane where r < 2)."""
-    _, Mq_inv, _, Mk_inv = metric
-    d = Mq_inv.shape[0]
-    entries = [(-float(s[j]), gi, j) for gi, (g, (_, s, _)) in enumerate(zip(groups, group_svds))
-               for j in range(min(len(g), s.size))]
-    entries.sort()
-    kept = entries[:max(0, int(r) // 2)]
-    if not kept:
-        return np.zeros((d, 2)), np.zeros((d, 2)), RotaryPositions(rotary.angles[:, :1])
-    alpha, beta, planes = [], [], []
-    for neg, gi, j in kept:
-        U, s, W = group_svds[gi]
-        root = np.sqrt(s[j])
-        alpha.append(U[:, j] * root)
-        beta.append(W[:, j] * root)
-        planes.append(groups[gi][j])
-    alpha, beta = Mq_inv @ np.stack(alpha, axis=1), Mk_inv @ np.stack(beta, axis=1)
-    A = np.hstack([alpha.real, alpha.imag])
-    B = np.hstack([beta.real, beta.imag])
-    return A, B, RotaryPositions(rotary.angles[:, planes])
-
-
-def _plane_truncation(metric, rotary, groups, A, B, r):
-    """One half's fitted head truncated to width r inside the class: each group's summed kernel by its complex SVD,
-    the strongest ``floor(r / 2)`` pairs kept (:func:`_model_of_pairs`)."""
-    a, b = _whitened_planes(metric, A, B)
-    svds = [_group_svd([a[:, g]], [b[:, g]], [1.0]) for g in groups]
-    return _model_of_pairs(metric, rotary, groups, svds, r)
+    return stack(A1, A2), stack(B1, B2), RotaryPositions(np.hstack([rotary.angles, rotary.angles]))
 
 
 def _half_sum_model(ws, r):
-    """The half-sum truncated to width r: ``(A, B, rotary)`` (:func:`_model_of_pairs` on its groups' SVDs)."""
+    """The half-sum truncated to width r: ``(A, B, rotary)``, its stacked factors projected on the top r
+    directions of the half-sum's family."""
     null = ws.null
-    return _model_of_pairs(null.metric, null.rotary, null.plane_groups, null.singular_vectors, r)
+    A, B, rot = _stacked(null.half_kernels, null.rotary)
+    Uq, Uk = null.singular_vectors
+    A, B = projected_head(null.metric, A, B, Uq, Uk, r)
+    return A, B, rot
 
 
 # -- the statistic ---------------------------------------------------------------------------------------------
@@ -223,13 +162,13 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     margin = calibration.split_half_margin if margin is None else float(margin)
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
     pre = (metric[1], metric[0])
-    groups = plane_groups(rotary, calibration.rotary_group_angle)
+    pairs = pair_rotations(rotary, mask)
     losses = sf.half_losses(halves, mask, ops, calibration=calibration, rotary=rotary)
     rng = np.random.default_rng(seed)
     starts = []
     for (X, Y), loss in zip(halves, losses):
         V0 = sf.value_map_given_kernel(X, Y, mask=mask, calibration=calibration) if value_map is None else value_map
-        # logits of order one tenth: the fit grows the planes the data hold (a saddle at zero has no gradient)
+        # logits of order one tenth: the fit grows the directions the data hold (a saddle at zero has no gradient)
         A0, B0 = _random_start(rng, metric, q, 1.0)
         Xs = X[: min(X.shape[0], 256)]
         std = float(np.std(Xs @ A0 @ (Xs @ B0).transpose(0, 2, 1) / np.sqrt(d))) or 1.0
@@ -240,8 +179,8 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     def on_check(current, n_iter):
         nonlocal spent
         spent += _segment_cost(n, T, d, d_v, q, known, calibration)
-        s, sd, _ = plane_split_half(metric, [(f.A, f.B) for f in current], groups)
-        lam, edge = _spectrum(s), float(np.max(sd))
+        lam, sd, _, _ = family_split_half(metric, [(f.A, f.B) for f in current], pairs, q)
+        edge = float(sd[0])
         count = stopping_count(lam, edge, margin)
         previous = state.get("previous")
         state["previous"] = (count, lam)
@@ -260,12 +199,9 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
                                 calibration=calibration, losses=losses, rotary=rotary)
     stable = state.get("outcome") == "settled" or all(f.converged for f in fits)
     halves_factors = tuple((f.A, f.B) for f in fits)
-    s, sd, U1 = plane_split_half(metric, halves_factors, groups)
-    order = np.argsort(-s, kind="stable")
-    lam = _spectrum(s) ** 2 / d
-    count = stopping_count(_spectrum(s), float(np.max(sd)), margin)
-    # the statistic's directions: each plane's leading whitened query vector as two real columns, strongest first
-    vecs = np.concatenate([np.stack([U1[p].real, U1[p].imag], axis=1) for p in order], axis=1)
+    s, sd, Uq, Uk = family_split_half(metric, halves_factors, pairs, q)
+    lam = s**2 / d
+    count = stopping_count(s, float(sd[0]), margin)
     rss = sum(f.rss for f in fits)
     dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
     sigma2 = rss / max(dof, 1)
@@ -273,11 +209,11 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
                                          "fitted_rank": int(q), "budget_ran_out": state.get("outcome") == "budget",
                                          "count": count, "capped": False, "features": int(d)})]
     V = value_map if known else (fits[0].value_map + fits[1].value_map) / 2
-    null = SplitHalfNull(null_eigenvalues=_spectrum(sd) ** 2 / d, margin=margin, noise_variance=float(sigma2),
+    null = SplitHalfNull(null_eigenvalues=sd**2 / d, margin=margin, noise_variance=float(sigma2),
                          noise_dof=float(dof), fitted_rank=int(q), rank_cap=int(max(d, q + 1)), kernel=None,
-                         value_map=V, metric=metric, singular_vectors=_group_pairs(metric, halves_factors, groups, 1.0),
-                         half_kernels=halves_factors, rotary=rotary, plane_groups=groups)
-    return WhitenedStatistic(lam, vecs, metric[1], float(n * d_v), null, ROTARY_NAME, (), [], "logit",
+                         value_map=V, metric=metric, singular_vectors=(Uq, Uk), half_kernels=halves_factors,
+                         rotary=rotary)
+    return WhitenedStatistic(lam, Uq[:, :q], metric[1], float(n * d_v), null, ROTARY_NAME, (), [], "logit",
                              findings=findings)
 
 
@@ -286,17 +222,18 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
 
 def rotary_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False, *,
                           calibration=DEFAULT_CALIBRATION):
-    """Cross-fitted residual sums of squares of each half's head truncated to width r (its strongest
-    ``floor(r / 2)`` planes, groups of planes the window cannot tell apart by their summed kernel's SVD; r None:
-    the full head), V known or refitted on that half, measured on the other half
+    """Cross-fitted residual sums of squares of each half's head truncated to width r (its factors projected on
+    the top r directions of its own logit family on each side; r None: the full head), V known or refitted on that half, measured on the other half
     (:func:`rstar.inversions.softmax_factored.factored_rank_residuals`, plane by plane)."""
     null = ws.null
+    pairs = pair_rotations(null.rotary, mask)
+    directions = [rotary_directions(null.metric, pairs, A_h, B_h) for A_h, B_h in null.half_kernels]
     out = []
     for r in ranks:
         parts = []
-        for (A_h, B_h), (Xf, Yf), (Xo, Yo) in zip(null.half_kernels, halves, halves[::-1]):
-            A, B, rot = ((A_h, B_h, null.rotary) if r is None
-                         else _plane_truncation(null.metric, null.rotary, null.plane_groups, A_h, B_h, r))
+        for (A_h, B_h), (Xf, Yf), (Xo, Yo), dirs in zip(null.half_kernels, halves, halves[::-1], directions):
+            A, B = (A_h, B_h) if r is None else truncated_rotary_head(null.metric, pairs, A_h, B_h, r, dirs)
+            rot = null.rotary
             V = (value_map if value_map is not None
                  else sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration, rotary=rot))
             parts.append(sf.factored_sample_rss(Xo, Xo @ V, Yo, A, B, mask, calibration=calibration, rotary=rot))
@@ -333,7 +270,7 @@ def rotary_output_distances(ws, samples, value_map, ranks, mask=None, *, calibra
     """Each sample's squared distance between the outputs of the half-sum truncated to width r and of the whole
     half-sum (:func:`rstar.inversions.softmax_factored.factored_output_distances`, plane by plane)."""
     X = samples[0]
-    top = 2 * ws.null.rotary.n_planes
+    top = ws.null.rotary.width
     A, B, V, rot = _truncated_model(ws, samples, value_map, top, mask, calibration)
     full = sf.factored_outputs(X, X @ V, A, B, mask, calibration=calibration, rotary=rot)
     out = []
