@@ -8,7 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rstar.heads import (RotaryPositions, collect_attention, estimate_heads, kernel_truncation_curve,  # noqa: E402
+from rstar import RotaryPositions  # noqa: E402
+from rstar.heads import (collect_attention, estimate_heads, kernel_truncation_curve,  # noqa: E402
                          plane_truncation_curve, truncation_rank)
 from rstar.inversions._numerics.rotary import (family_svd, pair_rotations, plane_strengths, rotate,  # noqa: E402
                                                rotate_adjoint)

@@ -38,6 +38,7 @@ from sklearn.base import clone
 from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
+from ..inversions._numerics.softmax_factored import token_metric_roots
 from ..inversions._numerics.rotary import (RotaryPositions, pair_rotations, plane_strengths, rotary_directions,
                                           truncated_rotary_head)
 from ._collect import AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows, collect_attention
@@ -45,11 +46,11 @@ from ._compress import truncated_head_factors, truncated_heads
 from ._plan import _rows, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
-__all__ = ["AttentionLayer", "HeadTask", "RotaryPositions", "activation_svd_rank", "attention_mask", "allocate_ranks", "attention_modules",
-           "attention_rows", "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve",
-           "load_minilm", "plane_truncation_curve", "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text",
-           "text_windows", "token_windows", "truncated_head_factors", "truncated_heads", "truncation_rank",
-           "weight_mp_spike_count"]
+__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_mask",
+           "allocate_ranks", "attention_modules", "attention_rows", "collect_attention", "estimate_heads",
+           "kernel_energy_rank", "kernel_truncation_curve", "load_minilm", "plane_truncation_curve",
+           "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text", "text_windows",
+           "token_windows", "truncated_head_factors", "truncated_heads", "truncation_rank", "weight_mp_spike_count"]
 
 #: Tolerances of the table's r*(ε) columns by default (relative excess risk: 1% and 5% of Var(Y)).
 DEFAULT_TOLERANCES = (0.01, 0.05)
@@ -136,8 +137,6 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
 def _metric_roots(Xt):
     """``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})`` of the features (the token metric the fits are compared
     in)."""
-    from ..inversions._numerics.softmax_factored import token_metric_roots
-
     return token_metric_roots(Xt)
 
 
@@ -192,8 +191,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         From :func:`collect_attention`.
     estimator : data-only rstar estimator or None
         Cloned for each head, with ``tolerance=min(tolerances)`` (and the head's value map when
-        ``value_map_known``; ``causal=True`` for a causal head, which only :class:`rstar.RStarEstimator`
-        models). None: ``RStarEstimator(device="auto")`` (its factored fits' loss evaluations on torch: CUDA
+        ``value_map_known``; ``causal=True`` for a causal head and ``rotary=head.rotary`` for a rotary one,
+        which only :class:`rstar.RStarEstimator` models). None: ``RStarEstimator(device="auto")`` (its factored fits' loss evaluations on torch: CUDA
         where present, else the CPU's threads, in float32). Where it has no rank-r operators at a
         head's shape, the heads of that shape are fitted for the noise floor alone.
     tolerances : tuple of float
@@ -221,7 +220,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     Returns
     -------
     table : pandas.DataFrame, or list of dict without pandas
-        Columns ``layer, head, kv_group, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
+        Columns ``layer, head, kv_group, d_head, rank, rank_lower, rank_upper, effective_rank, inversion,
+        rank_at_<ε> ...,
         kernel_rank, truncation_rank_at_<ε> ..., risk_curve, warnings, note``: ``rank`` and its interval are the
         noise-floor estimate, within what the class allows (a head's kernel has rank at most ``d_head``: an
         interval reaching beyond is capped, and a count beyond makes the interval ``(0, d_head)``; ``note``

@@ -501,7 +501,8 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
             mine = Y.reshape(seen.shape)
         err = float(np.max(np.abs(mine - seen)) / max(np.max(np.abs(seen)), np.finfo(float).tiny))
         if not err <= check_tol:
-            what = "softmax(rot(q) rot(k)^T / sqrt(d_head)) v" if rotary is not None else "softmax(q k^T / sqrt(d_head)) v"
+            what = ("softmax(rot(q) rot(k)^T / sqrt(d_head)) v" if rotary is not None
+                    else "softmax(q k^T / sqrt(d_head)) v")
             raise ValueError(
                 f"attention module {name!r} ({style}) computes something other than {what} per head (relative "
                 f"error {err:.2g} of the recomputed outputs): a padding mask it was given, relative positions, "

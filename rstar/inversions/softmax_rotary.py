@@ -121,7 +121,8 @@ def _random_start(rng, metric, q, scale):
 
 def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=None, margin=None, mask=None, *,
                      calibration=DEFAULT_CALIBRATION, stopping_count=split_half_counts, ops=NUMPY, seed=0):
-    """The plane-by-plane split-half statistic of the rotary least squares.
+    """The split-half statistic of the rotary least squares: the halves' logit families, half-sum against
+    half-difference.
 
     Parameters
     ----------
@@ -148,7 +149,8 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     Returns
     -------
     WhitenedStatistic
-        ``units="logit"``: ``2P`` eigenvalues (each plane's ``s_p^2 / d`` twice) and the split-half null.
+        ``units="logit"``: ``2P`` eigenvalues (``s^2 / d`` of the family's singular values, the side with more at each
+        rank) and the split-half null.
     """
     (X1, Y1), (X2, Y2) = halves
     n = X1.shape[0] + X2.shape[0]
@@ -223,8 +225,9 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
 def rotary_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False, *,
                           calibration=DEFAULT_CALIBRATION):
     """Cross-fitted residual sums of squares of each half's head truncated to width r (its factors projected on
-    the top r directions of its own logit family on each side; r None: the full head), V known or refitted on that half, measured on the other half
-    (:func:`rstar.inversions.softmax_factored.factored_rank_residuals`, plane by plane)."""
+    the top r directions of its own logit family on each side; r None: the full head), V known or refitted on that
+    half, measured on the other half
+    (:func:`rstar.inversions.softmax_factored.factored_rank_residuals` for rotary heads)."""
     null = ws.null
     pairs = pair_rotations(null.rotary, mask)
     directions = [rotary_directions(null.metric, pairs, A_h, B_h) for A_h, B_h in null.half_kernels]
