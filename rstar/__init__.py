@@ -15,6 +15,7 @@ from .estimators import (
 )
 from .exceptions import (IllConditionedInversionWarning, InversionFallbackWarning, OperatorMisfitWarning,
                          UnidentifiableRankWarning)
+from .inversions._numerics.rotary import RotaryPositions
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "EnergyRankEstimator",
     "SoftmaxInversionEstimator",
     "RStarEstimator",
+    "RotaryPositions",
     "IllConditionedInversionWarning",
     "InversionFallbackWarning",
     "OperatorMisfitWarning",

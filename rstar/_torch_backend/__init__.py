@@ -55,10 +55,10 @@ class TorchOps:
             return contextlib.nullcontext()
         return threadpool_limits(limits=1, user_api="blas")
 
-    def factored_half_loss(self, X, Y, mask, chunk_entries):
+    def factored_half_loss(self, X, Y, mask, chunk_entries, rotary=None):
         """One half's factored loss on this device, in :attr:`fit_dtype`
-        (:class:`rstar._torch_backend.factored.FactoredHalfLoss`)."""
-        return FactoredHalfLoss(X, Y, mask, self.device, self.fit_dtype, chunk_entries)
+        (:class:`rstar._torch_backend.factored.FactoredHalfLoss`; rotary heads with ``rotary``)."""
+        return FactoredHalfLoss(X, Y, mask, self.device, self.fit_dtype, chunk_entries, rotary=rotary)
 
     def asarray(self, a):
         return torch.as_tensor(np.asarray(a, dtype=float), dtype=torch.float64, device=self.device)

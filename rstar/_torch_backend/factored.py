@@ -31,14 +31,22 @@ class FactoredHalfLoss:
     device : torch.device
     dtype : torch.dtype
         The dtype of the per-sample work (float32 or float64).
+    rotary : RotaryPositions or None
+        A rotary head's positions: the logits are ``rotate(X_i A) rotate(X_i B)^T / sqrt(d)`` and the gradients
+        go back through the adjoint rotation (:mod:`rstar.inversions._numerics.rotary`).
     chunk_entries : int
         The numpy path's bound on a chunk's largest temporary (``chunk T^2`` or ``chunk T d`` float64 entries);
         here twice as many entries in float32 (the same bytes): one chunk of 250 MiniLM windows (T = 32, d = 385)
         evaluated in 10 ms where three took 15.
     """
 
-    def __init__(self, X, Y, mask, device, dtype, chunk_entries):
+    def __init__(self, X, Y, mask, device, dtype, chunk_entries, rotary=None):
         self.device, self.dtype = device, dtype
+        self.rot = None
+        if rotary is not None:
+            cos, sin = (torch.as_tensor(np.asarray(t, dtype=float), device=device).to(dtype)
+                        for t in (rotary.cos, rotary.sin))
+            self.rot = (cos, sin)
         n, T, d = X.shape
         self.shape = (n, T, d, Y.shape[2])
         self.X = torch.as_tensor(np.ascontiguousarray(X), device=device).to(dtype)
@@ -48,6 +56,13 @@ class FactoredHalfLoss:
         step = max(1, entries // max(T * T, T * d))
         self.parts = [slice(s, min(s + step, n)) for s in range(0, n, step)]
         self._path = (None, None)
+
+    def _rotate(self, U, sign):
+        """``U cos + sign rotate_half(U) sin`` (sign -1: the adjoint), U of shape (m, T, 2P)."""
+        cos, sin = self.rot
+        P = U.shape[-1] // 2
+        half = torch.cat([-U[..., P:], U[..., :P]], dim=-1)
+        return U * cos + (sign * half) * sin
 
     def _tensor(self, a):
         return torch.as_tensor(np.asarray(a, dtype=float), device=self.device).to(self.dtype)
@@ -79,6 +94,8 @@ class FactoredHalfLoss:
             Xf = X.reshape(-1, d)
             XAB = Xf @ AB
             XA, XB = XAB[:, :q].reshape(m, T, q), XAB[:, q:].reshape(m, T, q)
+            if self.rot is not None:
+                XA, XB = self._rotate(XA, 1.0), self._rotate(XB, 1.0)
             L = XA @ XB.transpose(1, 2)
             if self.mask is not None:
                 L = L.masked_fill(~self.mask, float("-inf"))
@@ -87,7 +104,10 @@ class FactoredHalfLoss:
             f += (R * R).sum().to(torch.float64)
             dP = 2.0 * (R @ Zp.transpose(1, 2))
             dL = (dP - (dP * P).sum(dim=-1, keepdim=True)) * P
-            back = torch.cat([dL @ XB, dL.transpose(1, 2) @ XA], dim=2).reshape(-1, 2 * q)
+            dA, dB = dL @ XB, dL.transpose(1, 2) @ XA
+            if self.rot is not None:
+                dA, dB = self._rotate(dA, -1.0), self._rotate(dB, -1.0)   # the adjoint rotation
+            back = torch.cat([dA, dB], dim=2).reshape(-1, 2 * q)
             g += (Xf.T @ back).to(torch.float64)
             if value_grad:
                 gV += (2.0 * (Xf.T @ (P.transpose(1, 2) @ R).reshape(-1, d_v))).to(torch.float64)

@@ -38,17 +38,19 @@ from sklearn.base import clone
 from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
-from ..inversions._numerics.rotary import RotaryPositions, plane_strengths
+from ..inversions._numerics.softmax_factored import token_metric_roots
+from ..inversions._numerics.rotary import (RotaryPositions, pair_rotations, plane_strengths, rotary_directions,
+                                          truncated_rotary_head)
 from ._collect import AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows, collect_attention
 from ._compress import truncated_head_factors, truncated_heads
 from ._plan import _rows, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
-__all__ = ["AttentionLayer", "HeadTask", "RotaryPositions", "activation_svd_rank", "attention_mask", "allocate_ranks", "attention_modules",
-           "attention_rows", "collect_attention", "estimate_heads", "kernel_energy_rank", "kernel_truncation_curve",
-           "load_minilm", "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text",
-           "text_windows", "token_windows", "truncated_head_factors", "truncated_heads", "truncation_rank",
-           "weight_mp_spike_count"]
+__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_mask",
+           "allocate_ranks", "attention_modules", "attention_rows", "collect_attention", "estimate_heads",
+           "kernel_energy_rank", "kernel_truncation_curve", "load_minilm", "plane_truncation_curve",
+           "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text", "text_windows",
+           "token_windows", "truncated_head_factors", "truncated_heads", "truncation_rank", "weight_mp_spike_count"]
 
 #: Tolerances of the table's r*(ε) columns by default (relative excess risk: 1% and 5% of Var(Y)).
 DEFAULT_TOLERANCES = (0.01, 0.05)
@@ -86,9 +88,10 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     column means. For a noise-free head the full kernel reproduces ``Y`` exactly, so the rank where the curve
     first reaches ε is an upper bound on r*(ε) (theory §2; a better rank-r kernel may exist).
 
-    A rotary head (``head.rotary``) is truncated inside its class: its planes are kept whole, strongest first by
-    ``||M_q^{1/2} alpha_p|| ||M_k^{1/2} beta_p||`` in the token metric (MHA2MLA's ``||q_p|| ||k_p||`` ranking,
-    measured on the tokens), so width r keeps ``floor(r / 2)`` planes at their own frequencies.
+    A rotary head (``head.rotary``) is truncated inside its class as the estimators count its width: its query and
+    key factors projected on the top r directions of its logit family over the window's pairs, each side in the
+    token metric (:func:`rstar.inversions._numerics.rotary.truncated_rotary_head`; the rotation kept at every
+    plane). :func:`plane_truncation_curve` keeps whole planes instead (MHA2MLA's view).
 
     Parameters
     ----------
@@ -114,13 +117,12 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     mask = head.mask()
     if head.rotary is not None:
         A, B = head.factors()
-        order = np.argsort(-plane_strengths(A, B, _metric_roots(Xt)), kind="stable")
-        P = A.shape[1] // 2
+        metric = _metric_roots(Xt)
+        pairs = pair_rotations(head.rotary, mask)
+        directions = rotary_directions(metric, pairs, A, B)
         for r in range(top + 1):
-            keep = np.zeros(2 * P, dtype=bool)
-            keep[order[:min(r // 2, P)]] = True
-            keep[P:] = keep[:P]
-            S = attention_rows(head.logits(Xt, factors=(A * keep, B * keep)), mask=mask)
+            factors = truncated_rotary_head(metric, pairs, A, B, r, directions)
+            S = attention_rows(head.logits(Xt, factors=factors), mask=mask)
             curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
         return curve
     L, s, R = head.kernel_factors()
@@ -133,11 +135,39 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
 
 
 def _metric_roots(Xt):
-    """``(M_q^{1/2}, M_k^{1/2})`` of the features (the token metric the fits are compared in)."""
-    from ..inversions._numerics.softmax_factored import token_metric_roots
+    """``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})`` of the features (the token metric the fits are compared
+    in)."""
+    return token_metric_roots(Xt)
 
-    roots = token_metric_roots(Xt)
-    return roots[0], roots[2]
+
+def plane_truncation_curve(head, X=None, Y=None):
+    """A rotary head's relative excess risk with only its r // 2 strongest planes kept, r = 0 ... d_head: MHA2MLA's
+    view of a head's width (its planes ranked by ``||q_p|| ||k_p||``, here ``||M_q^{1/2} alpha_p||
+    ||M_k^{1/2} beta_p||`` measured on the tokens), for comparison with :func:`kernel_truncation_curve`.
+
+    Returns
+    -------
+    curve : ndarray of shape (d_head + 1,)
+    """
+    if head.rotary is None:
+        raise ValueError(f"layer {head.layer} head {head.head} has no rotary planes.")
+    Xt = head.features(head.X if X is None else X)
+    Y = head.output(X) if Y is None else Y
+    Yf = Y.reshape(-1, Y.shape[-1])
+    tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+    values = Xt @ head.value_map()
+    A, B = head.factors()
+    roots = _metric_roots(Xt)
+    order = np.argsort(-plane_strengths(A, B, (roots[0], roots[2])), kind="stable")
+    P = A.shape[1] // 2
+    curve = np.empty(2 * P + 1)
+    for r in range(2 * P + 1):
+        keep = np.zeros(2 * P, dtype=bool)
+        keep[order[:r // 2]] = True
+        keep[P:] = keep[:P]
+        S = attention_rows(head.logits(Xt, factors=(A * keep, B * keep)), mask=head.mask())
+        curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
+    return curve
 
 
 def truncation_rank(head, tolerance, X=None):
@@ -161,8 +191,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         From :func:`collect_attention`.
     estimator : data-only rstar estimator or None
         Cloned for each head, with ``tolerance=min(tolerances)`` (and the head's value map when
-        ``value_map_known``; ``causal=True`` for a causal head, which only :class:`rstar.RStarEstimator`
-        models). None: ``RStarEstimator(device="auto")`` (its factored fits' loss evaluations on torch: CUDA
+        ``value_map_known``; ``causal=True`` for a causal head and ``rotary=head.rotary`` for a rotary one,
+        which only :class:`rstar.RStarEstimator` models). None: ``RStarEstimator(device="auto")`` (its factored fits' loss evaluations on torch: CUDA
         where present, else the CPU's threads, in float32). Where it has no rank-r operators at a
         head's shape, the heads of that shape are fitted for the noise floor alone.
     tolerances : tuple of float
@@ -190,7 +220,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     Returns
     -------
     table : pandas.DataFrame, or list of dict without pandas
-        Columns ``layer, head, kv_group, d_head, rank, rank_lower, rank_upper, effective_rank, inversion, rank_at_<ε> ...,
+        Columns ``layer, head, kv_group, d_head, rank, rank_lower, rank_upper, effective_rank, inversion,
+        rank_at_<ε> ...,
         kernel_rank, truncation_rank_at_<ε> ..., risk_curve, warnings, note``: ``rank`` and its interval are the
         noise-floor estimate, within what the class allows (a head's kernel has rank at most ``d_head``: an
         interval reaching beyond is capped, and a count beyond makes the interval ``(0, d_head)``; ``note``
@@ -203,8 +234,9 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         :func:`rank_plan` splits a total width by.
     """
     tolerances = tuple(float(t) for t in tolerances)
+    probe = RStarEstimator() if estimator is None else estimator
     for layer in layers:
-        why = _outside_the_estimators(layer)
+        why = _outside_the_estimators(layer, probe)
         if why is not None:
             raise ValueError(why)
     skip = {(int(layer), int(head)) for layer, head in skip}
@@ -233,13 +265,12 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     return pd.DataFrame(rows)
 
 
-def _outside_the_estimators(layer):
-    """Why the data-only estimators cannot fit this layer's heads in their class (None if they can)."""
-    if layer.rotary is not None:
-        return (f"layer {layer.index} ({layer.name}) rotates its queries and keys by position (RoPE): rstar's "
-                "estimators do not fit the rotary class yet, and a fit without the rotation would give a rank for a "
-                "class the heads are not in; each head's rotary truncation rank (its strongest planes kept) is "
-                "rstar.heads.truncation_rank(head, tolerance).")
+def _outside_the_estimators(layer, estimator):
+    """Why ``estimator`` cannot fit this layer's heads in their class (None if it can)."""
+    if layer.rotary is not None and "rotary" not in estimator.get_params():
+        return (f"layer {layer.index} ({layer.name}) rotates its queries and keys by position (RoPE), and "
+                f"{type(estimator).__name__} has no rotary class: a fit without the rotation would give a rank for "
+                "a class the heads are not in. Use RStarEstimator, which fits rotary heads (rotary=...).")
     if layer.window is not None:
         return (f"layer {layer.index} ({layer.name}) attends in a sliding window of {layer.window} tokens, shorter "
                 f"than the windows ({layer.X.shape[1]}): the estimators model a causal mask, not a band; read "
@@ -287,6 +318,8 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
                              "operator attends to every token: use RStarEstimator, whose factored least "
                              "squares models the mask (causal=True).")
         est.set_params(causal=True)
+    if head.rotary is not None:
+        est.set_params(rotary=head.rotary)   # the head's own positions: the rotary least squares
     shape = (head.X.shape, head.Y.shape)
     note = no_operators.get(shape, "")
     params = {"tolerance": min(tolerances) if tolerances and not note else None}

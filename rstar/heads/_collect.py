@@ -6,7 +6,7 @@ import numpy as np
 
 from .._backend import NUMPY
 from ..inversions._numerics.linalg import factored_svd
-from ..inversions._numerics.rotary import RotaryPositions, plane_strengths, rotate
+from ..inversions._numerics.rotary import RotaryPositions, family_svd, pair_rotations, rotate
 
 __all__ = ["AttentionLayer", "HeadTask", "attention_modules", "collect_attention"]
 
@@ -97,11 +97,15 @@ class HeadTask:
         return U, np.sqrt(q.shape[0] / self.d_head) * s, W
 
     def kernel_singular_values(self):
-        """Singular values of :meth:`kernel` (at most ``d_head`` non-zero); for a rotary head, its planes'
-        strengths ``||alpha_p|| ||beta_p||`` (each twice: a plane is two dimensions), descending."""
+        """Singular values of :meth:`kernel` (at most ``d_head`` non-zero); for a rotary head, those of its logit
+        family over the window's pairs (:func:`rstar.inversions._numerics.rotary.family_svd`), on the side with
+        more at each rank, descending."""
         if self.rotary is not None:
-            s = np.sort(plane_strengths(*self.factors()))[::-1]
-            return np.repeat(s, 2)
+            A, B = self.factors()
+            pairs = pair_rotations(self.rotary, self.mask())
+            sides = [np.pad(s, (0, max(0, self.d_head - s.size)))[:self.d_head]
+                     for s in (family_svd([(A, B)], [1.0], pairs, side)[1] for side in ("q", "k"))]
+            return np.maximum(*sides)
         return self.kernel_factors()[1]
 
     def factors(self):
@@ -497,7 +501,8 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
             mine = Y.reshape(seen.shape)
         err = float(np.max(np.abs(mine - seen)) / max(np.max(np.abs(seen)), np.finfo(float).tiny))
         if not err <= check_tol:
-            what = "softmax(rot(q) rot(k)^T / sqrt(d_head)) v" if rotary is not None else "softmax(q k^T / sqrt(d_head)) v"
+            what = ("softmax(rot(q) rot(k)^T / sqrt(d_head)) v" if rotary is not None
+                    else "softmax(q k^T / sqrt(d_head)) v")
             raise ValueError(
                 f"attention module {name!r} ({style}) computes something other than {what} per head (relative "
                 f"error {err:.2g} of the recomputed outputs): a padding mask it was given, relative positions, "

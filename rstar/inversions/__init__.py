@@ -88,7 +88,7 @@ __all__ = [
 
 def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=1e-3, budget=None, seed=None,
                    n_null_draws=None, predict_sums=True, causal=False, calibration=None, stopping_count=None,
-                   rank_bound=None):
+                   rank_bound=None, rotary=None):
     """The inversion object that accumulates the sums for an operator, value map and shape.
 
     It is the inversion :func:`choose_inversion` prefers for the shape alone
@@ -128,6 +128,8 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
     rank_bound : int or None, default=None
         A bound on r* the model class gives (the estimators pass ``max_rank``): the factored least squares fits
         no rank above it (:func:`rstar.inversions.softmax_factored.factored_statistic`). None: no bound.
+    rotary : RotaryPositions or None, default=None
+        A rotary head's positions: the rotary least squares (:mod:`rstar.inversions.softmax_rotary`).
 
     Returns
     -------
@@ -152,7 +154,7 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
             method = "first_order"
         shape = (T, d, d_v)
     name = choose_inversion(operator, value_map_known=known, shape=shape, method=method, budget=budget,
-                            causal=causal, calibration=calibration).name
+                            causal=causal, calibration=calibration, rotary=rotary).name
     opts = dict(budget=budget, seed=seed, n_null_draws=n_null_draws, calibration=calibration)
     if name == "token":
         return TokenInversion(value_map=value_map, **opts)
@@ -169,4 +171,4 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
     if name == "softmax_exact":
         return SoftmaxExactInversion(value_map, clip=clip, **opts)
     return SoftmaxLeastSquaresInversion(value_map, predict_sums=predict_sums, causal=causal,
-                                        stopping_count=stopping_count, rank_bound=rank_bound, **opts)
+                                        stopping_count=stopping_count, rank_bound=rank_bound, rotary=rotary, **opts)

@@ -357,6 +357,9 @@ class SplitHalfNull(NullModel):
         ``(U, S, W)``: the thin SVD of the whitened half-sum ``M_q^{1/2} K M_k^{1/2}``.
     half_kernels : tuple of two (A, B)
         Each half's factors (odd, then even samples), for the cross-fitted risk curve.
+    rotary : RotaryPositions or None
+        A rotary fit's positions (:mod:`rstar.inversions.softmax_rotary`: ``kernel`` is None and
+        ``singular_vectors`` are the half-sum's directions on the query and the key side ``(U_q, U_k)``).
     """
 
     null_eigenvalues: np.ndarray = None
@@ -371,4 +374,5 @@ class SplitHalfNull(NullModel):
     metric: tuple = None
     singular_vectors: tuple = None
     half_kernels: tuple = None
+    rotary: object = None
     kind = "split_half"

@@ -25,6 +25,7 @@ from .query_key_cross_fit import cross_fit_blocker
 from .query_key_least_squares import least_squares_sizes_fit
 from .softmax_exact import exact_softmax_memory_fits, exact_softmax_shape_ok, exact_softmax_well_conditioned
 from .softmax_factored import FACTORED_NAME, factored_capacity, factored_fit_blocker
+from .softmax_rotary import ROTARY_NAME, rotary_fit_blocker
 from .softmax_least_squares import softmax_fit_blocker, softmax_fit_capacity
 from .token import moment_sums_fit
 
@@ -40,6 +41,8 @@ INVERSIONS = {
     "softmax_exact": ("softmax", "weighted least squares on log S_i, S_i = Y_i (X_i V)^+, V known"),
     "softmax_least_squares": ("softmax", "least squares of K (full rank) on the softmax model itself"),
     FACTORED_NAME: ("softmax", "least squares of K = A B^T (rank q) on each half, tested against their difference"),
+    ROTARY_NAME: ("softmax", "least squares of a rotary head (its planes at the given frequencies) on each half, "
+                  "tested plane by plane against their difference"),
 }
 #: The methods an estimator can ask for.
 METHODS = ("auto", "first_order", "exact", "least_squares")
@@ -94,7 +97,7 @@ def _check_method(operator, method):
 
 
 def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, method="auto", budget=None,
-                     samples_in_memory=True, causal=False, calibration=None):
+                     samples_in_memory=True, causal=False, calibration=None, rotary=None):
     """Decide the inversion for an operator, value map, shape, sample count and budget.
 
     Parameters
@@ -125,6 +128,9 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
         Only the factored least squares models the mask, so it is chosen
         whatever d (softmax, ``method="least_squares"``); where it cannot run,
         ``ValueError`` (no other inversion would fit the right model).
+    rotary : RotaryPositions or None, default=None
+        A rotary head's positions (:mod:`rstar.inversions._numerics.rotary`): only the rotary least squares
+        models them, so it is chosen (softmax, ``method="least_squares"``); where it cannot run, ``ValueError``.
     calibration : Calibration or None, default=None
         The tuned values the choice reads (residual degrees of freedom, the aspect ratio of a well-conditioned
         exact inversion, the cost model: :mod:`rstar.calibration`); None: ``DEFAULT_CALIBRATION``.
@@ -159,6 +165,18 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
         return _choose_token(T, d, d_v, n, budget, cal)
     if operator == "linear_qk":
         return _choose_query_key(value_map_known, T, d, d_v, n, method, budget, cal)
+    if rotary is not None:
+        if operator != "softmax" or method != "least_squares":
+            raise ValueError("rotary positions need the softmax operator's least squares (RStarEstimator with "
+                             f"operator='softmax'): got operator={operator!r}, method={method!r}.")
+        blocker = None if n is None else rotary_fit_blocker(n, T, d, d_v, rotary, value_map_known, budget,
+                                                            samples_in_memory, calibration=cal)
+        if blocker is not None:
+            raise ValueError(f"the rotary least squares, the only inversion of rotary heads, cannot run here: "
+                             f"{blocker}.")
+        return InversionChoice(ROTARY_NAME, "rotary positions: a rotary head of width 2P at the given frequencies is "
+                               "fitted by least squares on each half of the samples and tested plane by plane "
+                               "against the half-difference", ROTARY_NAME)
     if causal:
         if operator != "softmax" or method != "least_squares":
             raise ValueError("causal=True needs the softmax operator's least squares (RStarEstimator with "

@@ -15,6 +15,15 @@ from ._kernel import SoftmaxOperator, kernel_statistic_with_null_draws, nearest_
 from ._statistic import split_half_counts
 from ._numerics.softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
 from .query_key import QueryKeyInversion
+from .softmax_rotary import (
+    ROTARY_NAME,
+    rotary_fit_blocker,
+    rotary_half_disagreement,
+    rotary_operator,
+    rotary_output_distances,
+    rotary_rank_residuals,
+    rotary_statistic,
+)
 from .softmax_factored import (
     FACTORED_NAME,
     factored_capacity,
@@ -157,10 +166,12 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     name = "softmax_least_squares"
 
     def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, predict_sums=True,
-                 causal=False, calibration=None, stopping_count=None, rank_bound=None):
+                 causal=False, calibration=None, stopping_count=None, rank_bound=None, rotary=None):
         super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
                          n_null_draws=n_null_draws, predict_sums=predict_sums, calibration=calibration)
         self.causal = bool(causal)
+        # a rotary head's positions: only the rotary least squares (rstar.inversions.softmax_rotary) models them
+        self.rotary = rotary
         # a bound on r* from the model class (the estimators' max_rank): the factored fit's rank q stays within it
         self.rank_bound = None if rank_bound is None else int(rank_bound)
         # the split-half rule's count, the factored fit's stopping test (None: the split-half null's own)
@@ -170,8 +181,11 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """The logits kept: the lower triangle for causal attention, else None (all)."""
         return sf_causal_mask(stats["dims"][0]) if getattr(self, "causal", False) else None
 
-    #: where the d^2 x d^2 information exceeds the memory budget, the factored least squares runs instead
-    factored_name = FACTORED_NAME
+    @property
+    def factored_name(self):
+        """The factored run's name: the rotary least squares for rotary heads, else the factored one (where the
+        d^2 x d^2 information exceeds the memory budget it runs instead of the full-rank least squares)."""
+        return ROTARY_NAME if getattr(self, "rotary", None) is not None else FACTORED_NAME
 
     @property
     def produces(self):
@@ -180,7 +194,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     def _factored_shape(self, d):
         """Whether this d rules the full-rank least squares out (its information over the memory budget), so that
         the factored one (:mod:`rstar.inversions.softmax_factored`) runs instead."""
-        return getattr(self, "causal", False) or not self.budget.allows_kernel_matrix(d)
+        return (getattr(self, "causal", False) or getattr(self, "rotary", None) is not None
+                or not self.budget.allows_kernel_matrix(d))
 
     residual_dof = staticmethod(residual_dof)
 
@@ -230,6 +245,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """Whether the factored least squares can run: the samples kept in memory (all, or the leading ones)
         and :func:`rstar.inversions.softmax_factored.factored_fit_blocker` None for them."""
         kept = self.n_samples_kept(stats)
+        if getattr(self, "rotary", None) is not None:
+            return (samples is None and kept > 0
+                    and rotary_fit_blocker(kept, *stats["dims"], self.rotary, self.value_map is not None,
+                                           self.budget, calibration=self.calibration) is None)
         return (samples is None and kept > 0
                 and factored_fit_blocker(kept, *stats["dims"], self.value_map is not None, self.budget,
                                          calibration=self.calibration) is None)
@@ -308,6 +327,13 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         if not self._value_signal(stats, y_power):
             # no value signal: the first-order inversion's null is calibrated without one
             return fell_back(first_order(stats), "no_value_signal", alpha=self.calibration.value_signal_alpha)
+        if run == self.factored_name and getattr(self, "rotary", None) is not None:
+            with ops.sharing_the_cpu():
+                ws = rotary_statistic(self._halves(stats), self.value_map, self.rotary, self.budget,
+                                      mask=self._mask(stats), calibration=self.calibration,
+                                      stopping_count=self.stopping_count, ops=ops, seed=self.seed)
+            self._factored_cache = (self._stats_key(stats), ws)
+            return ws
         if run == self.factored_name:
             with ops.sharing_the_cpu():
                 ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats),
@@ -387,21 +413,24 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """Per-sample residuals of the factored fit's cross-fitted rank-r models (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
-                                       per_sample=True, calibration=self.calibration)
+        residuals = rotary_rank_residuals if ws.inversion == ROTARY_NAME else factored_rank_residuals
+        return residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
+                         per_sample=True, calibration=self.calibration)
 
     def half_disagreement(self, stats, ws):
         """The factored run's :func:`factored_half_disagreement` (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        return factored_half_disagreement(ws, self._halves(stats), self.value_map, self._mask(stats),
+        disagreement = rotary_half_disagreement if ws.inversion == ROTARY_NAME else factored_half_disagreement
+        return disagreement(ws, self._halves(stats), self.value_map, self._mask(stats),
                                           calibration=self.calibration)
 
     def rank_output_distance_samples(self, stats, ws, ranks):
         """The factored run's :func:`factored_output_distances` (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        return factored_output_distances(ws, self._in_memory(stats), self.value_map, ranks, self._mask(stats),
+        distances = rotary_output_distances if ws.inversion == ROTARY_NAME else factored_output_distances
+        return distances(ws, self._in_memory(stats), self.value_map, ranks, self._mask(stats),
                                          calibration=self.calibration)
 
     def curve_rank_limit(self, ws):
@@ -421,8 +450,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         closed-form operators are used instead (:meth:`Inversion.rank_residuals`).
         """
         if ws.inversion == self.factored_name:
-            return factored_rank_residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
-                                           calibration=self.calibration)
+            residuals = rotary_rank_residuals if ws.inversion == ROTARY_NAME else factored_rank_residuals
+            return residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
+                             calibration=self.calibration)
         if ws.inversion != self.name:
             return operator_residuals(lambda basis: self.first_order_operator(stats, basis), ws, ranks, samples)
         if self._on_prefix(stats, samples):
@@ -468,6 +498,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     def fit_operator(self, stats, basis, samples=None, ops=NUMPY):
         if samples is None and self.default_run(stats) == self.factored_name:
             ws = self._factored_ws(stats)
+            if ws.inversion == ROTARY_NAME:
+                return rotary_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0],
+                                       self._mask(stats), calibration=self.calibration)
             if ws.inversion == self.factored_name:
                 K, V = factored_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0],
                                          self._mask(stats), calibration=self.calibration)

@@ -134,3 +134,77 @@ def plane_strengths(A, B, metric=None):
     if metric is not None:
         alpha, beta = metric[0] @ alpha, metric[1] @ beta
     return np.linalg.norm(alpha, axis=0) * np.linalg.norm(beta, axis=0)
+
+
+def pair_rotations(positions, mask=None):
+    """The angle differences the logits see, ``phi_s - phi_t`` over the kept pairs (t, s), each once with its
+    share of the pairs: ``(deltas, weights)`` of shapes (m, P) and (m,), weights summing to one. Plain RoPE
+    gives one per offset ``s - t``."""
+    phi = positions.angles
+    T = phi.shape[0]
+    keep = np.ones((T, T), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    t, s = np.nonzero(keep)
+    deltas, inverse, counts = np.unique(np.round(phi[s] - phi[t], 12), axis=0, return_inverse=True,
+                                        return_counts=True)
+    return deltas, counts / counts.sum()
+
+
+def _turned(F, deltas, sign):
+    """``F R(delta)^T`` (sign +1) or ``F R(delta)`` (sign -1) for every delta: rows of F (d x 2P) turned by
+    ``sign delta``, shape (m, d, 2P)."""
+    cos, sin = np.tile(np.cos(deltas), 2), np.tile(np.sin(deltas), 2)
+    return F[None] * cos[:, None, :] + sign * _rotate_half(F)[None] * sin[:, None, :]
+
+
+def offset_family_sides(Aw, Bw, deltas, weights):
+    """The factors of the head's logit maps over the pairs, ``K(delta) = A R(delta) B^T`` weighted by their share,
+    side by side: ``Z_q = [w K(delta)]`` (d x m d) ``= Aw H_q^T`` and ``Z_k = [w K(delta)^T] = Bw H_k^T``, for
+    factors already in the token metric (``Aw = M_q^{1/2} A``, ``Bw = M_k^{1/2} B``). Returns ``(H_q, H_k)``,
+    each (m d, 2P)."""
+    root = np.sqrt(weights)[:, None, None]
+    Hq = (root * _turned(Bw, deltas, 1.0)).reshape(-1, Bw.shape[1])
+    Hk = (root * _turned(Aw, deltas, -1.0)).reshape(-1, Aw.shape[1])
+    return Hq, Hk
+
+
+def family_svd(factors, weights, pairs, side):
+    """Thin SVD of ``sum_h w_h Z(A_h, B_h)`` on one side (``"q"``: ``Z_q``, ``"k"``: ``Z_k``; see
+    :func:`offset_family_sides`) through QR factors of the stacked factors, ``factors`` a list of ``(A, B)`` in the
+    metric wanted (e.g. the tokens': ``M_q^{1/2} A``, ``M_k^{1/2} B``). Returns ``(U, s)``: the side's directions
+    (d, k) and the singular values, descending."""
+    deltas, shares = pairs
+    lefts, rights = [], []
+    for A, B in factors:
+        Hq, Hk = offset_family_sides(A, B, deltas, shares)
+        lefts.append(A if side == "q" else B)
+        rights.append(Hq if side == "q" else Hk)
+    Ql, Rl = np.linalg.qr(np.hstack(lefts))
+    Qr, Rr = np.linalg.qr(np.hstack(rights))
+    k = [L.shape[1] for L in lefts]
+    core = Rl @ np.diag(np.repeat(np.asarray(weights, dtype=float), k)) @ Rr.T
+    u, sv, _ = np.linalg.svd(core)
+    return Ql @ u, sv
+
+
+def projected_head(metric, A, B, Uq, Uk, r):
+    """``(P_q A, P_k B)``: a rotary head's factors projected on the top r directions of each side, the directions
+    ``Uq``, ``Uk`` orthonormal in the token metric ``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})``."""
+    Mq, Mq_inv, Mk, Mk_inv = metric
+    r = max(0, int(r))
+    Uq, Uk = Uq[:, :r], Uk[:, :r]
+    return Mq_inv @ (Uq @ (Uq.T @ (Mq @ A))), Mk_inv @ (Uk @ (Uk.T @ (Mk @ B)))
+
+
+def rotary_directions(metric, pairs, A, B):
+    """``(U_q, U_k)``: the directions of a rotary head's logit family on each side in the token metric, strongest
+    first (:func:`family_svd`), for :func:`projected_head`."""
+    whitened = [(metric[0] @ A, metric[2] @ B)]
+    return family_svd(whitened, [1.0], pairs, "q")[0], family_svd(whitened, [1.0], pairs, "k")[0]
+
+
+def truncated_rotary_head(metric, pairs, A, B, r, directions=None):
+    """A rotary head truncated to width r (the estimators' and the truncation bound's): its query and key factors
+    projected on the top r directions of its own logit family on each side, in the token metric
+    (``directions``: :func:`rotary_directions`, computed here if None)."""
+    Uq, Uk = rotary_directions(metric, pairs, A, B) if directions is None else directions
+    return projected_head(metric, A, B, Uq, Uk, r)

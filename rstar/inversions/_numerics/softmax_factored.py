@@ -34,6 +34,7 @@ from ..._backend import NUMPY
 from ...calibration import DEFAULT_CALIBRATION
 from .lbfgs import minimize_lbfgs
 from .linalg import psd_power, solve_psd
+from .rotary import rotate, rotate_adjoint
 
 __all__ = [
     "FactoredSoftmaxFit",
@@ -91,7 +92,7 @@ def _masked(L, mask):
     return L
 
 
-def factored_loss_terms(X, Z, Y, A, B, mask=None):
+def factored_loss_terms(X, Z, Y, A, B, mask=None, *, rotary=None):
     """A chunk's residual sum of squares and its gradients in the factors.
 
     Parameters
@@ -103,6 +104,9 @@ def factored_loss_terms(X, Z, Y, A, B, mask=None):
     A, B : ndarray of shape (d, q)
     mask : ndarray of bool, shape (T, T), or None
         Which logits are kept (e.g. causal: ``j <= i``); None keeps all.
+    rotary : RotaryPositions or None
+        A rotary head's positions (:mod:`rstar.inversions._numerics.rotary`): the logits are
+        ``rotate(X_i A) rotate(X_i B)^T / sqrt(d)``, q the rotation's width ``2P``.
 
     Returns
     -------
@@ -110,29 +114,34 @@ def factored_loss_terms(X, Z, Y, A, B, mask=None):
         ``sum_i ||Y_i - softmax(X_i A B^T X_i^T / sqrt(d)) Z_i||^2``.
     grad_A, grad_B : ndarray of shape (d, q)
     """
-    f, gA, gB, _, _ = _loss_core(X, Z, Y, A, B, mask)
+    f, gA, gB, _, _ = _loss_core(X, Z, Y, A, B, mask, rotary)
     return f, gA, gB
 
 
-def _loss_core(X, Z, Y, A, B, mask):
+def _loss_core(X, Z, Y, A, B, mask, rotary=None):
     """``(f, grad_A, grad_B, P, R)`` of a chunk: the loss, its factor gradients, the attention and residual."""
     n, T, d = X.shape
     q = A.shape[1]
     c = 1.0 / np.sqrt(d)
     XA = X @ A
     XB = X @ B
+    if rotary is not None:
+        XA, XB = rotate(XA, rotary), rotate(XB, rotary)
     P = NUMPY.softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) * c, mask))
     R = P @ Z - Y
     f = float(np.einsum("ntv,ntv->", R, R))
     dP = 2.0 * (R @ Z.transpose(0, 2, 1))
     dL = (dP - np.einsum("nts,nts->nt", dP, P)[..., None]) * P * c
     Xf = X.reshape(-1, d)
-    gA = Xf.T @ (dL @ XB).reshape(-1, q)
-    gB = Xf.T @ (dL.transpose(0, 2, 1) @ XA).reshape(-1, q)
+    dA, dB = dL @ XB, dL.transpose(0, 2, 1) @ XA
+    if rotary is not None:
+        dA, dB = rotate_adjoint(dA, rotary), rotate_adjoint(dB, rotary)
+    gA = Xf.T @ dA.reshape(-1, q)
+    gB = Xf.T @ dB.reshape(-1, q)
     return f, gA, gB, P, R
 
 
-def joint_loss_terms(X, Y, A, B, V, mask=None):
+def joint_loss_terms(X, Y, A, B, V, mask=None, *, rotary=None):
     """A chunk's residual sum of squares and its gradients in the factors and in V (value path ``X_i V``).
 
     ``grad_V = 2 sum_i X_i^T P_i^T R_i``, through ``T x d_v`` products (``P_i X_i`` is never formed).
@@ -142,17 +151,17 @@ def joint_loss_terms(X, Y, A, B, V, mask=None):
     f, grad_A, grad_B, grad_V
     """
     d = X.shape[2]
-    f, gA, gB, P, R = _loss_core(X, X @ V, Y, A, B, mask)
+    f, gA, gB, P, R = _loss_core(X, X @ V, Y, A, B, mask, rotary)
     gV = 2.0 * (X.reshape(-1, d).T @ (P.transpose(0, 2, 1) @ R).reshape(-1, V.shape[1]))
     return f, gA, gB, gV
 
 
-def joint_loss(X, Y, A, B, V, mask=None, *, calibration=DEFAULT_CALIBRATION):
+def joint_loss(X, Y, A, B, V, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
     """:func:`joint_loss_terms` summed over all samples, chunk by chunk."""
     n, T, d = X.shape
     f, gA, gB, gV = 0.0, np.zeros_like(A), np.zeros_like(B), np.zeros_like(V)
     for part in _chunks(n, T, d, calibration):
-        fp, a, b, v = joint_loss_terms(X[part], Y[part], A, B, V, mask)
+        fp, a, b, v = joint_loss_terms(X[part], Y[part], A, B, V, mask, rotary=rotary)
         f += fp
         gA += a
         gB += b
@@ -160,12 +169,12 @@ def joint_loss(X, Y, A, B, V, mask=None, *, calibration=DEFAULT_CALIBRATION):
     return f, gA, gB, gV
 
 
-def factored_loss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
+def factored_loss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
     """:func:`factored_loss_terms` summed over all samples, chunk by chunk (bounded temporaries)."""
     n, T, d = X.shape
     f, gA, gB = 0.0, np.zeros_like(A), np.zeros_like(B)
     for part in _chunks(n, T, d, calibration):
-        fp, a, b = factored_loss_terms(X[part], Z[part], Y[part], A, B, mask)
+        fp, a, b = factored_loss_terms(X[part], Z[part], Y[part], A, B, mask, rotary=rotary)
         f += fp
         gA += a
         gB += b
@@ -178,53 +187,54 @@ class NumpyHalfLoss:
     value path ``X V``, kept while V is unchanged. The torch back-end's
     :class:`rstar._torch_backend.factored.FactoredHalfLoss` computes the same on a device."""
 
-    def __init__(self, X, Y, mask=None, *, calibration=DEFAULT_CALIBRATION):
-        self.X, self.Y, self.mask, self.calibration = X, Y, mask, calibration
+    def __init__(self, X, Y, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
+        self.X, self.Y, self.mask, self.calibration, self.rotary = X, Y, mask, calibration, rotary
         self._path = (None, None)
 
     def __call__(self, A, B, V, value_grad=False):
         if value_grad:
-            return joint_loss(self.X, self.Y, A, B, V, self.mask, calibration=self.calibration)
+            return joint_loss(self.X, self.Y, A, B, V, self.mask, calibration=self.calibration, rotary=self.rotary)
         key, Z = self._path
         if key is None or key.shape != V.shape or not np.array_equal(key, V):
             Z = self.X @ V
             self._path = (np.array(V, dtype=float), Z)
-        return (*factored_loss(self.X, Z, self.Y, A, B, self.mask, calibration=self.calibration), None)
+        return (*factored_loss(self.X, Z, self.Y, A, B, self.mask, calibration=self.calibration, rotary=self.rotary),
+                None)
 
 
-def half_losses(halves, mask=None, ops=NUMPY, *, calibration=DEFAULT_CALIBRATION):
+def half_losses(halves, mask=None, ops=NUMPY, *, calibration=DEFAULT_CALIBRATION, rotary=None):
     """Each half's loss-and-gradient function (:class:`NumpyHalfLoss`, or its torch twin on ``ops``'s device, whose
     per-sample work runs in ``ops.fit_dtype``: :class:`rstar._torch_backend.factored.FactoredHalfLoss`)."""
     if ops.name == "numpy":
-        return [NumpyHalfLoss(X, Y, mask, calibration=calibration) for X, Y in halves]
-    return [ops.factored_half_loss(X, Y, mask, calibration.chunk_entries) for X, Y in halves]
+        return [NumpyHalfLoss(X, Y, mask, calibration=calibration, rotary=rotary) for X, Y in halves]
+    return [ops.factored_half_loss(X, Y, mask, calibration.chunk_entries, rotary=rotary) for X, Y in halves]
 
 
-def factored_rss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
+def factored_rss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
     """Residual sum of squares of ``Y_i ~ softmax(X_i A B^T X_i^T / sqrt(d)) Z_i`` (no gradient; q may be 0)."""
-    return float(np.sum(factored_sample_rss(X, Z, Y, A, B, mask, calibration=calibration)))
+    return float(np.sum(factored_sample_rss(X, Z, Y, A, B, mask, calibration=calibration, rotary=rotary)))
 
 
-def factored_sample_rss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
+def factored_sample_rss(X, Z, Y, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
     """Each sample's residual sum of squares under :func:`factored_rss`'s model, shape (n,)."""
     n, T, d = X.shape
     out = np.empty(n)
     for part in _chunks(n, T, d, calibration):
-        R = _attention(X[part], A, B, mask) @ Z[part] - Y[part]
+        R = _attention(X[part], A, B, mask, rotary) @ Z[part] - Y[part]
         out[part] = np.einsum("ntv,ntv->n", R, R)
     return out
 
 
-def factored_outputs(X, Z, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION):
+def factored_outputs(X, Z, A, B, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
     """The model's outputs ``P_i(K) Z_i`` for ``K = A B^T``, shape (n, T, d_v) (in chunks, as the losses)."""
     n, T, d = X.shape
     out = np.empty(Z.shape)
     for part in _chunks(n, T, d, calibration):
-        out[part] = _attention(X[part], A, B, mask) @ Z[part]
+        out[part] = _attention(X[part], A, B, mask, rotary) @ Z[part]
     return out
 
 
-def factored_sample_disagreement(X, model, other, mask=None, *, calibration=DEFAULT_CALIBRATION):
+def factored_sample_disagreement(X, model, other, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
     """Each sample's squared distance between two models' outputs, ``||P_i(K) Z_i - P_i(K') Z'_i||^2``.
 
     Parameters
@@ -241,17 +251,21 @@ def factored_sample_disagreement(X, model, other, mask=None, *, calibration=DEFA
     out = np.empty(n)
     (Z, A, B), (Z2, A2, B2) = model, other
     for part in _chunks(n, T, d, calibration):
-        D = _attention(X[part], A, B, mask) @ Z[part] - _attention(X[part], A2, B2, mask) @ Z2[part]
+        D = (_attention(X[part], A, B, mask, rotary) @ Z[part]
+             - _attention(X[part], A2, B2, mask, rotary) @ Z2[part])
         out[part] = np.einsum("ntv,ntv->n", D, D)
     return out
 
 
-def _attention(X, A, B, mask=None):
+def _attention(X, A, B, mask=None, rotary=None):
     d = X.shape[2]
-    return NUMPY.softmax_rows(_masked((X @ A) @ (X @ B).transpose(0, 2, 1) / np.sqrt(d), mask))
+    XA, XB = X @ A, X @ B
+    if rotary is not None:
+        XA, XB = rotate(XA, rotary), rotate(XB, rotary)
+    return NUMPY.softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) / np.sqrt(d), mask))
 
 
-def value_normal_equations(X, Y, A=None, B=None, mask=None, *, calibration=DEFAULT_CALIBRATION):
+def value_normal_equations(X, Y, A=None, B=None, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
     """``(sum_i W_i^T W_i, sum_i W_i^T Y_i)`` with ``W_i = P_i X_i``, ``P_i`` the attention of ``K = A B^T``
     (uniform if A is None): the normal equations of the value map given the kernel. Costs about
     ``n T d (T + d)`` multiply-adds."""
@@ -263,7 +277,7 @@ def value_normal_equations(X, Y, A=None, B=None, mask=None, *, calibration=DEFAU
         if A is None:
             P = NUMPY.softmax_rows(_masked(np.zeros((Xp.shape[0], T, T)), mask))
         else:
-            P = _attention(Xp, A, B, mask)
+            P = _attention(Xp, A, B, mask, rotary)
         W = (P @ Xp).reshape(-1, d)
         gram += W.T @ W
         cross += W.T @ Y[part].reshape(-1, d_v)
@@ -275,7 +289,8 @@ def _ridged(gram, ridge):
     return gram + ridge * max(float(np.trace(gram)) / d, np.finfo(float).tiny) * np.eye(d)
 
 
-def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=None, *, calibration=DEFAULT_CALIBRATION):
+def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=None, *, calibration=DEFAULT_CALIBRATION,
+                           rotary=None):
     """Least-squares V of ``Y_i ~ P_i X_i V`` given the attention ``P_i`` of ``K = A B^T`` (uniform if A is None).
 
     Costs about ``n T d (T + d)`` multiply-adds (:func:`value_normal_equations`); a relative ``ridge`` (None: the
@@ -283,7 +298,7 @@ def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=None, *, calib
     directions.
     """
     ridge = calibration.value_ridge if ridge is None else ridge
-    gram, cross = value_normal_equations(X, Y, A, B, mask, calibration=calibration)
+    gram, cross = value_normal_equations(X, Y, A, B, mask, calibration=calibration, rotary=rotary)
     return solve_psd(_ridged(gram, ridge), cross)
 
 
@@ -459,7 +474,7 @@ def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, ch
 
 def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=None,
                       tol=None, precondition=None, on_check=None, check_every=50,
-                      value_precondition=True, *, calibration=DEFAULT_CALIBRATION, losses=None):
+                      value_precondition=True, *, calibration=DEFAULT_CALIBRATION, losses=None, rotary=None):
     """Both halves' fits as one L-BFGS run on their summed (separable) loss, so that its curvature memory
     survives the checks made along the way.
 
@@ -498,6 +513,9 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         (:mod:`rstar.calibration`).
     losses : list of two callables or None
         Each half's loss-and-gradient function (:func:`half_losses`: numpy, or torch on a device); None: numpy.
+    rotary : RotaryPositions or None
+        Rotary heads (:mod:`rstar.inversions._numerics.rotary`): the factors' columns are its planes (``rank`` its
+        width ``2P``); ``losses`` must have been made with the same.
 
     Returns
     -------
@@ -514,7 +532,7 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         if fitted_v:
             # V's normal equations at the start: its least squares where the start has no V, and its metric
             if value_precondition or len(start) < 3:
-                gram, cross = value_normal_equations(X, Y, A, B, mask, calibration=calibration)
+                gram, cross = value_normal_equations(X, Y, A, B, mask, calibration=calibration, rotary=rotary)
                 gram = _ridged(gram, calibration.value_ridge)
             blocks.append(np.asarray(start[2], dtype=float) if len(start) == 3 else solve_psd(gram, cross))
             if value_precondition:
@@ -528,7 +546,7 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
         return bl[:per], bl[per:]
 
     # the value path of a known V is computed once by each half's loss (not at every evaluation)
-    losses = half_losses(halves, mask, calibration=calibration) if losses is None else losses
+    losses = half_losses(halves, mask, calibration=calibration, rotary=rotary) if losses is None else losses
     paths = [None if fitted_v else X @ value_map for X, _ in halves]
 
     def fun(bl):
@@ -550,7 +568,8 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     n_obs = sum(Y.size for _, Y in halves)
     bl, _, nit, converged = _minimize(fun, blocks, precondition, max_iter, tol, n_obs, check, check_every,
                                       block_precondition=own if fitted_v else None)
-    rss = [factored_rss(X, X @ part[2] if fitted_v else Z, Y, part[0], part[1], mask, calibration=calibration)
+    rss = [factored_rss(X, X @ part[2] if fitted_v else Z, Y, part[0], part[1], mask, calibration=calibration,
+                        rotary=rotary)
            for (X, Y), Z, part in zip(halves, paths, split(bl))]
     return as_fits(bl, rss, nit, converged)
 

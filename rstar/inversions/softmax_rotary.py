@@ -1,0 +1,307 @@
+"""Least-squares inversion of rotary softmax attention (Llama-family heads).
+
+A rotary head (theory §2, "Rotary positions") turns its projected queries and keys by position before the logits,
+``logit_ts = x_t^T A R(phi_s - phi_t) B^T x_s`` with ``A = W_Q``, ``B = W_K`` (d x 2P) and ``R`` the block rotation
+of its P planes (:mod:`rstar.inversions._numerics.rotary`). Its **width** here is the rank of its query and key
+projections with the rotation kept at every plane: a width-r head is ``A' = P_q A``, ``B' = P_k B`` with rank-r
+projections of the tokens on each side (how low-rank query/key compression of RoPE models works: Palu and
+SVD-LLM reconstruct the keys before the rotation), so r* <= 2P = d_head. The logits at each pair are
+``K(delta) = A R(delta) B^T``, and the width a head needs is the rank of that family on each side: the statistic is
+the family side by side, ``Z_q = [sqrt(w_delta) K(delta)]`` over the pairs' angle differences (each with its share
+w of the kept pairs) and ``Z_k`` likewise with ``K(delta)^T``, in the token metric, so every dimension is measured
+by its effect on the logits over the window. Planes whose frequencies the window cannot tell apart (low
+frequencies over a short window) need no special treatment: the family sees only their sum.
+
+Each half of the samples (odd and even global index) is fitted with a full rotary head (A, B of shape (d, 2P), the
+given angles) by :func:`rstar.inversions._numerics.softmax_factored.fit_factored_pair` on the rotary losses, V known
+or fitted, from independent random starts (so a direction the data do not single out is not planted alike in both
+halves). The whitened half-sum of the families is tested against their half-difference, the noise of the half-sum
+(:class:`SplitHalfNull`): a dimension counts where its singular value, on the side that has more, stands above the
+half-difference's largest (either side) by the split-half margin. A head truncated to width r projects its query
+and key factors on the top r directions of its own family (each half's own, for the cross-fitted risk curve; the
+half-sum's, for ``predict``).
+"""
+
+import numpy as np
+
+from ._numerics import softmax_factored as sf
+from ._numerics.rotary import (RotaryPositions, family_svd, pair_rotations, projected_head, rotary_directions,
+                              truncated_rotary_head)
+from .._backend import NUMPY
+from ..budgets import DEFAULT_BUDGET
+from ..calibration import DEFAULT_CALIBRATION
+from ..risk import centred_sums, total_sum_of_squares
+from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, split_half_counts
+from .softmax_factored import _residual_dof, _segment_cost
+
+__all__ = ["ROTARY_NAME", "rotary_fit_blocker", "rotary_statistic", "rotary_rank_residuals",
+           "rotary_half_disagreement", "rotary_output_distances", "rotary_operator", "RotarySoftmaxOperator"]
+
+#: The name of this inversion (``inversion_``).
+ROTARY_NAME = "softmax_rotary_least_squares"
+
+
+def rotary_fit_blocker(n, T, d, d_v, rotary, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True,
+                       *, calibration=DEFAULT_CALIBRATION):
+    """Why n samples cannot be fitted by the rotary least squares (None if they can): the positions must be the
+    windows' (T of them), the samples kept in memory, two segments of iterations at the full width within the
+    compute budget, and the calibration's ``min_noise_dof`` residual degrees of freedom per half."""
+    if rotary.length != T:
+        return (f"the rotary positions cover {rotary.length} positions and the windows have T={T} tokens: give the "
+                "angles of the windows' own positions")
+    q = rotary.width
+    if not samples_in_memory:
+        return "the rotary least squares fits the samples in memory, and these are read in passes"
+    if _residual_dof(n, T, d, d_v, q, value_map_known) < calibration.min_noise_dof:
+        return (f"{n} samples leave fewer than {calibration.min_noise_dof} residual degrees of freedom per half for "
+                f"a rotary head of width {q} at T={T}, d={d}, d_v={d_v}")
+    if not budget.allows_samples(n, T, d, d_v):
+        return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
+    cost = sf.factored_start_cost(n, T, d, d_v, value_map_known) + 2 * _segment_cost(n, T, d, d_v, q,
+                                                                                      value_map_known, calibration)
+    if not budget.allows_fit_compute(cost):
+        return (f"two segments of {calibration.factored_segment_iter} iterations of the width-{q} rotary fits on "
+                f"{n} samples exceed the compute budget ({budget.describe()})")
+    return None
+
+
+# -- the logit family of a fit ---------------------------------------------------------------------------------
+
+
+def _family_svd(metric, heads, weights, pairs, side):
+    """:func:`family_svd` of heads given as raw factors, in the token metric."""
+    return family_svd([(metric[0] @ A, metric[2] @ B) for A, B in heads], weights, pairs, side)
+
+
+def family_split_half(metric, halves_factors, pairs, width):
+    """``(s, sd, U_q, U_k)``: the half-sum's singular values on the side with more at each rank (the first
+    ``width``), the half-difference's likewise, and the half-sum's directions on each side."""
+    out = {}
+    for side in ("q", "k"):
+        U, sv = _family_svd(metric, halves_factors, [0.5, 0.5], pairs, side)
+        _, dv = _family_svd(metric, halves_factors, [0.5, -0.5], pairs, side)
+        out[side] = (U, np.pad(sv, (0, max(0, width - sv.size)))[:width],
+                     np.pad(dv, (0, max(0, width - dv.size)))[:width])
+    s = np.maximum(out["q"][1], out["k"][1])
+    sd = np.maximum(out["q"][2], out["k"][2])
+    return s, sd, out["q"][0], out["k"][0]
+
+
+def _stacked(halves_factors, rotary):
+    """The half-sum as one rotary head with every plane twice (each half's, scaled by 1/sqrt(2)):
+    ``(A, B, rotary)``."""
+    (A1, B1), (A2, B2) = halves_factors
+    P = A1.shape[1] // 2
+
+    def stack(F1, F2):
+        return np.hstack([F1[:, :P], F2[:, :P], F1[:, P:], F2[:, P:]]) / np.sqrt(2.0)
+
+    return stack(A1, A2), stack(B1, B2), RotaryPositions(np.hstack([rotary.angles, rotary.angles]))
+
+
+def _half_sum_model(ws, r):
+    """The half-sum truncated to width r: ``(A, B, rotary)``, its stacked factors projected on the top r
+    directions of the half-sum's family."""
+    null = ws.null
+    A, B, rot = _stacked(null.half_kernels, null.rotary)
+    Uq, Uk = null.singular_vectors
+    A, B = projected_head(null.metric, A, B, Uq, Uk, r)
+    return A, B, rot
+
+
+# -- the statistic ---------------------------------------------------------------------------------------------
+
+
+def _random_start(rng, metric, q, scale):
+    """Factors ``M_q^{-1/2} G scale / sqrt(d)`` and ``M_k^{-1/2} G' scale / sqrt(d)`` with Gaussian G, G'."""
+    d = metric[0].shape[0]
+    return (metric[1] @ rng.standard_normal((d, q)) * (scale / np.sqrt(d)),
+            metric[3] @ rng.standard_normal((d, q)) * (scale / np.sqrt(d)))
+
+
+def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=None, margin=None, mask=None, *,
+                     calibration=DEFAULT_CALIBRATION, stopping_count=split_half_counts, ops=NUMPY, seed=0):
+    """The split-half statistic of the rotary least squares: the halves' logit families, half-sum against
+    half-difference.
+
+    Parameters
+    ----------
+    halves : tuple of two (X, Y)
+        The samples with odd and with even global index (internal units).
+    value_map : ndarray of shape (d, d_v) or None
+    rotary : RotaryPositions
+        The angles of the head's planes at the windows' positions (T of them).
+    budget : CostBudget
+    max_iter : int or None
+        L-BFGS iterations at most (None: the calibration's ``factored_max_iter``, or
+        ``factored_max_iter_fitted_v`` with V fitted).
+    margin : float or None
+        The test's margin (None: the calibration's ``split_half_margin``).
+    mask : ndarray of bool, shape (T, T), or None
+        The logits kept (causal); None keeps all.
+    stopping_count : callable, default=split_half_counts
+        The split-half rule's count, which decides when the fit has settled.
+    ops : NumpyOps or TorchOps, default=NUMPY
+        Where the loss evaluations run.
+    seed : int
+        Seeds the halves' random starts.
+
+    Returns
+    -------
+    WhitenedStatistic
+        ``units="logit"``: ``2P`` eigenvalues (``s^2 / d`` of the family's singular values, the side with more at each
+        rank) and the split-half null.
+    """
+    (X1, Y1), (X2, Y2) = halves
+    n = X1.shape[0] + X2.shape[0]
+    _, T, d = X1.shape
+    d_v = Y1.shape[2]
+    known = value_map is not None
+    q = rotary.width
+    if max_iter is None:
+        max_iter = calibration.factored_max_iter if known else calibration.factored_max_iter_fitted_v
+    metric = sf.token_metric_roots(np.concatenate([X1, X2]), calibration=calibration)
+    margin = calibration.split_half_margin if margin is None else float(margin)
+    spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
+    pre = (metric[1], metric[0])
+    pairs = pair_rotations(rotary, mask)
+    losses = sf.half_losses(halves, mask, ops, calibration=calibration, rotary=rotary)
+    rng = np.random.default_rng(seed)
+    starts = []
+    for (X, Y), loss in zip(halves, losses):
+        V0 = sf.value_map_given_kernel(X, Y, mask=mask, calibration=calibration) if value_map is None else value_map
+        # logits of order one tenth: the fit grows the directions the data hold (a saddle at zero has no gradient)
+        A0, B0 = _random_start(rng, metric, q, 1.0)
+        Xs = X[: min(X.shape[0], 256)]
+        std = float(np.std(Xs @ A0 @ (Xs @ B0).transpose(0, 2, 1) / np.sqrt(d))) or 1.0
+        t = np.sqrt(0.1 / std)
+        starts.append((A0 * t, B0 * t, V0))
+    state = {}
+
+    def on_check(current, n_iter):
+        nonlocal spent
+        spent += _segment_cost(n, T, d, d_v, q, known, calibration)
+        lam, sd, _, _ = family_split_half(metric, [(f.A, f.B) for f in current], pairs, q)
+        edge = float(sd[0])
+        count = stopping_count(lam, edge, margin)
+        previous = state.get("previous")
+        state["previous"] = (count, lam)
+        rtol = calibration.factored_stable_rtol
+        if previous is not None and previous[0][0] == count[0] and np.allclose(
+                lam[:count[0]], previous[1][:count[0]], rtol=rtol, atol=0.0):
+            state["outcome"] = "settled"
+            return True
+        if not budget.allows_fit_compute(spent + _segment_cost(n, T, d, d_v, q, known, calibration)):
+            state["outcome"] = "budget"
+            return True
+        return False
+
+    fits = sf.fit_factored_pair(halves, q, starts, value_map=value_map, mask=mask, max_iter=max_iter,
+                                precondition=pre, on_check=on_check, check_every=calibration.factored_segment_iter,
+                                calibration=calibration, losses=losses, rotary=rotary)
+    stable = state.get("outcome") == "settled" or all(f.converged for f in fits)
+    halves_factors = tuple((f.A, f.B) for f in fits)
+    s, sd, Uq, Uk = family_split_half(metric, halves_factors, pairs, q)
+    lam = s**2 / d
+    count = stopping_count(s, float(sd[0]), margin)
+    rss = sum(f.rss for f in fits)
+    dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
+    sigma2 = rss / max(dof, 1)
+    findings = [Finding("factored_fit", {"settled": bool(stable), "iterations": int(fits[0].n_iter),
+                                         "fitted_rank": int(q), "budget_ran_out": state.get("outcome") == "budget",
+                                         "count": count, "capped": False, "features": int(d)})]
+    V = value_map if known else (fits[0].value_map + fits[1].value_map) / 2
+    null = SplitHalfNull(null_eigenvalues=sd**2 / d, margin=margin, noise_variance=float(sigma2),
+                         noise_dof=float(dof), fitted_rank=int(q), rank_cap=int(max(d, q + 1)), kernel=None,
+                         value_map=V, metric=metric, singular_vectors=(Uq, Uk), half_kernels=halves_factors,
+                         rotary=rotary)
+    return WhitenedStatistic(lam, Uq[:, :q], metric[1], float(n * d_v), null, ROTARY_NAME, (), [], "logit",
+                             findings=findings)
+
+
+# -- the risk curve, its resolution and the operator -----------------------------------------------------------
+
+
+def rotary_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False, *,
+                          calibration=DEFAULT_CALIBRATION):
+    """Cross-fitted residual sums of squares of each half's head truncated to width r (its factors projected on
+    the top r directions of its own logit family on each side; r None: the full head), V known or refitted on that
+    half, measured on the other half
+    (:func:`rstar.inversions.softmax_factored.factored_rank_residuals` for rotary heads)."""
+    null = ws.null
+    pairs = pair_rotations(null.rotary, mask)
+    directions = [rotary_directions(null.metric, pairs, A_h, B_h) for A_h, B_h in null.half_kernels]
+    out = []
+    for r in ranks:
+        parts = []
+        for (A_h, B_h), (Xf, Yf), (Xo, Yo), dirs in zip(null.half_kernels, halves, halves[::-1], directions):
+            A, B = (A_h, B_h) if r is None else truncated_rotary_head(null.metric, pairs, A_h, B_h, r, dirs)
+            rot = null.rotary
+            V = (value_map if value_map is not None
+                 else sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration, rotary=rot))
+            parts.append(sf.factored_sample_rss(Xo, Xo @ V, Yo, A, B, mask, calibration=calibration, rotary=rot))
+        out.append(np.concatenate(parts) if per_sample else float(sum(np.sum(p) for p in parts)))
+    return out
+
+
+def rotary_half_disagreement(ws, halves, value_map, mask=None, *, calibration=DEFAULT_CALIBRATION):
+    """How far the two halves' full rotary fits disagree, relative to Var(Y)
+    (:func:`rstar.inversions.softmax_factored.factored_half_disagreement`'s measure)."""
+    rotary = ws.null.rotary
+    models = []
+    for (A, B), (X, Y) in zip(ws.null.half_kernels, halves):
+        models.append((A, B, value_map if value_map is not None
+                       else sf.value_map_given_kernel(X, Y, A, B, mask, calibration=calibration, rotary=rotary)))
+    dis, tss = 0.0, 0.0
+    (A1, B1, V1), (A2, B2, V2) = models
+    for X, Y in halves:
+        dis += float(np.sum(sf.factored_sample_disagreement(X, (X @ V1, A1, B1), (X @ V2, A2, B2), mask,
+                                                            calibration=calibration, rotary=rotary)))
+        tss += total_sum_of_squares(centred_sums(X, Y))
+    return dis / (4.0 * tss) if tss > 0 else 0.0
+
+
+def _truncated_model(ws, samples, value_map, r, mask, calibration):
+    X, Y = samples
+    A, B, rot = _half_sum_model(ws, r)
+    V = (value_map if value_map is not None
+         else sf.value_map_given_kernel(X, Y, A, B, mask, calibration=calibration, rotary=rot))
+    return A, B, V, rot
+
+
+def rotary_output_distances(ws, samples, value_map, ranks, mask=None, *, calibration=DEFAULT_CALIBRATION):
+    """Each sample's squared distance between the outputs of the half-sum truncated to width r and of the whole
+    half-sum (:func:`rstar.inversions.softmax_factored.factored_output_distances`, plane by plane)."""
+    X = samples[0]
+    top = ws.null.rotary.width
+    A, B, V, rot = _truncated_model(ws, samples, value_map, top, mask, calibration)
+    full = sf.factored_outputs(X, X @ V, A, B, mask, calibration=calibration, rotary=rot)
+    out = []
+    for r in ranks:
+        A, B, V, rot = _truncated_model(ws, samples, value_map, min(int(r), top), mask, calibration)
+        out.append(sf.factored_sample_rss(X, X @ V, full, A, B, mask, calibration=calibration, rotary=rot))
+    return out
+
+
+class RotarySoftmaxOperator:
+    """``Y = softmax(rotate(X A) rotate(X B)^T / sqrt(d) + mask) X V`` at the fitted positions (``predict``)."""
+
+    def __init__(self, A, B, V, rotary, mask=None):
+        self.A, self.B, self.V, self.rotary, self.mask = A, B, V, rotary, mask
+
+    @property
+    def K(self):
+        """The kernel at offset zero, ``A B^T`` (the rotary head has no single kernel; reported for inspection)."""
+        return self.A @ self.B.T
+
+    def predict(self, X):
+        if X.shape[1] != self.rotary.length:
+            raise ValueError(f"X has T={X.shape[1]} tokens, but the rotary operator was fitted at the "
+                             f"{self.rotary.length} positions of its windows.")
+        return sf.factored_outputs(X, X @ self.V, self.A, self.B, self.mask, rotary=self.rotary)
+
+
+def rotary_operator(ws, samples, value_map, rank, mask=None, *, calibration=DEFAULT_CALIBRATION):
+    """The half-sum truncated to width ``rank`` (V known or refitted on ``samples``), for ``predict``."""
+    A, B, V, rot = _truncated_model(ws, samples, value_map, rank, mask, calibration)
+    return RotarySoftmaxOperator(A, B, V, rot, mask)

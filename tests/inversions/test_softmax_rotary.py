@@ -1,0 +1,130 @@
+"""The rotary least squares (RStarEstimator(rotary=...)): its losses and gradients, its width, its risk curve and
+its refusals, on planted rotary heads at small sizes."""
+
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+
+from rstar import RotaryPositions, RStarEstimator
+from rstar.inversions import choose_inversion
+from rstar.inversions._numerics import softmax_factored as sf
+from rstar.inversions._numerics.rotary import rotate
+from rstar.inversions.softmax_rotary import ROTARY_NAME
+
+T, D, P, DV = 12, 16, 4, 8
+POS = RotaryPositions.from_frequencies(10000.0 ** -(np.arange(P) / P), T)   # 1, 0.1, 0.01, 0.001 rad a position
+MASK = np.tril(np.ones((T, T), dtype=bool))
+
+
+def _head(planes=None, rank=None, seed=0):
+    """Query/key factors with only ``planes`` (rotate-half layout) or of rank ``rank`` on each side."""
+    rng = np.random.default_rng(seed)
+    if planes is not None:
+        A, B = np.zeros((D, 2 * P)), np.zeros((D, 2 * P))
+        for p in planes:
+            for c in (p, p + P):
+                A[:, c], B[:, c] = rng.standard_normal(D) * 1.5, rng.standard_normal(D) * 1.5
+    else:
+        A = rng.standard_normal((D, rank)) @ rng.standard_normal((rank, 2 * P)) * 0.6
+        B = rng.standard_normal((D, rank)) @ rng.standard_normal((rank, 2 * P)) * 0.6
+    return A, B
+
+
+def _task(A, B, n=1000, seed=0, noise=0.05):
+    rng = np.random.default_rng(seed + 100)
+    X = rng.standard_normal((n, T, D))
+    V = rng.standard_normal((D, DV)) / np.sqrt(D)
+    Y = sf.factored_outputs(X, X @ V, A, B, MASK, rotary=POS)
+    return X, Y + noise * Y.std() * rng.standard_normal(Y.shape), V
+
+
+def test_rotary_loss_gradients_match_finite_differences_and_torch():
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((5, T, D)), rng.standard_normal((5, T, DV))
+    A, B, V = rng.standard_normal((D, 2 * P)), rng.standard_normal((D, 2 * P)), rng.standard_normal((D, DV))
+    f, gA, gB, gV = sf.joint_loss(X, Y, A, B, V, MASK, rotary=POS)
+    eps = 1e-6
+    for which, grad in ((0, gA), (1, gB)):
+        E = np.zeros_like(A)
+        E[3, 5] = eps
+        args = [A, B]
+        plus, minus = list(args), list(args)
+        plus[which], minus[which] = args[which] + E, args[which] - E
+        numeric = (sf.joint_loss(X, Y, *plus, V, MASK, rotary=POS)[0]
+                   - sf.joint_loss(X, Y, *minus, V, MASK, rotary=POS)[0]) / (2 * eps)
+        assert numeric == pytest.approx(grad[3, 5], rel=1e-5)
+    torch = pytest.importorskip("torch")
+    from rstar._torch_backend.factored import FactoredHalfLoss
+
+    loss = FactoredHalfLoss(X, Y, MASK, torch.device("cpu"), torch.float64, 10**6, rotary=POS)
+    f2, a2, b2, v2 = loss(A, B, V, value_grad=True)
+    assert f2 == pytest.approx(f, rel=1e-12)
+    for mine, theirs in ((gA, a2), (gB, b2), (gV, v2)):
+        np.testing.assert_allclose(theirs, mine, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("planes, width", [((0, 1), 4), ((0, 3), 4), ((3,), 2)])
+@pytest.mark.parametrize("known", [True, False])
+def test_planted_planes_are_read_whatever_their_frequency(planes, width, known):
+    """Planes at 1 and 0.1 rad a position, and at 1 and 0.001 (a plane the window barely turns: its kernel's
+    rotating part is barely identified, which counting planes one by one misread as 2 (2, 2)), and a lone slow
+    plane: the width is read exactly, and the risk curve reaches the noise there."""
+    A, B = _head(planes=planes)
+    X, Y, V = _task(A, B)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = RStarEstimator(rotary=POS, causal=True, value_map=V if known else None, tolerance=0.01,
+                             random_state=0).fit(X, Y)
+    assert est.inversion_ == ROTARY_NAME
+    assert (est.noise_floor_rank_, est.noise_floor_interval_) == (width, (width, width))
+    assert est.rank_ == width
+    assert est.risk_curve_[width] < 0.01 < est.risk_curve_[width - 1]
+
+
+def test_a_width_is_the_rank_of_the_projections_not_a_count_of_planes():
+    """Query and key factors of rank 3 spread over all four planes: width 3 (odd widths exist in this class)."""
+    A, B = _head(rank=3, seed=1)
+    X, Y, V = _task(A, B, seed=1)
+    est = RStarEstimator(rotary=POS, causal=True, value_map=V, random_state=0).fit(X, Y)
+    assert (est.rank_, est.rank_interval_) == (3, (3, 3))
+    assert est.components_.shape == (3, D)
+    # predict is the fitted width-3 head: it reproduces the outputs to the noise
+    assert est.score(X, Y) > 0.99
+
+
+def test_rotary_refusals_are_one_line_errors():
+    A, B = _head(planes=(0,))
+    X, Y, V = _task(A, B, n=200)
+    with pytest.raises(ValueError, match="angles of 12 positions, but X has T=8"):
+        RStarEstimator(rotary=POS).fit(X[:, :8], Y[:, :8])
+    with pytest.raises(ValueError, match="softmax operator"):
+        RStarEstimator("linear_qk", rotary=POS).fit(X, Y)
+    with pytest.raises(ValueError, match="rotary"):
+        RStarEstimator(rotary="rope").fit(X, Y)
+    with pytest.raises(ValueError, match="residual degrees of freedom"):
+        RStarEstimator(rotary=POS, value_map=V).fit(X[:6], Y[:6])
+    with pytest.raises(ValueError, match="rotary positions need the softmax"):
+        choose_inversion("softmax", shape=(T, D, DV), method="auto", rotary=POS)
+
+
+def test_rotary_estimator_clones_pickles_and_predicts_at_its_positions_only():
+    A, B = _head(planes=(0,))
+    X, Y, V = _task(A, B, n=400)
+    est = RStarEstimator(rotary=POS, causal=True, value_map=V, random_state=0)
+    assert clone(est).get_params()["rotary"] is not None
+    est.fit(X, Y)
+    again = pickle.loads(pickle.dumps(est))
+    np.testing.assert_allclose(again.predict(X[:5]), est.predict(X[:5]))
+    with pytest.raises(ValueError, match="fitted at the 12 positions"):
+        est.predict(X[:, :6])
+
+
+def test_rotation_changes_the_task():
+    """The same factors without the rotation give other outputs: the class is not the plain softmax's."""
+    A, B = _head(planes=(0, 1))
+    X = np.random.default_rng(0).standard_normal((3, T, D))
+    rotated = rotate(X @ A, POS) @ rotate(X @ B, POS).transpose(0, 2, 1)
+    assert np.max(np.abs(rotated - (X @ A) @ (X @ B).transpose(0, 2, 1))) > 1.0
