@@ -14,14 +14,12 @@ Usage::
 """
 
 import argparse
-import json
-import os
 import time
 import warnings
 
 import numpy as np
 
-from rotary_truncation import load_smollm2
+from rotary_truncation import load_smollm2, save_json
 
 
 def planted_head(X, rotary, width, d_v, rng, logit_std=1.5):
@@ -85,10 +83,7 @@ def main(argv=None):
                              inversion=est.inversion_, warnings=[str(w.message) for w in caught]))
             print(f"| {width} | {'known' if known else 'fitted'} | {rank} | ({lo}, {hi}) | {est.rank_} | "
                   f"{est.inversion_} | {seconds:.0f} | {verdict} | {text} |", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(dict(vars(args), rows=rows), fh, indent=1)
-    print(f"wrote {args.out}")
+    save_json(args.out, dict(vars(args), rows=rows))
 
 
 if __name__ == "__main__":

@@ -17,14 +17,12 @@ Usage::
 """
 
 import argparse
-import json
-import os
 import time
 import warnings
 
 import numpy as np
 
-from rotary_truncation import load_smollm2
+from rotary_truncation import load_smollm2, save_json
 
 
 def main(argv=None):
@@ -76,10 +74,7 @@ def main(argv=None):
         print(f"| {layer} | {h} | {head.kv_group} | {row['rank_at_1pct']} | {tuple(row['interval'])} | "
               f"{row['rank_at_5pct']} | {excess:.4f} | {row['truncation'][0]} / {row['truncation'][1]} | "
               f"{row['planes'][0]} / {row['planes'][1]} | {row['eva']} | {seconds:.0f} | {text} |", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(dict(vars(args), rows=rows), fh, indent=1)
-    print(f"wrote {args.out}")
+    save_json(args.out, dict(vars(args), rows=rows))
 
 
 if __name__ == "__main__":

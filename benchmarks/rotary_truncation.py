@@ -34,6 +34,14 @@ def load_smollm2():
     return model.eval(), tok
 
 
+def save_json(path, record):
+    """Write a benchmark's record (its options and rows) as JSON, making the folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(record, fh, indent=1)
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=32)
@@ -70,10 +78,7 @@ def main(argv=None):
     a = [r["truncation_rank_at_0_01"] for r in rows]
     b = [r["truncation_rank_at_0_05"] for r in rows]
     print(f"| all | {min(a)} / {np.median(a):g} / {max(a)} | {min(b)} / {np.median(b):g} / {max(b)} |")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(dict(seq_len=args.seq_len, n_samples=args.n_samples, seed=args.seed, rows=rows), fh)
-    print(f"wrote {args.out}")
+    save_json(args.out, dict(vars(args), rows=rows))
 
 
 if __name__ == "__main__":

@@ -144,8 +144,7 @@ def pair_rotations(positions, mask=None):
     T = phi.shape[0]
     keep = np.ones((T, T), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
     t, s = np.nonzero(keep)
-    deltas, inverse, counts = np.unique(np.round(phi[s] - phi[t], 12), axis=0, return_inverse=True,
-                                        return_counts=True)
+    deltas, counts = np.unique(np.round(phi[s] - phi[t], 12), axis=0, return_counts=True)
     return deltas, counts / counts.sum()
 
 
