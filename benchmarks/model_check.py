@@ -1,6 +1,7 @@
 """The model check of the operator's class (``rstar.model_check``, ``OperatorMisfitWarning``): how often it
 fires on data inside the class (false alarms, level 0.001 per test) and on data outside it (X and Y swapped,
-softmax data fitted as linear query-key attention, linear query-key data fitted as softmax).
+softmax data fitted as linear query-key attention, linear query-key data fitted as softmax, a head fitted with the
+wrong mask, a rotary head fitted without its positions).
 
     python benchmarks/model_check.py                 # 200 in-class linear-QK tasks, 40 softmax, 20 of each misfit
     python benchmarks/model_check.py --quick         # a tenth of that
@@ -13,28 +14,39 @@ import argparse
 import time
 import warnings
 
-from rstar import OperatorMisfitWarning, RStarEstimator
+import numpy as np
+
+from rstar import OperatorMisfitWarning, RotaryPositions, RStarEstimator
 from rstar.datasets import make_attention_task
 
+#: rotary positions of the head cases: 4 planes at 1, 0.1, 0.01, 0.001 rad a position over 12 tokens
+POSITIONS = RotaryPositions.from_frequencies(10000.0 ** -(np.arange(4) / 4), 12)
 
-def _fit(operator, X, Y):
+
+def _fit(kw, X, Y):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est = RStarEstimator(operator=operator).fit(X, Y)
+        est = RStarEstimator(random_state=0, **kw).fit(X, Y)
     fired = any(issubclass(w.category, OperatorMisfitWarning) for w in caught)
-    return est, fired
+    return est, fired, bool(caught)
 
 
-def _row(name, operator, make, seeds):
-    fired, ran, wide, t0 = 0, 0, 0, time.perf_counter()
+def _row(name, kw, make, seeds):
+    fired, ran, wide, quiet, t0 = 0, 0, 0, 0, time.perf_counter()
+    ranks = {}
     for seed in seeds:
         X, Y = make(seed)
-        est, warned = _fit(operator, X, Y)
+        est, warned, any_warning = _fit(kw, X, Y)
         ran += est.model_check_ is not None
         fired += warned
+        quiet += not any_warning
+        ranks[est.rank_] = ranks.get(est.rank_, 0) + 1
         wide += tuple(est.rank_interval_) == (0, X.shape[2])
-    return {"case": name, "operator": operator, "tasks": len(seeds), "check ran": ran, "misfit warned": fired,
-            "rate": fired / len(seeds), "interval (0, d)": wide, "s/task": (time.perf_counter() - t0) / len(seeds)}
+    fit = ", ".join(f"{k}={'positions' if k == 'rotary' else v}" for k, v in kw.items())
+    return {"case": name, "fitted as": fit, "tasks": len(seeds), "check ran": ran, "misfit warned": fired,
+            "rate": fired / len(seeds), "interval (0, d)": wide, "no warning": quiet,
+            "rank_ (count)": ", ".join(f"{r} ({c})" for r, c in sorted(ranks.items())),
+            "s/task": (time.perf_counter() - t0) / len(seeds)}
 
 
 def real_rows():
@@ -88,23 +100,34 @@ def main(argv=None):
     k = 10 if args.quick else 1
     qk = dict(kind="linear_qk", seq_len=32, n_features=16, rank=3)
     sm = dict(kind="softmax", seq_len=32, n_features=8, rank=2)
+    head = dict(kind="softmax", seq_len=12, n_features=16, value_dim=8, rank=2)
+    qk_op, sm_op = {"operator": "linear_qk"}, {"operator": "softmax"}
     cases = [
-        ("linear QK, Gaussian tokens", "linear_qk", lambda s: make_attention_task(1000, random_state=s, **qk), 200),
-        ("linear QK, Student-t(3) tokens", "linear_qk",
+        ("linear QK, Gaussian tokens", qk_op, lambda s: make_attention_task(1000, random_state=s, **qk), 200),
+        ("linear QK, Student-t(3) tokens", qk_op,
          lambda s: make_attention_task(1000, random_state=s, token_distribution="student_t", df=3.0, **qk), 200),
-        ("linear QK, pure noise (r* = 0)", "linear_qk",
+        ("linear QK, pure noise (r* = 0)", qk_op,
          lambda s: make_attention_task(1000, random_state=s, **dict(qk, rank=0)), 200),
-        ("softmax, Gaussian tokens", "softmax", lambda s: make_attention_task(1000, random_state=s, **sm), 40),
-        ("softmax, pure noise (r* = 0)", "softmax",
+        ("softmax, Gaussian tokens", sm_op, lambda s: make_attention_task(1000, random_state=s, **sm), 40),
+        ("softmax, pure noise (r* = 0)", sm_op,
          lambda s: make_attention_task(1000, random_state=s, **dict(sm, rank=0)), 40),
-        ("softmax data as linear QK", "linear_qk", lambda s: make_attention_task(1000, random_state=s, **sm), 20),
-        ("softmax, X and Y swapped", "softmax", lambda s: make_attention_task(1000, random_state=s, **sm)[::-1], 20),
-        ("linear QK, X and Y swapped", "linear_qk",
+        ("softmax data as linear QK", qk_op, lambda s: make_attention_task(1000, random_state=s, **sm), 20),
+        ("softmax, X and Y swapped", sm_op, lambda s: make_attention_task(1000, random_state=s, **sm)[::-1], 20),
+        ("linear QK, X and Y swapped", qk_op,
          lambda s: make_attention_task(1000, random_state=s, **qk)[::-1], 20),
+        # heads (d = 16, T = 12, d_v = 8, r* = 2): the factored and rotary least squares' cross-fitted check
+        ("causal head", {"causal": True}, lambda s: make_attention_task(1000, random_state=s, causal=True, **head), 40),
+        ("rotary causal head", {"causal": True, "rotary": POSITIONS},
+         lambda s: make_attention_task(1000, random_state=s, causal=True, rotary=POSITIONS, **head), 40),
+        ("bidirectional head", {"causal": True}, lambda s: make_attention_task(1000, random_state=s, **head), 20),
+        ("causal head", {"causal": False},
+         lambda s: make_attention_task(1000, random_state=s, causal=True, **head), 20),
+        ("rotary causal head", {"causal": True},
+         lambda s: make_attention_task(1000, random_state=s, causal=True, rotary=POSITIONS, **head), 20),
     ]
     if args.cases:
         cases = [cases[int(i) - 1] for i in args.cases.split(",")]
-    rows = [_row(name, op, make, range(max(count // k, 2))) for name, op, make, count in cases]
+    rows = [_row(name, kw, make, range(max(count // k, 2))) for name, kw, make, count in cases]
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -149,6 +149,10 @@ def make_linear_proxy(n_samples=1000, *, seq_len=16, n_features=12, value_dim=No
         See :func:`sample_tokens`.
     df : float, default=3.0
     feature_correlation : float, default=0.5
+    causal : bool, default=False
+        Softmax only: the causal mask.
+    rotary : rstar.RotaryPositions or None, default=None
+        Softmax only: rotary positions of length ``seq_len`` (``rank <= rotary.width``).
     random_state : int, RandomState instance or None
     return_teacher : bool, default=False
 
@@ -208,14 +212,18 @@ def softmax_attention(X, kernel, value_map):
 
 def make_attention_task(n_samples=2000, *, kind="softmax", seq_len=32, n_features=16, value_dim=None, rank=3,
                         noise=0.05, logit_scale=2.0, decay=1.0, singular_values=None, normalizer=None,
-                        token_distribution="gaussian", df=3.0, feature_correlation=0.5, random_state=None,
-                        return_teacher=False):
+                        token_distribution="gaussian", df=3.0, feature_correlation=0.5, causal=False, rotary=None,
+                        random_state=None, return_teacher=False):
     """Attention-native task whose query–key kernel has rank r* (classes B1, B2).
 
     - ``kind="linear_qk"``: ``Y = (X K* X^T) X V* / c + E`` with
       ``c = normalizer`` (default ``sqrt(T d)``, so the
       signal has entries of order ``logit_scale``).
-    - ``kind="softmax"``: ``Y = softmax(X K* X^T / sqrt(d)) X V* + E``.
+    - ``kind="softmax"``: ``Y = softmax(X K* X^T / sqrt(d)) X V* + E``; with ``causal=True`` each token attends
+      to itself and the tokens before it (a decoder head); with ``rotary`` positions the head is a rotary one of
+      width r*, ``logit_ts = rot_t(x_t W_Q) . rot_s(x_s W_K) / sqrt(d)`` with ``W_Q W_K^T = K*`` (the query and
+      key factors of rank r* spread over the ``2 P`` rotated coordinates by a random orthonormal map;
+      :mod:`rstar.inversions.softmax_rotary`).
 
     ``K* = W_Q W_K^T`` is ``d x d`` of rank ``rank``, scaled so that the
     logits ``X K* X^T / sqrt(d)`` have standard deviation ``logit_scale`` for
@@ -242,6 +250,10 @@ def make_attention_task(n_samples=2000, *, kind="softmax", seq_len=32, n_feature
     token_distribution : {"gaussian", "student_t", "correlated"}, default="gaussian"
     df : float, default=3.0
     feature_correlation : float, default=0.5
+    causal : bool, default=False
+        Softmax only: the causal mask.
+    rotary : rstar.RotaryPositions or None, default=None
+        Softmax only: rotary positions of length ``seq_len`` (``rank <= rotary.width``).
     random_state : int, RandomState instance or None
     return_teacher : bool, default=False
 
@@ -252,7 +264,8 @@ def make_attention_task(n_samples=2000, *, kind="softmax", seq_len=32, n_feature
     teacher : Bunch, only if ``return_teacher``
         ``rank``, ``kernel`` (K*), ``value_map`` (V*), ``noise``,
         ``noise_floor`` (sigma**2 T d_v), ``kind``, ``logit_scale``,
-        ``normalizer`` (c, linear_qk only).
+        ``normalizer`` (c, linear_qk only), ``causal``, and with ``rotary`` the
+        query and key factors ``query_factors``, ``key_factors`` (d, 2 P).
 
     Examples
     --------
@@ -267,13 +280,40 @@ def make_attention_task(n_samples=2000, *, kind="softmax", seq_len=32, n_feature
     n_samples, T, d, d_v, rank, noise = _common_checks(
         n_samples, seq_len, n_features, value_dim, rank, noise, n_features, "K* is d x d")
     logit_scale = check_positive(logit_scale, "logit_scale", allow_none=False)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}.")
+    if rotary is not None:
+        from .inversions._numerics.rotary import RotaryPositions
+
+        if kind != "softmax":
+            raise ValueError("rotary positions are a softmax head's: kind must be 'softmax' with rotary.")
+        if not isinstance(rotary, RotaryPositions):
+            raise TypeError(f"rotary must be a RotaryPositions, got {type(rotary).__name__}.")
+        if rotary.length != T:
+            raise ValueError(f"rotary has {rotary.length} positions, but seq_len={T}.")
+        if rank > rotary.width:
+            raise ValueError(f"rank must be <= rotary.width={rotary.width} (the rotated coordinates), got {rank}.")
+    if causal and kind != "softmax":
+        raise ValueError("causal is a softmax head's mask: kind must be 'softmax' with causal=True.")
     rng = check_random_state(random_state)
     s = _spectrum(rank, singular_values, decay, logit_scale * np.sqrt(d))
     K, V, X = _draw_teacher(rng, d, s, n_samples, T, d, d_v, distribution=token_distribution, df=df,
                             feature_correlation=feature_correlation)
     teacher = Bunch(kind=kind, rank=rank, kernel=K, value_map=V, singular_values=s, noise=noise,
-                    noise_floor=noise**2 * T * d_v, logit_scale=logit_scale)
-    if kind == "softmax":
+                    noise_floor=noise**2 * T * d_v, logit_scale=logit_scale, causal=bool(causal))
+    if kind == "softmax" and (causal or rotary is not None):
+        from .inversions._numerics.softmax_factored import causal_mask, factored_outputs
+
+        if rotary is None:
+            A, B = K, np.eye(d)
+        else:
+            U, sv, Wt = np.linalg.svd(K)
+            spread = np.linalg.qr(rng.standard_normal((rotary.width, max(rank, 1))))[0][:, :rank].T
+            A = (U[:, :rank] * np.sqrt(sv[:rank])) @ spread
+            B = (Wt[:rank].T * np.sqrt(sv[:rank])) @ spread
+            teacher.query_factors, teacher.key_factors = A, B
+        clean = factored_outputs(X, X @ V, A, B, causal_mask(T) if causal else None, rotary=rotary)
+    elif kind == "softmax":
         clean = softmax_attention(X, K, V)
     else:
         c = np.sqrt(T * d) if normalizer is None else check_positive(normalizer, "normalizer", allow_none=False)

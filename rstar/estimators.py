@@ -350,7 +350,9 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
             # (already out of the class or not identified: said once, by the inversion)
             self.model_check_ = model_check(self._config["operator"], self._inv, ws, self._stats, samples,
                                             alpha=cal.model_check_alpha)
-            gates.append(identifiability.operator_misfit_verdict(self.model_check_, self._config["operator"], ws.dim))
+            gates.append(identifiability.operator_misfit_verdict(
+                self.model_check_, self._config["operator"], ws.dim, causal=bool(self._config["causal"]),
+                rotary=self._config["rotary"] is not None, alpha=cal.model_check_alpha))
         gates = [v for v in gates if v is not None]
         _warn(_issued(gates), stacklevel=6)
         self.verdicts_ += gates

@@ -23,9 +23,23 @@ are tested here on the fitted samples, per sample (samples are i.i.d.; tokens of
   Student-t(3) and correlated tokens; ``benchmarks/model_check.py`` counts the alarms). This test needs no
   fitted operator.
 
-Each test is one-sided at the calibration's ``model_check_alpha`` (:mod:`rstar.calibration`). The first is about
-the class's *least-squares* fit (a moment estimator's operator can leave far more than the noise on data in the
-class while its rank is right), so it runs where the operator is one: the softmax least squares.
+* **No head that also attends by position explains what it misses** (the factored and the rotary least squares,
+  fitted on two halves: :func:`cross_fitted_class_check`). A head fitted in the wrong class because of *which*
+  tokens it reads (a causal head fitted as bidirectional or the reverse, a head that attends by position fitted
+  without positions) still mixes the same values ``z_s = x_s V``, and its average attention on each pair of
+  positions (t, s) is off. So each half's model is measured on the other half, a correction by one weight per pair
+  of positions (:func:`position_pair_corrections`) is fitted on one part of those held-out residuals and tested on
+  the other. Under the class the held-out residual is the noise plus the half model's own estimation error; no
+  correction can remove more than that error, which the two halves' disagreement on the same samples bounds (in
+  expectation), so the per-sample gain minus the disagreement has mean at most zero. What the pairs after t add
+  says the mask is wrong; the pairs up to t, that order matters. A rotary head whose rotations change *which
+  contents* match without changing the average weight of a pair (fast planes on varied tokens) is not seen by it:
+  its fit is then usually unsettled (warned as such); rstar.heads passes every Llama-family head its positions.
+
+Each test is one-sided at the calibration's ``model_check_alpha`` (:mod:`rstar.calibration`). The first two are
+about the class's *least-squares* fit (a moment estimator's operator can leave far more than the noise on data in
+the class while its rank is right), so they run where the operator is one: the softmax least squares (the full
+rank one at small d; the factored and the rotary one on their halves).
 """
 
 import numpy as np
@@ -35,7 +49,8 @@ from .calibration import DEFAULT_CALIBRATION
 from .inversions._numerics.linalg import solve_psd
 from .inversions.query_key import pseudo_inverse_fit
 
-__all__ = ["model_check", "no_attention_features", "operator_class_check", "outside_span_residuals", "paired_excess"]
+__all__ = ["cross_fitted_class_check", "model_check", "no_attention_features", "operator_class_check",
+           "outside_span_residuals", "paired_excess", "position_pair_corrections"]
 
 
 def no_attention_features(X):
@@ -54,6 +69,133 @@ def no_attention_features(X):
     prefix = np.cumsum(X, axis=1) / np.arange(1, T + 1)[None, :, None]
     position = np.broadcast_to(np.eye(T)[None], (n, T, T))
     return np.concatenate([X, mean, prefix, position], axis=2)
+
+
+def position_pair_corrections(Z, R, allowed=None):
+    """The least-squares correction ``R_t ~ sum_s c_ts z_s``, one scalar per pair of positions (t, s): what the values
+    of a head that attends by position alone would add (the module's third test).
+
+    Parameters
+    ----------
+    Z : ndarray of shape (n, T, d_v)
+        A model's values ``X V``.
+    R : ndarray of shape (n, T, d_v)
+        Its residuals.
+    allowed : ndarray of shape (T, T) of bool, optional
+        The pairs a coefficient may use (None: all).
+
+    Returns
+    -------
+    C : ndarray of shape (T, T)
+        ``C[t, s] = c_ts`` (zero where not allowed).
+    """
+    T = Z.shape[1]
+    G = np.einsum("nsv,nuv->su", Z, Z)          # the same Gram for every t
+    cross = np.einsum("nsv,ntv->ts", Z, R)
+    C = np.zeros((T, T))
+    for t in range(T):
+        cols = np.arange(T) if allowed is None else np.flatnonzero(allowed[t])
+        if cols.size:
+            C[t, cols] = solve_psd(G[np.ix_(cols, cols)], cross[t, cols])
+    return C
+
+
+def _corrected_power(Z, R, C):
+    corrected = R - np.einsum("ts,nsv->ntv", C, Z)
+    return np.einsum("ntv,ntv->n", corrected, corrected)
+
+
+def cross_fitted_class_check(halves, models, outputs, alpha=DEFAULT_CALIBRATION.model_check_alpha):
+    """Test a head fitted on two halves against heads that attend also by position (the module's third test).
+
+    Each half's model is measured on the other half's samples (held-out residuals ``R_i``); those samples are split
+    in two parts (alternately), the position-pair correction (:func:`position_pair_corrections` of the model's
+    values) is fitted on one part and measured on the other, and the per-sample gain
+    ``||R_i||^2 - ||R_i - sum_s c_ts z_is||^2 - ||f_h(X_i) - f_o(X_i)||^2`` (the last term, the two halves'
+    disagreement, bounds in expectation what a correction can remove from a model that is in its class) is tested
+    for a positive mean. Two parts of it are tested too: the correction by the pairs ``s <= t`` alone
+    (``"earlier"``: order among the tokens a causal head reads, as positions make), and what the pairs ``s > t``
+    add to it (``"later"``, per sample ``||R - C_{s<=t} Z||^2 - ||R - C Z||^2``: the mask).
+
+    Parameters
+    ----------
+    halves : tuple of two (X, Y)
+        The samples each half's model was fitted on (internal units).
+    models : tuple of two (A, B, V)
+        Each half's fitted query and key factors and value map.
+    outputs : callable
+        ``outputs(X, Z, A, B)``: a model's outputs ``P_i(A, B) Z_i`` (the fit's mask and positions bound in).
+    alpha : float
+        Level of the one-sided tests.
+
+    Returns
+    -------
+    dict
+        ``misfit_gain`` (the mean gain beyond the disagreement, as a fraction of the mean held-out residual),
+        ``misfit_p``; ``misfit_groups``: ``{"earlier": (gain, p), "later": (gain, p)}`` likewise;
+        ``rejected``: ``["order"]`` where the whole correction's test rejects.
+
+    Examples
+    --------
+    A bidirectional head fitted as a causal one:
+
+    >>> import numpy as np
+    >>> from rstar import RStarEstimator
+    >>> from rstar.inversions._numerics.softmax_factored import factored_outputs
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.standard_normal((1000, 12, 8))
+    >>> A, B, V = rng.standard_normal((8, 2)), rng.standard_normal((8, 2)), rng.standard_normal((8, 4))
+    >>> Y = factored_outputs(X, X @ V, A, B)
+    >>> Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    >>> est = RStarEstimator(causal=True, value_map=V)
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     est = est.fit(X, Y)
+    >>> est.model_check_["rejected"]
+    ['order']
+    """
+    sums = {name: [0.0, 0.0, 0] for name in ("all", "earlier", "later")}
+    own_total, own_count = 0.0, 0
+    for h in (0, 1):
+        A, B, V = models[h]
+        Ao, Bo, Vo = models[1 - h]
+        X, Y = halves[1 - h]
+        if X.shape[0] < 4:
+            continue
+        T = X.shape[1]
+        Z = X @ V
+        fitted = outputs(X, Z, A, B)
+        R = Y - fitted
+        D = fitted - outputs(X, X @ Vo, Ao, Bo)
+        dis = np.einsum("ntv,ntv->n", D, D)
+        own = np.einsum("ntv,ntv->n", R, R)
+        own_total, own_count = own_total + float(own.sum()), own_count + own.size
+        earlier = np.tril(np.ones((T, T), dtype=bool))
+        part = np.arange(X.shape[0]) % 2
+        for k in (0, 1):
+            fit, test = part != k, part == k
+            power_all = _corrected_power(Z[test], R[test], position_pair_corrections(Z[fit], R[fit]))
+            power_earlier = _corrected_power(Z[test], R[test], position_pair_corrections(Z[fit], R[fit], earlier))
+            for name, diff in (("all", own[test] - power_all - dis[test]),
+                               ("earlier", own[test] - power_earlier - dis[test]),
+                               ("later", power_earlier - power_all)):
+                t = sums[name]
+                t[0], t[1], t[2] = t[0] + float(diff.sum()), t[1] + float((diff**2).sum()), t[2] + diff.size
+    out = {"misfit_gain": None, "misfit_p": None, "misfit_groups": {}, "rejected": []}
+    if own_count == 0:
+        return out
+    own_mean = own_total / own_count
+    for name, (total, total_sq, n) in sums.items():
+        mean, _, p_value = paired_excess(total, total_sq, n)
+        gain = float(mean / own_mean) if own_mean > 0 else 0.0
+        if name == "all":
+            out["misfit_gain"], out["misfit_p"] = gain, p_value
+            if p_value < alpha and mean > 0:
+                out["rejected"].append("order")
+        else:
+            out["misfit_groups"][name] = (gain, p_value)
+    return out
 
 
 def _halves(n):
@@ -197,8 +339,8 @@ def model_check(operator_name, inversion, ws, stats, samples, alpha=None):
     """The operator-class check a fit runs on its own samples, where it applies; its outcome, or None.
 
     Runs for linear query-key attention with T > d (any inversion: its test needs no operator) and for softmax
-    attention where the least squares ran (its full-rank fit is the class's least-squares operator; not the
-    factored least squares at real sizes, and not the first order, which has model checks of its own:
+    attention where a least squares ran (the full-rank fit: its no-attention baseline; the factored and the rotary
+    one: :func:`cross_fitted_class_check` on their halves; not the first order, which has model checks of its own:
     :meth:`rstar.inversions.QueryKeyInversion.first_order_misfit`). What a rejection means for the rank is
     :func:`rstar.rules.identifiability.operator_misfit_verdict`'s to decide.
 
@@ -228,6 +370,10 @@ def model_check(operator_name, inversion, ws, stats, samples, alpha=None):
         # the exact-in-span test needs no operator (a moment estimator's would not do for the baseline test)
         check = operator_class_check(samples, None, exact_in_span=True, **kw)
         return None if check["span_p"] is None else check   # T <= d: no span left outside col(X_i)
+    if ws.inversion == getattr(inversion, "factored_name", None):
+        # the factored or rotary least squares: its two halves' models, each measured on the other half
+        return inversion.class_check(stats, ws, alpha=DEFAULT_CALIBRATION.model_check_alpha if alpha is None
+                                     else alpha)
     if ws.inversion != "softmax_least_squares":
         return None   # the check needs the class's least-squares fit; the first order has its own model checks
     operator = inversion.full_rank_operator(stats)   # the fit whiten made: no second fit

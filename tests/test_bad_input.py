@@ -213,3 +213,68 @@ def test_model_check_is_not_run_where_it_has_no_test():
     Xs, Ys = make_attention_task(300, kind="linear_qk", seq_len=8, n_features=8, rank=1, random_state=0)
     assert RStarEstimator(operator="linear_qk").fit(Xs, Ys).model_check_ is None      # T <= d: no span left
     assert RStarEstimator(operator="linear_proxy").fit(Xs, Ys).model_check_ is None   # a model of any tokens
+
+
+def _order_head_task(mask, rotary_planes=True, seed=3, n=1000):
+    """A causal or bidirectional head on tokens with a constant coordinate (a bias, as real hidden states carry):
+    with ``rotary_planes`` a plane at 1 rad a position on the constant (attention by offset alone) beside a content
+    plane, as Llama-family position heads are made; else the content plane alone, without positions."""
+    from rstar import RotaryPositions
+    from rstar.inversions._numerics.softmax_factored import factored_outputs
+
+    T, d, P, d_v = 12, 16, 4, 8
+    positions = RotaryPositions.from_frequencies(10000.0 ** -(np.arange(P) / P), T)
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, T, d))
+    X[:, :, 0] = 1.0
+    A, B = np.zeros((d, 2 * P)), np.zeros((d, 2 * P))
+    A[0, 0] = B[0, 0] = 3.0
+    A[1:, 1], B[1:, 1] = rng.standard_normal(d - 1) * 0.7, rng.standard_normal(d - 1) * 0.7
+    V = rng.standard_normal((d, d_v)) / 4
+    keep = np.tril(np.ones((T, T), dtype=bool)) if mask else None
+    if rotary_planes:
+        Y = factored_outputs(X, X @ V, A, B, keep, rotary=positions)
+    else:
+        Y = factored_outputs(X, X @ V, A[:, 1:2], B[:, 1:2], keep)
+    return X, Y + 0.05 * Y.std() * rng.standard_normal(Y.shape), V, positions
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_head_that_attends_by_position_fitted_without_its_positions_is_warned(known):
+    """A rotary position head fitted without ``rotary=``: the cross-fitted check (a weight per pair of positions
+    removes what the position-free fit misses, beyond the halves' disagreement) says the data lie outside the
+    class, points to the positions, and the interval covers every width; fitted with its positions, it passes and
+    reads its width."""
+    from rstar import OperatorMisfitWarning
+
+    X, Y, V, positions = _order_head_task(mask=True)
+    value_map = V if known else None
+    with pytest.warns(OperatorMisfitWarning) as record:
+        est = RStarEstimator(causal=True, value_map=value_map, random_state=0).fit(X, Y)
+    misfit = assert_warned(record, "operator_misfit", bounds=(0, 16), category=OperatorMisfitWarning)
+    assert "order matters" in str(misfit.message) and "rotary=RotaryPositions" in str(misfit.message)
+    check = est.model_check_
+    assert check["rejected"] == ["order"] and check["misfit_gain"] > 0.1
+    assert check["misfit_groups"]["earlier"][1] < 1e-3 and check["misfit_groups"]["later"][1] > 0.01
+    assert est.rank_interval_ == (0, 16)
+
+    import warnings as _w
+
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        fitted = RStarEstimator(causal=True, value_map=value_map, rotary=positions, random_state=0).fit(X, Y)
+    assert fitted.model_check_["rejected"] == [] and fitted.model_check_["misfit_p"] > 0.01
+    assert (fitted.rank_, fitted.rank_interval_) == (1, (1, 1))   # plane 0 on a constant has rank 1 each side
+
+
+def test_a_bidirectional_head_fitted_as_causal_is_warned_with_the_mask_to_fix():
+    from rstar import OperatorMisfitWarning
+
+    X, Y, V, _ = _order_head_task(mask=False, rotary_planes=False)
+    with pytest.warns(OperatorMisfitWarning) as record:
+        est = RStarEstimator(causal=True, value_map=V, random_state=0).fit(X, Y)
+    misfit = assert_warned(record, "operator_misfit", bounds=(0, 16), category=OperatorMisfitWarning)
+    assert "the mask is likely wrong" in str(misfit.message) and "causal=False" in str(misfit.message)
+    assert est.model_check_["misfit_groups"]["later"][1] < 1e-3 and est.rank_interval_ == (0, 16)
+    # the same head fitted in its class (bidirectional, the full least squares at this d) passes its checks
+    assert RStarEstimator(value_map=V, random_state=0).fit(X, Y).model_check_["rejected"] == []

@@ -96,3 +96,43 @@ def test_bad_generator_arguments(kwargs, match):
 def test_bad_attention_kind():
     with pytest.raises(ValueError, match="kind"):
         make_attention_task(10, kind="block")
+
+
+def test_causal_and_rotary_attention_tasks():
+    """``causal`` masks later tokens (the first token reads only its own value); ``rotary`` makes a rotary head
+    whose offset-zero kernel is K* (its factors of rank r*), the plain head when every angle is zero."""
+    from rstar import RotaryPositions
+
+    kw = dict(seq_len=8, n_features=6, rank=2, noise=0.0, random_state=0)
+    X, Y, t = make_attention_task(50, return_teacher=True, **kw)
+    Xc, Yc, tc = make_attention_task(50, causal=True, return_teacher=True, **kw)
+    np.testing.assert_allclose(Yc[:, 0], Xc[:, 0] @ tc.value_map, atol=1e-12)
+    assert tc.causal and not t.causal and np.abs(Yc[:, 1:] - Y[:, 1:]).max() > 1e-3
+    positions = RotaryPositions.from_frequencies(np.array([1.0, 0.1, 0.01]), 8)
+    _, Yr, tr = make_attention_task(50, rotary=positions, return_teacher=True, **kw)
+    np.testing.assert_allclose(tr.query_factors @ tr.key_factors.T, tr.kernel, atol=1e-12)
+    assert np.linalg.matrix_rank(tr.query_factors) == 2 and tr.query_factors.shape == (6, 6)
+    assert np.abs(Yr - Y).max() > 1e-3
+    still = RotaryPositions.from_frequencies(np.zeros(3), 8)
+    np.testing.assert_allclose(make_attention_task(50, rotary=still, **kw)[1], Y, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(causal=True, kind="linear_qk"), ValueError, "kind must be 'softmax'"),
+    (dict(rotary="x"), TypeError, "rotary must be a RotaryPositions"),
+    (dict(rotary=8), TypeError, "rotary must be a RotaryPositions"),
+    (dict(rank=7), ValueError, "rank must be <= rotary.width=6"),
+    (dict(seq_len=9), ValueError, "rotary has 8 positions, but seq_len=9"),
+])
+def test_bad_causal_and_rotary_arguments(kwargs, error, match):
+    from rstar import RotaryPositions
+
+    positions = RotaryPositions.from_frequencies(np.array([1.0, 0.1, 0.01]), 8)
+    kw = dict(seq_len=8, n_features=8, rank=2, rotary=positions)
+    if "rank" in kwargs or "seq_len" in kwargs:
+        kw.update(kwargs)
+    else:
+        kw = dict(seq_len=8, n_features=8, rank=2, **kwargs)
+    with pytest.raises(error, match=match):
+        make_attention_task(20, **kw)

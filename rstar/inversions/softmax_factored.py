@@ -359,10 +359,7 @@ def factored_half_disagreement(ws, halves, value_map, mask=None, *, calibration=
     with a count of 3, 0.026 — and the rank the curve read at 1% (8) held out 1.46% over the half-sum model.
     V unknown: each half's V given its kernel, as the curve refits it.
     """
-    models = []
-    for (A, B), (X, Y) in zip(ws.null.half_kernels, halves):
-        models.append((A, B, value_map if value_map is not None
-                       else sf.value_map_given_kernel(X, Y, A, B, mask, calibration=calibration)))
+    models = sf.half_models(ws.null.half_kernels, halves, value_map, mask, calibration=calibration)
     dis, tss = 0.0, 0.0
     (A1, B1, V1), (A2, B2, V2) = models
     for X, Y in halves:

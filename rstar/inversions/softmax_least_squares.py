@@ -4,7 +4,7 @@ import numpy as np
 from scipy import linalg
 from scipy.stats import f as f_dist
 
-from ._numerics import softmax_ls as _softmax_ls
+from ._numerics import softmax_factored as sf, softmax_ls as _softmax_ls
 from .._backend import NUMPY
 from ._numerics.linalg import solve_psd
 from ..streaming import ArraySamples
@@ -424,6 +424,22 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         disagreement = rotary_half_disagreement if ws.inversion == ROTARY_NAME else factored_half_disagreement
         return disagreement(ws, self._halves(stats), self.value_map, self._mask(stats),
                                           calibration=self.calibration)
+
+    def class_check(self, stats, ws, alpha):
+        """The factored run's :func:`rstar.model_check.cross_fitted_class_check` on its two halves' models (None for
+        the other runs)."""
+        if ws.inversion != self.factored_name:
+            return None
+        from ..model_check import cross_fitted_class_check   # (the model checks import the inversions)
+
+        halves, mask, rotary = self._halves(stats), self._mask(stats), ws.null.rotary
+        models = sf.half_models(ws.null.half_kernels, halves, self.value_map, mask, calibration=self.calibration,
+                                rotary=rotary)
+
+        def outputs(X, Z, A, B):
+            return sf.factored_outputs(X, Z, A, B, mask, calibration=self.calibration, rotary=rotary)
+
+        return cross_fitted_class_check(halves, models, outputs, alpha=alpha)
 
     def rank_output_distance_samples(self, stats, ws, ranks):
         """The factored run's :func:`factored_output_distances` (None for the other runs)."""

@@ -248,10 +248,7 @@ def rotary_half_disagreement(ws, halves, value_map, mask=None, *, calibration=DE
     """How far the two halves' full rotary fits disagree, relative to Var(Y)
     (:func:`rstar.inversions.softmax_factored.factored_half_disagreement`'s measure)."""
     rotary = ws.null.rotary
-    models = []
-    for (A, B), (X, Y) in zip(ws.null.half_kernels, halves):
-        models.append((A, B, value_map if value_map is not None
-                       else sf.value_map_given_kernel(X, Y, A, B, mask, calibration=calibration, rotary=rotary)))
+    models = sf.half_models(ws.null.half_kernels, halves, value_map, mask, calibration=calibration, rotary=rotary)
     dis, tss = 0.0, 0.0
     (A1, B1, V1), (A2, B2, V2) = models
     for X, Y in halves:

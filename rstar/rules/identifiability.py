@@ -15,6 +15,7 @@ as it is).
 """
 
 from ..exceptions import (IllConditionedInversionWarning, OperatorMisfitWarning, UnidentifiableRankWarning)
+from ..calibration import DEFAULT_CALIBRATION
 
 __all__ = ["REASONS", "Verdict", "covering", "estimator_verdicts", "fallback_verdict", "first_order_misfit_verdict",
            "operator_misfit_verdict", "rule_verdict", "said_by_the_inversion", "statistic_verdicts",
@@ -333,10 +334,44 @@ def first_order_misfit_verdict(check, calibration):
         "these data where its budgets allow.", (0, d))
 
 
-def operator_misfit_verdict(check, operator, dim):
-    """The verdict on :func:`rstar.model_check.operator_class_check`'s outcome ``check`` for ``operator``."""
+def _order_misfit(check, causal, rotary, alpha):
+    """``(reason, what would fit)`` for :func:`rstar.model_check.cross_fitted_class_check`'s rejection."""
+    head = ("causal" if causal else "bidirectional") + (" rotary" if rotary else "")
+    reason = (f"on samples each half's {head} head was not fitted on, one weight per pair of positions on the "
+              f"values removes {100 * check['misfit_gain']:.1f}% of its residual beyond what the two halves' "
+              f"disagreement allows (one-sided p = {check['misfit_p']:.2g})")
+    groups = check.get("misfit_groups", {})
+    hints = []
+    later = groups.get("later")
+    if later is not None and later[1] < alpha and later[0] > 0:
+        hints.append(f"the pairs after each position carry {100 * later[0]:.1f}% of it, so the mask is likely "
+                     "wrong: " + ("Y reads later tokens, try causal=False" if causal
+                                  else "a decoder head needs causal=True"))
+    earlier = groups.get("earlier")
+    if not hints and earlier is not None and earlier[1] < alpha and earlier[0] > 0:
+        hints.append(f"the pairs up to each position carry {100 * earlier[0]:.1f}%, so order matters: "
+                     + ("check that rotary= holds the head's own positions" if rotary
+                        else "a head with rotary positions needs rotary=RotaryPositions(...) (rstar.heads passes "
+                             "a Llama-family head's), an absolute-position head tokens that carry their positions"))
+    if not hints:
+        hints.append("check that X holds the inputs and Y the outputs, not swapped, and the mask and positions")
+    return reason, "; ".join(hints)
+
+
+def operator_misfit_verdict(check, operator, dim, *, causal=False, rotary=False, alpha=None):
+    """The verdict on :func:`rstar.model_check.operator_class_check`'s (or
+    :func:`rstar.model_check.cross_fitted_class_check`'s) outcome ``check`` for ``operator`` (fitted ``causal``,
+    with ``rotary`` positions or not)."""
     if check is None or not check["rejected"]:
         return None
+    alpha = DEFAULT_CALIBRATION.model_check_alpha if alpha is None else alpha
+    if "order" in check["rejected"]:
+        reason, fit = _order_misfit(check, causal, rotary, alpha)
+        wide = (0, int(dim))
+        return Verdict(
+            "operator_misfit", OperatorMisfitWarning,
+            f"the data do not follow the fitted {operator} head's class: {reason}. rank_ is a count inside a class "
+            f"these data lie outside, so it may be far off; rank_interval_ is {wide}. What would fit: {fit}.", wide)
     reasons = []
     if "baseline" in check["rejected"]:
         reasons.append(f"a regression with no attention at all (each token's features, its sequence's and "

@@ -52,6 +52,7 @@ __all__ = [
     "extended_start",
     "gradient_start",
     "value_map_given_kernel",
+    "half_models",
     "fit_factored_pair",
     "NumpyHalfLoss",
     "half_losses",
@@ -263,6 +264,14 @@ def _attention(X, A, B, mask=None, rotary=None):
     if rotary is not None:
         XA, XB = rotate(XA, rotary), rotate(XB, rotary)
     return NUMPY.softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) / np.sqrt(d), mask))
+
+
+def half_models(half_kernels, halves, value_map=None, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
+    """Each half's model ``(A, B, V)``: its fitted factors, and V known or fitted on that half given its attention
+    (:func:`value_map_given_kernel`)."""
+    return tuple((A, B, value_map if value_map is not None
+                  else value_map_given_kernel(X, Y, A, B, mask, calibration=calibration, rotary=rotary))
+                 for (A, B), (X, Y) in zip(half_kernels, halves))
 
 
 def value_normal_equations(X, Y, A=None, B=None, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
