@@ -14,8 +14,8 @@ Examples
 'softmax'
 """
 
-from ._rank import mp_corrected_rank, operator_entry_variance, operator_noise_threshold
+from ._rank import kronecker_entry_variance, mp_corrected_rank, operator_entry_variance, operator_noise_threshold
 from ._student import KINDS, AttentionStudent
 
-__all__ = ["AttentionStudent", "KINDS", "mp_corrected_rank", "operator_entry_variance",
+__all__ = ["AttentionStudent", "KINDS", "kronecker_entry_variance", "mp_corrected_rank", "operator_entry_variance",
            "operator_noise_threshold"]

@@ -94,9 +94,18 @@ class LinearQK(_Factored):
         self.V = _normal((n_features, value_dim), 1.0 / math.sqrt(n_features), generator)
         self.normalizer = float(normalizer)
 
+    #: the logits are ``logit_scale * X K X^T``
+    logit_scale = 1.0
+
+    def logits(self, X, K):
+        """``logit_scale * X K X^T``, shape (n, T, T): the only way the kernel enters (row t feeds token t only)."""
+        return (X @ K @ X.transpose(-1, -2)) * self.logit_scale
+
+    def forward_with_logits(self, X, S):
+        return S @ (X @ self.V) / self.normalizer
+
     def forward_with_operator(self, X, K):
-        scores = X @ K @ X.transpose(-1, -2)  # (n, T, T)
-        return scores @ (X @ self.V) / self.normalizer
+        return self.forward_with_logits(X, self.logits(X, K))
 
 
 class LinearQKFull(LinearQK):
@@ -113,14 +122,17 @@ class SoftmaxAttention(_Factored):
         super().__init__()
         self._init_operator(n_features, n_features, rank, init_scale, generator)
         self.V = _normal((n_features, value_dim), 1.0 / math.sqrt(n_features), generator)
-        self.scale = 1.0 / math.sqrt(n_features)
+        self.logit_scale = 1.0 / math.sqrt(n_features)
 
-    def attend(self, X, K, V):
-        logits = (X @ K @ X.transpose(-1, -2)) * self.scale
-        return torch.softmax(logits, dim=-1) @ (X @ V)
+    def logits(self, X, K):
+        """``X K X^T / sqrt(d)``, shape (n, T, T): the only way the kernel enters (row t feeds token t only)."""
+        return (X @ K @ X.transpose(-1, -2)) * self.logit_scale
+
+    def forward_with_logits(self, X, S):
+        return torch.softmax(S, dim=-1) @ (X @ self.V)
 
     def forward_with_operator(self, X, K):
-        return self.attend(X, K, self.V)
+        return self.forward_with_logits(X, self.logits(X, K))
 
 
 class AttentionBlock(SoftmaxAttention):
@@ -144,8 +156,8 @@ class AttentionBlock(SoftmaxAttention):
         self.W_out = _normal((d, value_dim), 1.0 / math.sqrt(d), generator)
         self.b_out = nn.Parameter(torch.zeros(value_dim, dtype=torch.float64))
 
-    def forward_with_operator(self, X, K):
-        H = self.ln1(X + self.attend(X, K, self.V))
+    def forward_with_logits(self, X, S):
+        H = self.ln1(X + torch.softmax(S, dim=-1) @ (X @ self.V))
         F = torch.nn.functional.gelu(H @ self.W1 + self.b1) @ self.W2 + self.b2
         return self.ln2(H + F) @ self.W_out + self.b_out
 

@@ -43,7 +43,7 @@ from ..marchenko_pastur import largest_eigenvalue_quantile
 from ..spectral import (energy_effective_rank_from_singular_values, entropy_effective_rank_from_singular_values,
                         singular_values)
 
-__all__ = ["operator_entry_variance", "operator_noise_threshold", "mp_corrected_rank"]
+__all__ = ["kronecker_entry_variance", "operator_entry_variance", "operator_noise_threshold", "mp_corrected_rank"]
 
 
 def operator_entry_variance(fisher, noise_variance):
@@ -82,6 +82,54 @@ def operator_entry_variance(fisher, noise_variance):
         return float("inf") if noise_variance > 0 else 0.0
     w = w[w > 1e-10 * w[-1]]
     return float(noise_variance * np.sum(1.0 / w) / F.shape[0])
+
+
+def kronecker_entry_variance(query_factor, key_factor, noise_variance):
+    """:func:`operator_entry_variance` for a Fisher information ``F = A (x) B`` given by its two factors.
+
+    ``tr((A (x) B)^{-1}) = sum_ij 1 / (a_i b_j)`` over the products of their eigenvalues (those below
+    ``1e-10`` times the largest product are left out, as the pseudo-inverse does), divided by the ``p q`` entries:
+    nothing of size ``p q x p q`` is formed.
+
+    Parameters
+    ----------
+    query_factor : array-like of shape (p, p)
+    key_factor : array-like of shape (q, q)
+        Symmetric positive semi-definite.
+    noise_variance : float
+
+    Returns
+    -------
+    float
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from rstar.students import kronecker_entry_variance, operator_entry_variance
+    >>> A, B = np.diag([1.0, 2.0]), np.diag([3.0, 4.0, 5.0])
+    >>> bool(np.isclose(kronecker_entry_variance(A, B, 0.5), operator_entry_variance(np.kron(A, B), 0.5)))
+    True
+    """
+    a = np.linalg.eigvalsh(_symmetric_psd(query_factor, "query_factor"))
+    b = np.linalg.eigvalsh(_symmetric_psd(key_factor, "key_factor"))
+    noise_variance = float(noise_variance)
+    if not np.isfinite(noise_variance) or noise_variance < 0:
+        raise ValueError(f"noise_variance must be a finite non-negative number, got {noise_variance!r}.")
+    products = np.outer(a, b).ravel()
+    top = products.max(initial=0.0)
+    if top <= 0:
+        return float("inf") if noise_variance > 0 else 0.0
+    kept = products[products > 1e-10 * top]
+    return float(noise_variance * np.sum(1.0 / kept) / products.size)
+
+
+def _symmetric_psd(M, name):
+    M = np.asarray(M, dtype=np.float64)
+    if M.ndim != 2 or M.shape[0] != M.shape[1]:
+        raise ValueError(f"{name} must be a square matrix, got shape {M.shape}.")
+    if not np.all(np.isfinite(M)):
+        raise ValueError(f"{name} contains NaN or infinity.")
+    return (M + M.T) / 2
 
 
 def operator_noise_threshold(shape, entry_variance, alpha=0.01):

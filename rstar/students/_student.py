@@ -11,7 +11,9 @@ from sklearn.utils.validation import check_is_fitted
 from .._validation import check_int, check_positive, check_random_state, check_tokens, check_X_Y
 from ..calibration import DEFAULT_CALIBRATION
 from ..metrics import token_r2_score
-from ._rank import mp_corrected_rank, operator_entry_variance
+from ..budgets import CostBudget
+from ..exceptions import InversionFallbackWarning
+from ._rank import kronecker_entry_variance, mp_corrected_rank, operator_entry_variance
 
 __all__ = ["AttentionStudent", "KINDS"]
 
@@ -34,6 +36,15 @@ def _import_torch():
             "rstar.students needs PyTorch, which is not installed. Install it with: pip install \"rstar[torch]\""
         ) from exc
     return torch
+
+
+def _activation_bytes(kind, batch, T, d, d_v, dtype):
+    """About the bytes a training step holds for a batch (autograd keeps each intermediate): the logits and
+    attention (three T x T per sample), the token-side products (six of T x max(d, d_v)), the block's FFN (width
+    4d: ten T x d more)."""
+    width = max(d, d_v)
+    per_sample = 3 * T * T + 6 * T * width + (10 * T * d if kind == "block" else 0)
+    return batch * per_sample * (4 if dtype == "float32" else 8)
 
 
 class AttentionStudent(RegressorMixin, BaseEstimator):
@@ -97,6 +108,15 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     calibration : Calibration or None, default=None
         The tuned values the rank measurement reads (the samples of the operator's Fisher information and its
         chunks: ``fisher_samples``, ``fisher_chunk``; :mod:`rstar.calibration`). None: ``DEFAULT_CALIBRATION``.
+    memory_budget : int or None, default=None
+        Bytes the student may hold at once beyond its data. Given, a training batch whose activations would take
+        more than half of it is refused before training with a one-line error (lower ``batch_size``); None: the
+        calibration's ``memory_budget`` (512 MiB) for the Fisher information only, and training that runs out of
+        memory stops with that one-line error. With ``fisher="auto"`` the operator's Fisher information is computed exactly where its
+        ``m x m`` matrix (m = d^2 entries, T^2 for B0) fits in half of it, else by its nearest Kronecker factors.
+    fisher : {"auto", "exact", "kronecker"}, default="auto"
+        How the operator's Fisher information is computed (see Notes). ``"exact"`` beyond the memory budget is
+        refused; ``"kronecker"`` needs a query-key student (not B0).
 
     Attributes
     ----------
@@ -117,6 +137,9 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         The finite-sample noise level tau of the operator's singular values.
     kernel_entry_variance_ : float
         Average per-entry variance s^2 of the operator's estimation error.
+    fisher_method_ : {"exact", "kronecker"}
+        How the operator's Fisher information was computed (see Notes); ``"kronecker"`` chosen by ``"auto"`` is
+        warned.
     noise_variance_ : float
         Per-entry residual variance of the training targets.
     history_ : list of float
@@ -148,6 +171,15 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     computed with forward-mode autodiff on at most 256 training samples (the
     calibration's ``fisher_samples``) and rescaled to n. See :func:`rstar.students.mp_corrected_rank`.
 
+    At real sizes (d = 384: ``F`` has d^4 = 2e10 entries) ``F`` is not formed: the kernel enters the query-key
+    students only through the logits, and token t's output only through row t of them, so each row of the Jacobian
+    is a rank-one matrix ``x_t u^T`` (``u = sum_s (d y / d S_ts) x_s`` times the logit scale, from one forward-mode
+    pass per key position), and ``F = sum (x x^T) (x) (u u^T)``. Its nearest Kronecker product ``A (x) B`` in the
+    Frobenius norm (alternating least squares on the two factors, each a sum over the same rows; Van Loan and
+    Pitsianis 1993) gives ``tr(F^{-1}) ~ tr(A^{-1}) tr(B^{-1})`` (:func:`rstar.students.kronecker_entry_variance`),
+    in ``O(d^2)`` memory; ``fisher_method_`` says which was used. Where both can run they were compared in
+    ``tests/test_students.py``.
+
     Examples
     --------
     >>> from rstar.datasets import make_attention_task
@@ -165,7 +197,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
     def __init__(self, kind="linear_qk", rank=None, max_epochs=3000, lr=1e-2, init_scale=1e-2, batch_size=None,
                  device="auto", random_state=None, verbose=0, tol=1e-4, patience=100, max_lr_drops=3,
-                 weight_decay=0.0, alpha=0.01, dtype="float32", calibration=None):
+                 weight_decay=0.0, alpha=0.01, dtype="float32", calibration=None, memory_budget=None,
+                 fisher="auto"):
         self.kind = kind
         self.rank = rank
         self.max_epochs = max_epochs
@@ -182,6 +215,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         self.alpha = alpha
         self.dtype = dtype
         self.calibration = calibration
+        self.memory_budget = memory_budget
+        self.fisher = fisher
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, T, d):
@@ -204,6 +239,12 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         check_int(self.max_lr_drops, "max_lr_drops", 0)
         check_positive(self.weight_decay, "weight_decay", allow_none=False, strict=False)
         check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
+        check_int(self.memory_budget, "memory_budget", 1, allow_none=True)
+        if not isinstance(self.fisher, str) or self.fisher not in ("auto", "exact", "kronecker"):
+            raise ValueError(f"fisher must be 'auto', 'exact' or 'kronecker', got {self.fisher!r}.")
+        if self.fisher == "kronecker" and self.kind == "linear_proxy":
+            raise ValueError("fisher='kronecker' needs a query-key student: the linear_proxy (B0) operator does "
+                             "not enter through logits; use fisher='exact' or 'auto'.")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}.")
         return rank
@@ -225,6 +266,13 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         n, T, d = X.shape
         d_v = Y.shape[2]
         rank = self._check_params(T, d)
+        budget = self._budget()
+        batch = n if self.batch_size is None else min(int(self.batch_size), n)
+        activations = _activation_bytes(self.kind, batch, T, d, d_v, self.dtype)
+        if self.memory_budget is not None and not budget.allows_array(activations // 8):
+            raise ValueError(f"a training batch of {batch} samples (T = {T}, d = {d}) needs about "
+                             f"{activations / 2**20:.0f} MiB of activations, over half the memory budget "
+                             f"({budget.memory_bytes / 2**20:.0f} MiB): lower batch_size or raise memory_budget.")
         torch = _import_torch()
         from .._torch_backend import resolve_torch_device
         from ._modules import build_module
@@ -241,7 +289,14 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         Yt = torch.as_tensor(Y, dtype=dtype, device=device)
 
         t0 = time.perf_counter()
-        self.history_ = self._train(module, Xt, Yt, gen, torch)
+        try:
+            self.history_ = self._train(module, Xt, Yt, gen, torch)
+        except (RuntimeError, MemoryError) as error:
+            if not isinstance(error, MemoryError) and "memory" not in str(error).lower():
+                raise
+            raise ValueError(f"training ran out of memory on {device} with batches of {batch} samples (T = {T}, "
+                             f"d = {d}: about {activations / 2**20:.0f} MiB of activations): lower batch_size.") \
+                from None
         self.fit_time_ = time.perf_counter() - t0
         self.n_iter_ = len(self.history_)
 
@@ -256,8 +311,29 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
         with torch.no_grad():
             self.kernel_ = module.operator().detach().cpu().double().numpy()
-        fisher = self._operator_fisher(module, Xt, gen, torch)
-        self.kernel_entry_variance_ = operator_entry_variance(fisher, self.noise_variance_)
+        size = T if self.kind == "linear_proxy" else d
+        exact_fits = budget.allows_kernel_matrix(size)
+        if self.fisher == "exact" and not exact_fits:
+            raise ValueError(f"fisher='exact': the {size}^2 x {size}^2 Fisher information exceeds half the memory "
+                             f"budget ({budget.memory_bytes / 2**20:.0f} MiB): raise memory_budget or use "
+                             "fisher='auto'.")
+        if self.fisher == "exact" or (self.fisher == "auto" and exact_fits):
+            fisher = self._operator_fisher(module, Xt, gen, torch)
+            self.kernel_entry_variance_ = operator_entry_variance(fisher, self.noise_variance_)
+            self.fisher_method_ = "exact"
+        elif self.kind == "linear_proxy":
+            raise ValueError(f"the linear_proxy student's Fisher information ({T}^2 x {T}^2 entries) exceeds half "
+                             f"the memory budget ({budget.memory_bytes / 2**20:.0f} MiB): raise memory_budget "
+                             "or use shorter sequences.")
+        else:
+            query_factor, key_factor = self._kronecker_fisher(module, Xt, gen, torch, budget)
+            self.kernel_entry_variance_ = kronecker_entry_variance(query_factor, key_factor, self.noise_variance_)
+            self.fisher_method_ = "kronecker"
+        if self.fisher == "auto" and self.fisher_method_ == "kronecker":
+            warnings.warn(f"the {d}^2 x {d}^2 Fisher information of the student's kernel exceeds half the memory "
+                          f"budget ({budget.memory_bytes / 2**20:.0f} MiB), so its noise level comes from the "
+                          "nearest Kronecker product of that information (fisher_method_ = 'kronecker'); raise "
+                          "memory_budget for the exact one.", InversionFallbackWarning, stacklevel=2)
         measure = "entropy" if self.kind in _LINEAR_KINDS else "energy"
         spec = mp_corrected_rank(self.kernel_, self.kernel_entry_variance_, alpha=self.alpha, measure=measure)
         self.rank_ = spec.rank
@@ -266,6 +342,65 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         self.noise_threshold_ = spec.threshold
         self.kernel_singular_values_ = spec.singular_values
         return self
+
+    def _budget(self):
+        cal = DEFAULT_CALIBRATION if self.calibration is None else self.calibration
+        return CostBudget(memory_bytes=cal.memory_budget if self.memory_budget is None else int(self.memory_budget))
+
+    def _kronecker_fisher(self, module, Xt, gen, torch, budget):
+        """The nearest Kronecker factors ``(A, B)`` (d x d each) of the kernel's Fisher information, rescaled to all n
+        samples: with ``F = sum_rows (x x^T) (x) (u u^T)`` (see Notes), ``A = sum (u^T B u) x x^T / ||B||^2`` and
+        ``B = sum (x^T A x) u u^T / ||A||^2`` alternated from ``B = I`` until their product's norm changes by less
+        than 1e-6 (at most 20 rounds). The rows' ``u = c X^T g`` (``g = dy / dS_t.``, T entries) are never formed:
+        ``u^T B u = c^2 g^T (X B X^T) g`` and ``sum u u^T = c^2 X^T (sum g g^T) X`` keep every product at
+        ``O(T d^2)`` a sample. The row Jacobians are recomputed each round, in chunks within the memory budget."""
+        n, T, d = Xt.shape
+        cal = DEFAULT_CALIBRATION if self.calibration is None else self.calibration
+        m = min(n, cal.fisher_samples)
+        sel = torch.randperm(n, generator=gen)[:m].to(Xt.device)
+        Xs = Xt[sel].double()
+        module = copy.deepcopy(module).double().requires_grad_(False)
+        d_v = module(Xs[:1]).shape[-1]
+        per_sample = T * (d_v * T * (T + 1) + 4 * d + 4 * T)   # the jvps' columns, their stack, the products
+        chunk = max(1, min(m, budget.memory_bytes // 2 // (8 * per_sample)))
+        K0 = module.operator()
+        scale = float(module.logit_scale)
+
+        def row_jacobians():
+            for start in range(0, m, chunk):
+                xb = Xs[start:start + chunk]
+                S0 = module.logits(xb, K0)
+                columns = []
+                for s in range(T):
+                    tangent = torch.zeros_like(S0)
+                    tangent[..., s] = 1.0
+                    columns.append(torch.func.jvp(lambda S, xb=xb: module.forward_with_logits(xb, S),
+                                                  (S0,), (tangent,))[1])
+                yield xb, torch.stack(columns, dim=-1) * scale              # (c, T, d_v, T): c dy_t / dS_ts
+
+        A = torch.eye(d, dtype=torch.float64, device=Xt.device)
+        B = torch.eye(d, dtype=torch.float64, device=Xt.device)
+        previous = None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+            for _ in range(20):
+                new_A = torch.zeros_like(A)
+                for xb, G in row_jacobians():
+                    P = xb @ B @ xb.transpose(-1, -2)                          # X B X^T
+                    weight = torch.einsum("ntvs,nsu,ntvu->nt", G, P, G)       # sum_v u^T B u, per token
+                    new_A += torch.einsum("ntd,nt,nte->de", xb, weight, xb)
+                A = new_A / torch.sum(B * B)
+                new_B = torch.zeros_like(B)
+                for xb, G in row_jacobians():
+                    weight = torch.einsum("ntd,de,nte->nt", xb, A, xb)       # x^T A x, per token
+                    M = torch.einsum("nt,ntvs,ntvu->nsu", weight, G, G)
+                    new_B += torch.einsum("nsd,nsu,nue->de", xb, M, xb)
+                B = new_B / torch.sum(A * A)
+                current = float(torch.linalg.norm(A) * torch.linalg.norm(B))
+                if previous is not None and abs(current - previous) <= 1e-6 * current:
+                    break
+                previous = current
+        return A.cpu().numpy() * (n / m), B.cpu().numpy()
 
     @staticmethod
     def _batches(Xt, Yt, size, order=None):
