@@ -65,6 +65,20 @@ def check_tokens(X, name="X", *, allow_2d=True):
     return np.ascontiguousarray(X)
 
 
+def check_X_Y_and_y_ndim(X, Y):
+    """``(X, Y, y_ndim)``: X and Y as 3-D float arrays (a 2-D X read as T = 1, a 1-D Y with a 2-D X as one output)
+    and the number of dimensions of the Y given (what ``predict`` returns; 3 for 3-D)."""
+    if Y is not None and not hasattr(Y, "ndim"):
+        Y = np.asarray(Y)
+    if X is not None and not hasattr(X, "ndim"):
+        X = np.asarray(X)
+    y_ndim = None if Y is None else np.asarray(Y).ndim
+    if y_ndim == 1 and np.asarray(X).ndim == 2:
+        Y = np.asarray(Y)[:, None]
+    X, Y = check_X_Y(X, Y)
+    return X, Y, 3 if y_ndim == 3 else y_ndim
+
+
 def check_X_Y(X, Y):
     """Validate a pair ``(X, Y)``: shapes ``(n, T, d)`` and ``(n, T, d_v)``."""
     try:

@@ -29,7 +29,7 @@ import numpy as np
 from sklearn.utils.validation import check_is_fitted
 
 from ._backend import resolve_backend
-from ._validation import check_X_Y
+from ._validation import check_X_Y, check_X_Y_and_y_ndim
 from .calibration import DEFAULT_CALIBRATION
 
 __all__ = ["Samples", "ArraySamples", "BatchSamples", "DaskSamples", "StreamingFitMixin", "is_dask_collection"]
@@ -799,15 +799,7 @@ class StreamingFitMixin:
     def _validated(self, X, Y):
         """``(X, Y, y_ndim)``: X and Y as 3-D float arrays (a 2-D X read as T = 1, a 1-D Y as one output) and
         the number of dimensions of the Y given (what ``predict`` returns)."""
-        if Y is not None and not hasattr(Y, "ndim"):
-            Y = np.asarray(Y)
-        if X is not None and not hasattr(X, "ndim"):
-            X = np.asarray(X)
-        y_ndim = None if Y is None else np.asarray(Y).ndim
-        if y_ndim == 1 and np.asarray(X).ndim == 2:
-            Y = np.asarray(Y)[:, None]
-        X, Y = check_X_Y(X, Y)
-        return X, Y, 3 if y_ndim == 3 else y_ndim
+        return check_X_Y_and_y_ndim(X, Y)
 
     def _check_next(self, X, Y):
         """A later batch must match the first one's shape and the configuration frozen then."""

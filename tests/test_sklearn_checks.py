@@ -1,4 +1,4 @@
-"""scikit-learn's own estimator checks on every data-only estimator.
+"""scikit-learn's own estimator checks on every estimator: the data-only ones and the trained students.
 
 2-D input is read as (n, 1, d): the linear proxy is then ordinary multi-output
 linear regression, so its checks are meaningful; the attention operators with
@@ -6,6 +6,7 @@ a single token degenerate (softmax of one logit is 1; linear QK is cubic), so
 they carry the ``poor_score`` tag.
 """
 
+import pytest
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from rstar import (
@@ -15,6 +16,7 @@ from rstar import (
     RStarEstimator,
     SoftmaxInversionEstimator,
 )
+from rstar.students import AttentionStudent
 
 ESTIMATORS = [
     NumericalRankEstimator(),
@@ -36,4 +38,20 @@ def _expected_failed_checks(estimator):
 
 @parametrize_with_checks(ESTIMATORS, expected_failed_checks=_expected_failed_checks)
 def test_sklearn_compatible_estimator(estimator, check):
+    check(estimator)
+
+
+# Trained with torch on the checks' small arrays (2-D: one token a sample). The query-key students carry the
+# poor_score tag there (attention of one token degenerates) and train a few epochs; the linear proxy is then linear
+# regression and trains until it fits.
+STUDENTS = [
+    AttentionStudent(kind="linear_proxy", max_epochs=300, random_state=0),
+    AttentionStudent(kind="linear_qk", max_epochs=5, random_state=0),
+    AttentionStudent(kind="softmax", max_epochs=5, random_state=0),
+]
+
+
+@parametrize_with_checks(STUDENTS)
+def test_sklearn_compatible_student(estimator, check):
+    pytest.importorskip("torch")
     check(estimator)

@@ -8,7 +8,7 @@ import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
-from .._validation import check_int, check_positive, check_random_state, check_tokens, check_X_Y
+from .._validation import check_int, check_positive, check_random_state, check_tokens, check_X_Y_and_y_ndim
 from ..calibration import DEFAULT_CALIBRATION
 from ..metrics import token_r2_score
 from ..budgets import CostBudget
@@ -262,7 +262,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         -------
         self
         """
-        X, Y = check_X_Y(X, Y)
+        X, Y, y_ndim = check_X_Y_and_y_ndim(X, Y)
         n, T, d = X.shape
         d_v = Y.shape[2]
         rank = self._check_params(T, d)
@@ -307,6 +307,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         self.noise_variance_ = sse / (n * T * d_v)
         self.module_ = module
         self.n_features_in_, self.seq_len_, self.n_outputs_ = d, T, d_v
+        self._y_ndim = y_ndim
         self.device_ = str(device)
 
         with torch.no_grad():
@@ -490,12 +491,18 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         Returns
         -------
         Y_pred : ndarray of shape (n_samples, T, d_v)
+            (``(n_samples, d_v)``, or ``(n_samples,)``, for 2-D X where fit was given a 2-D or 1-D Y: one token
+            a sample).
         """
         check_is_fitted(self, "module_")
+        if not hasattr(X, "ndim"):
+            X = np.asarray(X)
+        two_d = X.ndim == 2
         X = check_tokens(X, "X")
         if X.shape[2] != self.n_features_in_:
-            raise ValueError(f"X has {X.shape[2]} features per token, but this student was fitted with "
-                             f"d = {self.n_features_in_} (X must have shape (n_samples, T, {self.n_features_in_})).")
+            raise ValueError(f"X has {X.shape[2]} features, but AttentionStudent is expecting {self.n_features_in_} "
+                             f"features as input (per token: X must have shape (n_samples, T, "
+                             f"{self.n_features_in_})).")
         if self.kind == "linear_proxy" and X.shape[1] != self.seq_len_:
             raise ValueError(f"X has T = {X.shape[1]} tokens, but the linear_proxy student mixes tokens with a "
                              f"fixed {self.seq_len_} x {self.seq_len_} matrix A: X must have shape "
@@ -511,23 +518,31 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         module.eval()
         with torch.no_grad():
             out = [module(Xt[s:s + 4096]).double().cpu().numpy() for s in range(0, X.shape[0], 4096)]
-        return np.concatenate(out, axis=0)
+        Y = np.concatenate(out, axis=0)
+        if two_d and Y.shape[1] == 1 and getattr(self, "_y_ndim", 3) in (1, 2):
+            return Y[:, 0, 0] if self._y_ndim == 1 and Y.shape[2] == 1 else Y[:, 0]
+        return Y
 
-    def score(self, X, Y):
+    def score(self, X, y, sample_weight=None):
         """Token-wise R²: sklearn's ``r2_score`` on Y reshaped to ``(n·T, d_v)``.
 
         Parameters
         ----------
         X : array-like of shape (n_samples, T, d) or (n_samples, d)
-        Y : array-like of shape (n_samples, T, d_v) or (n_samples, d_v)
+        y : array-like of shape (n_samples, T, d_v) or (n_samples, d_v)
+            The targets Y (named ``y`` as scikit-learn passes it by keyword).
+        sample_weight : None
+            Not supported; must be None.
 
         Returns
         -------
         float
             See :func:`rstar.metrics.token_r2_score`.
         """
-        X, Y = check_X_Y(X, Y)
-        pred = self.predict(X)
+        if sample_weight is not None:
+            raise ValueError("sample_weight is not supported by the token-wise R² score.")
+        X, Y, _ = check_X_Y_and_y_ndim(X, y)
+        pred = self.predict(X)   # 3-D here: X was read as (n, T, d)
         if pred.shape[2] != Y.shape[2]:
             raise ValueError(f"Y has d_v = {Y.shape[2]} outputs, but this student predicts {pred.shape[2]}.")
         return token_r2_score(Y, pred)
@@ -559,4 +574,6 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         tags.target_tags.multi_output = True
         tags.target_tags.single_output = False
         tags.non_deterministic = self.random_state is None
+        # one token a sample (2-D X): attention of a single token degenerates (softmax of one logit is 1)
+        tags.regressor_tags.poor_score = self.kind != "linear_proxy"
         return tags
