@@ -349,7 +349,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         if not identifiability.said_by_the_inversion(found):
             # (already out of the class or not identified: said once, by the inversion)
             self.model_check_ = model_check(self._config["operator"], self._inv, ws, self._stats, samples,
-                                            alpha=cal.model_check_alpha)
+                                            alpha=cal.model_check_alpha, directions=max(1, int(res.rank)))
             gates.append(identifiability.operator_misfit_verdict(
                 self.model_check_, self._config["operator"], ws.dim, causal=bool(self._config["causal"]),
                 rotary=self._config["rotary"] is not None, alpha=cal.model_check_alpha))

@@ -425,9 +425,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         return disagreement(ws, self._halves(stats), self.value_map, self._mask(stats),
                                           calibration=self.calibration)
 
-    def class_check(self, stats, ws, alpha):
-        """The factored run's :func:`rstar.model_check.cross_fitted_class_check` on its two halves' models (None for
-        the other runs)."""
+    def class_check(self, stats, ws, alpha, directions=None):
+        """The factored run's :func:`rstar.model_check.cross_fitted_class_check` on its two halves' models, the
+        offset modulation along their ``directions`` strongest query-key directions (None: all; None for the other
+        runs)."""
         if ws.inversion != self.factored_name:
             return None
         from ..model_check import cross_fitted_class_check   # (the model checks import the inversions)
@@ -439,7 +440,13 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         def outputs(X, Z, A, B):
             return sf.factored_outputs(X, Z, A, B, mask, calibration=self.calibration, rotary=rotary)
 
-        return cross_fitted_class_check(halves, models, outputs, alpha=alpha)
+        def head(X, A, B):
+            A, B = _strongest_directions(A, B, rotary, directions)
+            P, K = sf.query_key_coordinates(X, A / np.sqrt(X.shape[2]), B, rotary)
+            return (P, K), sf.attention_from_coordinates(P, K, mask)
+
+        return cross_fitted_class_check(halves, models, outputs, alpha=alpha, head=head,
+                                        causal=mask is not None)
 
     def rank_output_distance_samples(self, stats, ws, ranks):
         """The factored run's :func:`factored_output_distances` (None for the other runs)."""
@@ -542,3 +549,21 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             K_full = self._fit(source, ops=ops)[0]
         K, V, _, _ = self._fit(source, K0=K_full, basis=basis, ops=ops)
         return SoftmaxOperator(K, V)
+
+
+def _strongest_directions(A, B, rotary, k):
+    """The factors along their k strongest directions: a position-free head's kernel ``A B^T`` by its SVD (each
+    side scaled by the square roots of the singular values), a rotary head's rotated coordinates (kept whole, the
+    rotation acts on them) ranked by ``||A_c|| ||B_c||``; k None: all."""
+    if rotary is None:
+        Qa, Ra = np.linalg.qr(A)
+        Qb, Rb = np.linalg.qr(B)
+        u, sv, wt = np.linalg.svd(Ra @ Rb.T)
+        root = np.sqrt(sv)
+        A, B = Qa @ (u * root), Qb @ (wt.T * root)
+        return (A, B) if k is None else (A[:, :k], B[:, :k])
+    if k is None or k >= A.shape[1]:
+        return A, B
+    keep = np.zeros(A.shape[1], dtype=bool)
+    keep[np.argsort(-np.linalg.norm(A, axis=0) * np.linalg.norm(B, axis=0))[:k]] = True
+    return A * keep, B * keep

@@ -337,10 +337,14 @@ def first_order_misfit_verdict(check, calibration):
 def _order_misfit(check, causal, rotary, alpha):
     """``(reason, what would fit)`` for :func:`rstar.model_check.cross_fitted_class_check`'s rejection."""
     head = ("causal" if causal else "bidirectional") + (" rotary" if rotary else "")
-    reason = (f"on samples each half's {head} head was not fitted on, one weight per pair of positions on the "
-              f"values removes {100 * check['misfit_gain']:.1f}% of its residual beyond what the two halves' "
-              f"disagreement allows (one-sided p = {check['misfit_p']:.2g})")
     groups = check.get("misfit_groups", {})
+    if "order" in check["rejected"]:
+        what, gain, p = "one weight per pair of positions on the values", check["misfit_gain"], check["misfit_p"]
+    else:
+        gain, p = groups["modulation"]
+        what = "a weight per offset t - s on each query-key direction's logit"
+    reason = (f"on samples each half's {head} head was not fitted on, {what} removes {100 * gain:.1f}% of its "
+              f"residual beyond what the two halves' disagreement allows (one-sided p = {p:.2g})")
     hints = []
     later = groups.get("later")
     if later is not None and later[1] < alpha and later[0] > 0:
@@ -353,6 +357,13 @@ def _order_misfit(check, causal, rotary, alpha):
                      + ("check that rotary= holds the head's own positions" if rotary
                         else "a head with rotary positions needs rotary=RotaryPositions(...) (rstar.heads passes "
                              "a Llama-family head's), an absolute-position head tokens that carry their positions"))
+    modulation = groups.get("modulation")
+    if not hints and modulation is not None and modulation[1] < alpha and modulation[0] > 0:
+        hints.append(f"scaling each query-key direction's logit by a weight for each offset t - s removes "
+                     f"{100 * modulation[0]:.1f}%, so the head attends by relative position: "
+                     + ("check that rotary= holds the head's own positions" if rotary
+                        else "a rotary head needs rotary=RotaryPositions(...) (rstar.heads passes a Llama-family "
+                             "head's)"))
     if not hints:
         hints.append("check that X holds the inputs and Y the outputs, not swapped, and the mask and positions")
     return reason, "; ".join(hints)
@@ -365,7 +376,7 @@ def operator_misfit_verdict(check, operator, dim, *, causal=False, rotary=False,
     if check is None or not check["rejected"]:
         return None
     alpha = DEFAULT_CALIBRATION.model_check_alpha if alpha is None else alpha
-    if "order" in check["rejected"]:
+    if "order" in check["rejected"] or "modulation" in check["rejected"]:
         reason, fit = _order_misfit(check, causal, rotary, alpha)
         wide = (0, int(dim))
         return Verdict(

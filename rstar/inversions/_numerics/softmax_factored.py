@@ -258,6 +258,21 @@ def factored_sample_disagreement(X, model, other, mask=None, *, calibration=DEFA
     return out
 
 
+def query_key_coordinates(X, A, B, rotary=None):
+    """``(X A, X B)``, rotated to each token's position where ``rotary`` is given: the logits are their inner
+    products over ``sqrt(d)``."""
+    XA, XB = X @ A, X @ B
+    if rotary is not None:
+        XA, XB = rotate(XA, rotary), rotate(XB, rotary)
+    return XA, XB
+
+
+def attention_from_coordinates(XA, XB, mask=None):
+    """Row-wise ``softmax(XA XB^T / sqrt(d) + mask)`` (d: the tokens' dimension, passed as ``XA.shape`` cannot
+    tell it; the callers scale ``XA`` by ``1 / sqrt(d)`` first)."""
+    return NUMPY.softmax_rows(_masked(XA @ XB.transpose(0, 2, 1), mask))
+
+
 def _attention(X, A, B, mask=None, rotary=None):
     d = X.shape[2]
     XA, XB = X @ A, X @ B
