@@ -35,7 +35,7 @@ are tested here on the fitted samples, per sample (samples are i.i.d.; tokens of
   says the mask is wrong; the pairs up to t, that order matters. A rotary head whose rotations change *which
   contents* match without changing a pair's average weight is not seen by it, so a second correction is tested the
   same way: each of the head's strongest query-key directions (as many as the fit counted) gets its own logit
-  weight at each offset t - s, linearised about the fitted attention (:func:`offset_modulation_sums`). A random
+  weight at each offset t - s, linearised about the fitted attention (:func:`modulation_correction`). A random
   rotary head of width 2 fitted position-free (held out at 6-15 times the noise, read 3 with no warning before) is
   rejected by it; what it says is that the head attends by relative position.
 
@@ -53,7 +53,8 @@ from .inversions._numerics.linalg import solve_psd
 from .inversions.query_key import pseudo_inverse_fit
 
 __all__ = ["cross_fitted_class_check", "model_check", "no_attention_features", "operator_class_check",
-           "outside_span_residuals", "paired_excess", "position_pair_corrections"]
+           "modulation_correction", "offset_modulation_sums", "outside_span_residuals", "paired_excess",
+           "position_pair_corrections"]
 
 
 def no_attention_features(X):
@@ -115,10 +116,11 @@ def _offset_index(T, causal):
 
 
 def offset_modulation_sums(coordinates, attention, Z, R, causal, chunk=64):
-    """Normal equations of the offset-modulation correction: the linearised change of a head's outputs when the
-    logit's term along each query-key direction i is scaled at each offset ``t - s`` by its own ``c_{t-s, i}``,
-    ``R_t ~ sum_s a_ts (sum_i c_{t-s,i} p_ti k_si) (z_s - y_t)`` (what rotary positions, or other positions, do to
-    a position-free head; and wrong positions to a rotary one).
+    """Per query-key direction, the normal equations of its offset modulation: the linearised change of a head's
+    outputs when the logit's term along direction i is scaled at each offset ``t - s`` by ``c_{t-s, i}``,
+    ``R_t ~ sum_s a_ts c_{t-s,i} p_ti k_si (z_s - y_t)`` (what rotary positions, or other positions, do to a
+    position-free head; and wrong positions to a rotary one). Each direction's equations are its own (the
+    directions' cross terms would cost k^2 times more); :func:`modulation_correction` combines them.
 
     Parameters
     ----------
@@ -131,16 +133,16 @@ def offset_modulation_sums(coordinates, attention, Z, R, causal, chunk=64):
 
     Returns
     -------
-    G : ndarray of shape (m k, m k)
-    C : ndarray of shape (m k,)
+    G : ndarray of shape (k, m, m)
+    C : ndarray of shape (k, m)
         With m offsets (T causal, 2T - 1 else).
     """
     P, Kc = coordinates
     n, T, k = P.shape
     index, m = _offset_index(T, causal)
     Yhat = attention @ Z
-    G = np.zeros((m, k, m, k))
-    C = np.zeros((m, k))
+    G = np.zeros((k, m, m))
+    C = np.zeros((k, m))
     for start in range(0, n, chunk):
         part = slice(start, start + chunk)
         Zp, Yp, Rp = Z[part], Yhat[part], R[part]
@@ -153,11 +155,34 @@ def offset_modulation_sums(coordinates, attention, Z, R, causal, chunk=64):
             phi = attention[part, t, :, None] * P[part, t, None, :] * Kc[part]          # (c, s, k)
             E = zz - zy[:, :, t, None] - zy[:, None, :, t] + yy[:, t, None, None]       # <e_ts, e_tu>
             cross = zr[:, :, t] - yr[:, t, None]                                        # <e_ts, R_t>
-            block = np.einsum("nsi,nsu,nuj->siuj", phi, E, phi, optimize=True)
             rows = index[t]
-            G[np.ix_(rows, np.arange(k), rows, np.arange(k))] += block
-            C[rows] += np.einsum("nsi,ns->si", phi, cross)
-    return G.reshape(m * k, m * k), C.reshape(m * k)
+            G[np.ix_(np.arange(k), rows, rows)] += np.einsum("nsi,nsu,nui->isu", phi, E, phi, optimize=True)
+            C[:, rows] += np.einsum("nsi,ns->is", phi, cross)
+    return G, C
+
+
+def _direction_corrections(coordinates, attention, Z, weights, causal):
+    """Each direction's correction ``sum_s a_ts c_{t-s,i} p_ti k_si (z_s - y_t)``, shape (k, n, T, d_v)."""
+    P, Kc = coordinates
+    T = P.shape[1]
+    index, _ = _offset_index(T, causal)
+    Yhat = attention @ Z
+    out = []
+    for i in range(P.shape[2]):
+        delta = attention * (P[:, :, i, None] * Kc[:, None, :, i]) * weights[i][index]
+        out.append(delta @ Z - delta.sum(axis=2, keepdims=True) * Yhat)
+    return np.stack(out)
+
+
+def modulation_correction(coordinates, attention, Z, R, causal):
+    """The offset-modulation weights ``(m, k)`` fitted on these samples: each direction's least squares
+    (:func:`offset_modulation_sums`), then one scale per direction fitted jointly on their corrections."""
+    G, C = offset_modulation_sums(coordinates, attention, Z, R, causal)
+    weights = np.stack([solve_psd(G[i], C[i]) for i in range(G.shape[0])])              # (k, m)
+    parts = _direction_corrections(coordinates, attention, Z, weights, causal)         # (k, n, T, d_v)
+    flat = parts.reshape(parts.shape[0], -1)
+    scale = solve_psd(flat @ flat.T, flat @ R.ravel())
+    return (weights * scale[:, None]).T
 
 
 def _modulation_power(coordinates, attention, Z, R, coefficients, causal):
@@ -199,7 +224,7 @@ def cross_fitted_class_check(halves, models, outputs, alpha=DEFAULT_CALIBRATION.
     head : callable, optional
         ``head(X, A, B)`` -> ``((p, k), attention)``: the model's query and key coordinates along its strongest
         directions and its attention. Given, the offset-modulation correction
-        (:func:`offset_modulation_sums`: each direction's logit term scaled by its own weight at each offset) is
+        (:func:`modulation_correction`: each direction's logit term scaled by its own weight at each offset) is
         tested the same way (``"modulation"``): positions that change which contents match, which the pair
         correction does not see.
     causal : bool
@@ -258,8 +283,7 @@ def cross_fitted_class_check(halves, models, outputs, alpha=DEFAULT_CALIBRATION.
             fit, test = part != k, part == k
             if head is not None:
                 sub = tuple(c[fit] for c in coordinates)
-                G, C = offset_modulation_sums(sub, attention[fit], Z[fit], R[fit], causal)
-                coefficients = solve_psd(G, C).reshape(-1, coordinates[0].shape[2])
+                coefficients = modulation_correction(sub, attention[fit], Z[fit], R[fit], causal)
                 power = _modulation_power(tuple(c[test] for c in coordinates), attention[test], Z[test], R[test],
                                           coefficients, causal)
                 diff = own[test] - power - dis[test]
