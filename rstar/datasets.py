@@ -8,6 +8,8 @@ describing the teacher (true r*, its operator, value map and noise floor).
 import numpy as np
 from sklearn.utils import Bunch, check_random_state
 
+from .inversions._numerics.rotary import RotaryPositions
+from .inversions._numerics.softmax_factored import causal_mask, factored_outputs
 from .inversions._numerics.softmax_ls import attention_weights
 from ._validation import check_int, check_positive, check_rank_param
 
@@ -283,8 +285,6 @@ def make_attention_task(n_samples=2000, *, kind="softmax", seq_len=32, n_feature
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}.")
     if rotary is not None:
-        from .inversions._numerics.rotary import RotaryPositions
-
         if kind != "softmax":
             raise ValueError("rotary positions are a softmax head's: kind must be 'softmax' with rotary.")
         if not isinstance(rotary, RotaryPositions):
@@ -302,8 +302,6 @@ def make_attention_task(n_samples=2000, *, kind="softmax", seq_len=32, n_feature
     teacher = Bunch(kind=kind, rank=rank, kernel=K, value_map=V, singular_values=s, noise=noise,
                     noise_floor=noise**2 * T * d_v, logit_scale=logit_scale, causal=bool(causal))
     if kind == "softmax" and (causal or rotary is not None):
-        from .inversions._numerics.softmax_factored import causal_mask, factored_outputs
-
         if rotary is None:
             A, B = K, np.eye(d)
         else:

@@ -491,8 +491,10 @@ def model_check(operator_name, inversion, ws, stats, samples, alpha=None, direct
         return None if check["span_p"] is None else check   # T <= d: no span left outside col(X_i)
     if ws.inversion == getattr(inversion, "factored_name", None):
         # the factored or rotary least squares: its two halves' models, each measured on the other half
-        return inversion.class_check(stats, ws, alpha=DEFAULT_CALIBRATION.model_check_alpha if alpha is None
-                                     else alpha, directions=directions)
+        parts = inversion.class_check_models(stats, ws, directions=directions)
+        return cross_fitted_class_check(parts["halves"], parts["models"], parts["outputs"],
+                                        DEFAULT_CALIBRATION.model_check_alpha if alpha is None else alpha,
+                                        head=parts["head"], causal=parts["causal"])
     if ws.inversion != "softmax_least_squares":
         return None   # the check needs the class's least-squares fit; the first order has its own model checks
     operator = inversion.full_rank_operator(stats)   # the fit whiten made: no second fit

@@ -425,14 +425,13 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         return disagreement(ws, self._halves(stats), self.value_map, self._mask(stats),
                                           calibration=self.calibration)
 
-    def class_check(self, stats, ws, alpha, directions=None):
-        """The factored run's :func:`rstar.model_check.cross_fitted_class_check` on its two halves' models, the
-        offset modulation along their ``directions`` strongest query-key directions (None: all; None for the other
-        runs)."""
+    def class_check_models(self, stats, ws, directions=None):
+        """What :func:`rstar.model_check.cross_fitted_class_check` tests the factored run on (None for the other
+        runs): ``dict(halves, models, outputs, head, causal)`` — the two halves, each half's model ``(A, B, V)``,
+        the outputs of a model, its query and key coordinates along its ``directions`` strongest directions (None:
+        all) with its attention, and the mask."""
         if ws.inversion != self.factored_name:
             return None
-        from ..model_check import cross_fitted_class_check   # (the model checks import the inversions)
-
         halves, mask, rotary = self._halves(stats), self._mask(stats), ws.null.rotary
         models = sf.half_models(ws.null.half_kernels, halves, self.value_map, mask, calibration=self.calibration,
                                 rotary=rotary)
@@ -445,8 +444,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
             P, K = sf.query_key_coordinates(X, A / np.sqrt(X.shape[2]), B, rotary)
             return (P, K), sf.attention_from_coordinates(P, K, mask)
 
-        return cross_fitted_class_check(halves, models, outputs, alpha=alpha, head=head,
-                                        causal=mask is not None)
+        return dict(halves=halves, models=models, outputs=outputs, head=head, causal=mask is not None)
 
     def rank_output_distance_samples(self, stats, ws, ranks):
         """The factored run's :func:`factored_output_distances` (None for the other runs)."""
