@@ -151,10 +151,6 @@ def make_linear_proxy(n_samples=1000, *, seq_len=16, n_features=12, value_dim=No
         See :func:`sample_tokens`.
     df : float, default=3.0
     feature_correlation : float, default=0.5
-    causal : bool, default=False
-        Softmax only: the causal mask.
-    rotary : rstar.RotaryPositions or None, default=None
-        Softmax only: rotary positions of length ``seq_len`` (``rank <= rotary.width``).
     random_state : int, RandomState instance or None
     return_teacher : bool, default=False
 

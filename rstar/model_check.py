@@ -198,6 +198,13 @@ def _modulation_power(coordinates, attention, Z, R, coefficients, causal):
     return np.einsum("ntv,ntv->n", left, left)
 
 
+def _accumulate(sums, diff):
+    """Add per-sample differences to ``[total, total of squares, count]`` (:func:`paired_excess`'s sums)."""
+    sums[0] += float(diff.sum())
+    sums[1] += float((diff**2).sum())
+    sums[2] += diff.size
+
+
 def cross_fitted_class_check(halves, models, outputs, alpha=DEFAULT_CALIBRATION.model_check_alpha, *,
                              head=None, causal=False):
     """Test a head fitted on two halves against heads that attend also by position (the module's third test).
@@ -286,16 +293,12 @@ def cross_fitted_class_check(halves, models, outputs, alpha=DEFAULT_CALIBRATION.
                 coefficients = modulation_correction(sub, attention[fit], Z[fit], R[fit], causal)
                 power = _modulation_power(tuple(c[test] for c in coordinates), attention[test], Z[test], R[test],
                                           coefficients, causal)
-                diff = own[test] - power - dis[test]
-                t = sums["modulation"]
-                t[0], t[1], t[2] = t[0] + float(diff.sum()), t[1] + float((diff**2).sum()), t[2] + diff.size
+                _accumulate(sums["modulation"], own[test] - power - dis[test])
             power_all = _corrected_power(Z[test], R[test], position_pair_corrections(Z[fit], R[fit]))
             power_earlier = _corrected_power(Z[test], R[test], position_pair_corrections(Z[fit], R[fit], earlier))
-            for name, diff in (("all", own[test] - power_all - dis[test]),
-                               ("earlier", own[test] - power_earlier - dis[test]),
-                               ("later", power_earlier - power_all)):
-                t = sums[name]
-                t[0], t[1], t[2] = t[0] + float(diff.sum()), t[1] + float((diff**2).sum()), t[2] + diff.size
+            _accumulate(sums["all"], own[test] - power_all - dis[test])
+            _accumulate(sums["earlier"], own[test] - power_earlier - dis[test])
+            _accumulate(sums["later"], power_earlier - power_all)
     out = {"misfit_gain": None, "misfit_p": None, "misfit_groups": {}, "rejected": []}
     if own_count == 0:
         return out

@@ -6,7 +6,7 @@ from scipy.stats import f as f_dist
 
 from ._numerics import softmax_factored as sf, softmax_ls as _softmax_ls
 from .._backend import NUMPY
-from ._numerics.linalg import solve_psd
+from ._numerics.linalg import factored_svd, solve_psd
 from ..streaming import ArraySamples
 from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_fit_cost
 from ..calibration import DEFAULT_CALIBRATION
@@ -554,11 +554,8 @@ def _strongest_directions(A, B, rotary, k):
     side scaled by the square roots of the singular values), a rotary head's rotated coordinates (kept whole, the
     rotation acts on them) ranked by ``||A_c|| ||B_c||``; k None: all."""
     if rotary is None:
-        Qa, Ra = np.linalg.qr(A)
-        Qb, Rb = np.linalg.qr(B)
-        u, sv, wt = np.linalg.svd(Ra @ Rb.T)
-        root = np.sqrt(sv)
-        A, B = Qa @ (u * root), Qb @ (wt.T * root)
+        U, sv, W = factored_svd(A, B)
+        A, B = U * np.sqrt(sv), W * np.sqrt(sv)
         return (A, B) if k is None else (A[:, :k], B[:, :k])
     if k is None or k >= A.shape[1]:
         return A, B

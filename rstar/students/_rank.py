@@ -69,19 +69,8 @@ def operator_entry_variance(fisher, noise_variance):
     >>> operator_entry_variance(100.0 * np.eye(4), 0.25)
     0.0025
     """
-    F = np.asarray(fisher, dtype=np.float64)
-    if F.ndim != 2 or F.shape[0] != F.shape[1]:
-        raise ValueError(f"fisher must be a square matrix, got shape {F.shape}.")
-    if not np.all(np.isfinite(F)):
-        raise ValueError("fisher contains NaN or infinity.")
-    noise_variance = float(noise_variance)
-    if not np.isfinite(noise_variance) or noise_variance < 0:
-        raise ValueError(f"noise_variance must be a finite non-negative number, got {noise_variance!r}.")
-    w = np.linalg.eigvalsh((F + F.T) / 2)
-    if w.size == 0 or w[-1] <= 0:
-        return float("inf") if noise_variance > 0 else 0.0
-    w = w[w > 1e-10 * w[-1]]
-    return float(noise_variance * np.sum(1.0 / w) / F.shape[0])
+    F = _symmetric_psd(fisher, "fisher")
+    return _mean_inverse(np.linalg.eigvalsh(F), _noise_variance(noise_variance))
 
 
 def kronecker_entry_variance(query_factor, key_factor, noise_variance):
@@ -112,15 +101,24 @@ def kronecker_entry_variance(query_factor, key_factor, noise_variance):
     """
     a = np.linalg.eigvalsh(_symmetric_psd(query_factor, "query_factor"))
     b = np.linalg.eigvalsh(_symmetric_psd(key_factor, "key_factor"))
-    noise_variance = float(noise_variance)
-    if not np.isfinite(noise_variance) or noise_variance < 0:
-        raise ValueError(f"noise_variance must be a finite non-negative number, got {noise_variance!r}.")
-    products = np.outer(a, b).ravel()
-    top = products.max(initial=0.0)
+    return _mean_inverse(np.outer(a, b).ravel(), _noise_variance(noise_variance))
+
+
+def _mean_inverse(eigenvalues, noise_variance):
+    """``noise_variance`` times the mean of ``1 / eigenvalue`` over all m of them, those below ``1e-10`` times the
+    largest left out of the sum (the pseudo-inverse's trace over m)."""
+    top = eigenvalues.max(initial=0.0)
     if top <= 0:
         return float("inf") if noise_variance > 0 else 0.0
-    kept = products[products > 1e-10 * top]
-    return float(noise_variance * np.sum(1.0 / kept) / products.size)
+    kept = eigenvalues[eigenvalues > 1e-10 * top]
+    return float(noise_variance * np.sum(1.0 / kept) / eigenvalues.size)
+
+
+def _noise_variance(value):
+    value = float(value)
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(f"noise_variance must be a finite non-negative number, got {value!r}.")
+    return value
 
 
 def _symmetric_psd(M, name):

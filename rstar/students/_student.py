@@ -346,9 +346,19 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         self.kernel_singular_values_ = spec.singular_values
         return self
 
+    def _calibration(self):
+        return DEFAULT_CALIBRATION if self.calibration is None else self.calibration
+
     def _budget(self):
-        cal = DEFAULT_CALIBRATION if self.calibration is None else self.calibration
-        return CostBudget(memory_bytes=cal.memory_budget if self.memory_budget is None else int(self.memory_budget))
+        memory = self._calibration().memory_budget if self.memory_budget is None else int(self.memory_budget)
+        return CostBudget(memory_bytes=memory)
+
+    def _fisher_samples(self, module, Xt, gen, torch):
+        """At most the calibration's ``fisher_samples`` training samples (drawn with ``gen``), and a frozen copy of
+        the module: what the operator's Fisher information is measured on."""
+        n = Xt.shape[0]
+        sel = torch.randperm(n, generator=gen)[:min(n, self._calibration().fisher_samples)].to(Xt.device)
+        return Xt[sel], copy.deepcopy(module).requires_grad_(False)
 
     def _kronecker_fisher(self, module, Xt, gen, torch, budget):
         """The nearest Kronecker factors ``(A, B)`` (d x d each) of the kernel's Fisher information, rescaled to all n
@@ -358,11 +368,9 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         ``u^T B u = c^2 g^T (X B X^T) g`` and ``sum u u^T = c^2 X^T (sum g g^T) X`` keep every product at
         ``O(T d^2)`` a sample. The row Jacobians are recomputed each round, in chunks within the memory budget."""
         n, T, d = Xt.shape
-        cal = DEFAULT_CALIBRATION if self.calibration is None else self.calibration
-        m = min(n, cal.fisher_samples)
-        sel = torch.randperm(n, generator=gen)[:m].to(Xt.device)
-        Xs = Xt[sel].double()
-        module = copy.deepcopy(module).double().requires_grad_(False)
+        Xs, module = self._fisher_samples(module, Xt, gen, torch)
+        m = Xs.shape[0]
+        Xs, module = Xs.double(), module.double()
         d_v = module(Xs[:1]).shape[-1]
         per_sample = T * (d_v * T * (T + 1) + 4 * d + 4 * T)   # the jvps' columns, their stack, the products
         chunk = max(1, min(m, budget.memory_bytes // 2 // (8 * per_sample)))
@@ -463,12 +471,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     def _operator_fisher(self, module, Xt, gen, torch):
         """``J^T J`` of the predictions w.r.t. the operator's entries, rescaled to all n samples."""
         n = Xt.shape[0]
-        cal = DEFAULT_CALIBRATION if self.calibration is None else self.calibration
-        m = min(n, cal.fisher_samples)
-        chunk = cal.fisher_chunk
-        sel = torch.randperm(n, generator=gen)[:m].to(Xt.device)
-        Xs = Xt[sel]
-        module = copy.deepcopy(module).requires_grad_(False)
+        Xs, module = self._fisher_samples(module, Xt, gen, torch)
+        m, chunk = Xs.shape[0], self._calibration().fisher_chunk
         K0 = module.operator()
         F = torch.zeros(K0.numel(), K0.numel(), dtype=Xt.dtype, device=Xt.device)
         with warnings.catch_warnings():
@@ -521,8 +525,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         with torch.no_grad():
             out = [module(Xt[s:s + 4096]).double().cpu().numpy() for s in range(0, X.shape[0], 4096)]
         Y = np.concatenate(out, axis=0)
-        if two_d and Y.shape[1] == 1 and getattr(self, "_y_ndim", 3) in (1, 2):
-            return Y[:, 0, 0] if self._y_ndim == 1 and Y.shape[2] == 1 else Y[:, 0]
+        if two_d and getattr(self, "_y_ndim", 3) in (1, 2):   # as the Y given to fit (a 1-D Y had one output)
+            return Y[:, 0, 0] if self._y_ndim == 1 else Y[:, 0]
         return Y
 
     def score(self, X, y, sample_weight=None):

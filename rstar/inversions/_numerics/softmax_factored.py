@@ -53,6 +53,8 @@ __all__ = [
     "gradient_start",
     "value_map_given_kernel",
     "half_models",
+    "query_key_coordinates",
+    "attention_from_coordinates",
     "fit_factored_pair",
     "NumpyHalfLoss",
     "half_losses",
@@ -267,18 +269,14 @@ def query_key_coordinates(X, A, B, rotary=None):
     return XA, XB
 
 
-def attention_from_coordinates(XA, XB, mask=None):
-    """Row-wise ``softmax(XA XB^T / sqrt(d) + mask)`` (d: the tokens' dimension, passed as ``XA.shape`` cannot
-    tell it; the callers scale ``XA`` by ``1 / sqrt(d)`` first)."""
-    return NUMPY.softmax_rows(_masked(XA @ XB.transpose(0, 2, 1), mask))
+def attention_from_coordinates(XA, XB, mask=None, d=None):
+    """Row-wise ``softmax(XA XB^T / sqrt(d) + mask)`` (d None: no scaling, the caller folded it into ``XA``)."""
+    logits = XA @ XB.transpose(0, 2, 1)
+    return NUMPY.softmax_rows(_masked(logits if d is None else logits / np.sqrt(d), mask))
 
 
 def _attention(X, A, B, mask=None, rotary=None):
-    d = X.shape[2]
-    XA, XB = X @ A, X @ B
-    if rotary is not None:
-        XA, XB = rotate(XA, rotary), rotate(XB, rotary)
-    return NUMPY.softmax_rows(_masked(XA @ XB.transpose(0, 2, 1) / np.sqrt(d), mask))
+    return attention_from_coordinates(*query_key_coordinates(X, A, B, rotary), mask, X.shape[2])
 
 
 def half_models(half_kernels, halves, value_map=None, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
