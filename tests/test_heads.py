@@ -539,7 +539,7 @@ def test_truncated_heads_put_the_planned_ranks_into_the_model_and_take_them_out(
                          ([dict(layer=0, head=0)], "no 'rank' column")]:
         with pytest.raises(ValueError, match=message), truncated_heads(model, bad, layers):
             pass
-    with pytest.raises(ValueError, match="metric must be 'tokens' or 'weights'"), truncated_heads(
+    with pytest.raises(ValueError, match="metric must be 'tokens', 'weights'"), truncated_heads(
             model, plan, layers, metric="svd"):
         pass
     torch.manual_seed(0)

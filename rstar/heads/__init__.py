@@ -37,6 +37,9 @@ from sklearn.base import clone
 
 from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
+from ._anchors import (EIGEN_ATTENTION_THRESHOLDS, activation_basis_factors, activation_singular_values,
+                       eigen_attention_plan, eigen_attention_sweep, eva_plan, fisher_share_plan, head_fisher_scores,
+                       uniform_plan, weight_energy_plan, whitened_factors)
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
 from ..inversions._numerics.softmax_factored import token_metric_roots
 from ..inversions._numerics.rotary import (RotaryPositions, pair_rotations, plane_strengths, rotary_directions,
@@ -46,7 +49,10 @@ from ._compress import truncated_head_factors, truncated_heads
 from ._plan import _rows, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
-__all__ = ["AttentionLayer", "HeadTask", "activation_svd_rank", "attention_mask",
+__all__ = ["AttentionLayer", "EIGEN_ATTENTION_THRESHOLDS", "HeadTask", "activation_basis_factors",
+           "activation_singular_values", "activation_svd_rank", "attention_mask", "eigen_attention_plan",
+           "eigen_attention_sweep", "eva_plan", "fisher_share_plan", "head_fisher_scores", "uniform_plan",
+           "weight_energy_plan", "whitened_factors",
            "allocate_ranks", "attention_modules", "attention_rows", "collect_attention", "estimate_heads",
            "kernel_energy_rank", "kernel_truncation_curve", "load_minilm", "plane_truncation_curve",
            "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "stdlib_text", "text_windows",

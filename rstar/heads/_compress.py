@@ -61,9 +61,12 @@ def truncated_heads(model, plan, layers, metric="tokens"):
         Rows with ``layer, head, rank`` (:func:`rstar.heads.rank_plan`).
     layers : list of AttentionLayer
         The layers of the plan's heads: their module names, styles, weights and tokens.
-    metric : {"tokens", "weights"}, default="tokens"
-        How a head is truncated (:func:`truncated_head_factors`): in the metric of the layer's tokens (``X`` of
-        the layer as collected; what r*(ε) is measured in), or the weights' own SVD.
+    metric : {"tokens", "weights", "activations", "whitened"}, default="tokens"
+        How a head is truncated: ``"tokens"`` by :func:`truncated_head_factors` in the metric of the layer's tokens
+        (``X`` of the layer as collected; what r*(ε) is measured in), ``"weights"`` by the weights' own SVD,
+        ``"activations"`` on the top directions of its stacked key and query activations (Eigen Attention:
+        :func:`rstar.heads.activation_basis_factors`), ``"whitened"`` each of its query and key maps on its own,
+        whitened by the tokens (SVD-LLM: :func:`rstar.heads.whitened_factors`).
 
     Raises
     ------
@@ -73,8 +76,10 @@ def truncated_heads(model, plan, layers, metric="tokens"):
     """
     import torch
 
-    if metric not in ("tokens", "weights"):
-        raise ValueError(f"metric must be 'tokens' or 'weights', got {metric!r}.")
+    from ._anchors import activation_basis_factors, whitened_factors
+
+    if metric not in ("tokens", "weights", "activations", "whitened"):
+        raise ValueError(f"metric must be 'tokens', 'weights', 'activations' or 'whitened', got {metric!r}.")
     modules = dict(model.named_modules())
     roots = {}
     by_index = {layer.index: layer for layer in layers}
@@ -101,11 +106,19 @@ def truncated_heads(model, plan, layers, metric="tokens"):
         # a zero bias a non-zero value), else W on x alone
         biased = module.query.bias is not None and module.key.bias is not None
         rows = slice(None) if biased else slice(0, -1)
-        if metric == "tokens" and index not in roots:
+        if metric != "weights" and index not in roots:
             X = layer.X
-            roots[index] = token_metric_roots(np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1)
-                                              if biased else X)
-        q, k = truncated_head_factors(layer.query[pos][rows], layer.key[pos][rows], rank, roots.get(index))
+            Z = np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1) if biased else X
+            if metric == "tokens":
+                roots[index] = token_metric_roots(Z)
+            else:
+                Z = Z.reshape(-1, Z.shape[-1])
+                roots[index] = Z.T @ Z
+        if metric in ("activations", "whitened"):
+            trunc = activation_basis_factors if metric == "activations" else whitened_factors
+            q, k = trunc(layer.query[pos][rows], layer.key[pos][rows], roots[index], rank)
+        else:
+            q, k = truncated_head_factors(layer.query[pos][rows], layer.key[pos][rows], rank, roots.get(index))
         cols = slice(head * d_head, (head + 1) * d_head)
         d = layer.X.shape[-1]
         for linear, factor in ((module.query, q), (module.key, k)):

@@ -1,0 +1,511 @@
+"""The rank allocations users run today, ported from their published algorithms, beside rstar's plans.
+
+Each function returns a plan in the form of :func:`rstar.heads.rank_plan` (rows ``layer, head, d_head, rank``), to
+be put into the model by :func:`rstar.heads.truncated_heads`; the two anchors that come with their own truncation
+have it there (``metric="activations"``, ``metric="whitened"``). Written from the papers and the authors' released
+algorithms (no code copied); where a port departs from them it says so.
+
+- Saxena, U. et al. (2024). Eigen Attention: attention in low-rank space for KV cache compression,
+  arXiv:2408.05646 — :func:`eigen_attention_sweep`, :func:`eigen_attention_plan`, :func:`activation_basis_factors`.
+- Wang, X. et al. (2024). SVD-LLM: truncation-aware singular value decomposition for large language model
+  compression, arXiv:2403.07378 — :func:`whitened_factors` with one ratio for every head (:func:`uniform_plan`).
+- Chang, C.-C. et al. (2024). Palu: compressing KV-cache with low-rank projection, arXiv:2407.21118 —
+  :func:`head_fisher_scores`, :func:`fisher_share_plan`.
+- Paischer, F. et al. (2024). One initialization to rule them all: fine-tuning via explained variance adaptation
+  (EVA), arXiv:2410.07170, as run by PEFT's ``get_eva_state_dict`` — :func:`eva_plan`.
+"""
+
+import numpy as np
+
+from ._plan import _rows, allocate_ranks
+
+__all__ = ["EIGEN_ATTENTION_THRESHOLDS", "activation_basis_factors", "activation_singular_values",
+           "eigen_attention_plan", "eigen_attention_sweep", "eva_plan",
+           "fisher_share_plan", "head_fisher_scores", "uniform_plan", "weight_energy_plan", "whitened_factors"]
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+def _table(rows):
+    try:
+        import pandas as pd
+    except ImportError:   # pragma: no cover - depends on the environment
+        return rows
+    return pd.DataFrame(rows)
+
+
+def _check_budget(budget):
+    if isinstance(budget, bool) or not float(budget).is_integer() or float(budget) < 0:
+        raise ValueError(f"budget must be a whole number of query-key dimensions >= 0, got {budget!r}.")
+    return int(budget)
+
+
+def _heads_of(layers):
+    """``(layer, position, head index, d_head)`` for every head held, in the layers' order."""
+    out = []
+    for layer in layers:
+        held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
+        out += [(layer, pos, h, int(layer.query.shape[2])) for pos, h in enumerate(held)]
+    if not out:
+        raise ValueError("no heads: give the layers of rstar.heads.collect_attention.")
+    return out
+
+
+def _plan(heads, ranks, **columns):
+    rows = [dict(layer=int(layer.index), head=int(h), d_head=dh, rank=int(k))
+            for (layer, _, h, dh), k in zip(heads, ranks)]
+    for name, values in columns.items():
+        for row, v in zip(rows, values):
+            row[name] = v
+    return _table(rows)
+
+
+def _split_evenly(total, parts, cap):
+    """``total`` split over ``parts`` as evenly as whole numbers allow (the first take the remainder), each at most
+    ``cap``."""
+    base, extra = divmod(int(total), parts)
+    return [min(cap, base + (1 if k < extra else 0)) for k in range(parts)]
+
+
+def _features(layer):
+    """The layer's tokens as rows, with the constant feature where its projections have biases."""
+    X = layer.X.reshape(-1, layer.X.shape[-1])
+    return np.concatenate([X, np.ones((X.shape[0], 1))], axis=1) if layer.has_bias else X
+
+
+def _gram(layer):
+    Z = _features(layer)
+    return Z.T @ Z
+
+
+def _bias_rows(layer):
+    return slice(None) if layer.has_bias else slice(0, -1)
+
+
+# -- truncations ------------------------------------------------------------------------------------------------
+def activation_singular_values(query, key, gram):
+    """Eigen Attention's spectrum of a head: the singular values of its key and query activations stacked as rows
+    (``[Z key; Z query]``, uncentred, ``gram = Z^T Z``), descending, normalised to sum 1 (singular values, not
+    their squares, as the authors' threshold reads them)."""
+    C = key.T @ gram @ key + query.T @ gram @ query
+    s = np.sqrt(np.clip(np.linalg.eigvalsh((C + C.T) / 2)[::-1], 0.0, None))
+    return s / s.sum() if s.sum() > 0 else s
+
+
+def activation_basis_factors(query, key, gram, rank):
+    """Eigen Attention's truncation of a head: its queries and keys projected on the top ``rank`` right-singular
+    directions of the stacked activations ``[Z key; Z query]`` (one basis for both sides, so the logits are
+    ``(q U_r)(k U_r)^T``).
+
+    Parameters
+    ----------
+    query, key : ndarray of shape (p, d_head)
+        The head's maps on the features Z (``[W; b]`` on ``[x, 1]``, or ``W`` on x).
+    gram : ndarray of shape (p, p)
+        ``Z^T Z`` over the calibration tokens.
+    rank : int
+
+    Returns
+    -------
+    query_r, key_r : ndarray of shape (p, d_head)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, Z = rng.standard_normal((5, 3)), rng.standard_normal((5, 3)), rng.standard_normal((40, 5))
+    >>> q2, k2 = activation_basis_factors(q, k, Z.T @ Z, 1)
+    >>> int(np.linalg.matrix_rank(q2 @ k2.T))
+    1
+    """
+    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
+    C = key.T @ gram @ key + query.T @ gram @ query
+    w, V = np.linalg.eigh((C + C.T) / 2)
+    U = V[:, np.argsort(w)[::-1][:int(rank)]]
+    P = U @ U.T
+    return query @ P, key @ P
+
+
+def whitened_factors(query, key, gram, rank):
+    """SVD-LLM's truncation, each of the head's query and key maps on its own: ``W`` truncated where
+    ``||Z (W - W_r)||`` is least — the SVD of ``S W`` with ``S`` any square root of ``gram = Z^T Z`` (the authors
+    whiten by its Cholesky factor; any root gives the same ``Z W_r``), mapped back by ``S^+``; the part of ``W``
+    the calibration tokens do not reach is kept unchanged.
+
+    Parameters and returns as :func:`activation_basis_factors`; the head's kernel ``query_r key_r^T`` has rank at
+    most ``rank``.
+    """
+    w, Q = np.linalg.eigh((gram + gram.T) / 2)
+    keep = w > 1e-12 * max(w.max(), 0.0) if w.size and w.max() > 0 else np.zeros_like(w, dtype=bool)
+    S = (Q[:, keep] * np.sqrt(w[keep])) @ Q[:, keep].T
+    S_pinv = (Q[:, keep] / np.sqrt(w[keep])) @ Q[:, keep].T
+    P = Q[:, keep] @ Q[:, keep].T
+    out = []
+    for W in (np.asarray(query, dtype=float), np.asarray(key, dtype=float)):
+        U, s, Vt = np.linalg.svd(S @ W, full_matrices=False)
+        r = int(rank)
+        out.append(W - P @ W + S_pinv @ ((U[:, :r] * s[:r]) @ Vt[:r]))
+    return tuple(out)
+
+
+# -- allocations ------------------------------------------------------------------------------------------------
+def uniform_plan(layers, budget):
+    """One width for every head: ``budget`` split evenly (SVD-LLM's one compression ratio for every matrix, and
+    the fallback of the fine-tuning libraries).
+
+    Parameters
+    ----------
+    layers : list of AttentionLayer
+        From :func:`rstar.heads.collect_attention`.
+    budget : int
+        The total query–key width (the sum of the heads' ranks).
+
+    Returns
+    -------
+    plan : DataFrame (list of dict without pandas) with ``layer, head, d_head, rank``
+    """
+    heads = _heads_of(layers)
+    budget = _check_budget(budget)
+    return _plan(heads, _split_evenly(budget, len(heads), min(dh for *_, dh in heads)))
+
+
+def weight_energy_plan(layers, budget):
+    """The weights alone: ``budget`` split to keep the most of the heads' summed kernel SVD energy
+    (``sum_{i>r} s_i^2 / sum_i s_i^2`` per head, minimised in total by :func:`rstar.heads.allocate_ranks`)."""
+    heads = _heads_of(layers)
+    curves = []
+    for layer, pos, h, _ in heads:
+        s = layer.head(pos).kernel_singular_values() ** 2
+        curves.append(1.0 - np.r_[0.0, np.cumsum(s)] / s.sum() if s.sum() > 0 else np.zeros(s.size + 1))
+    return _plan(heads, allocate_ranks(curves, _check_budget(budget)))
+
+
+def eva_plan(layers, budget, rho=2.0):
+    """EVA's allocation: the layers' input components ranked together by explained variance ratio.
+
+    For each layer, the explained variance ratios of its tokens (centred PCA of all tokens as rows: EVA's
+    incremental PCA of the inputs of the layer's query and key projections, which share them) keep at most
+    ``round(rho * budget / n_layers)`` components (EVA's ``rho``, default 2); the ``budget`` largest ratios over
+    all layers give each layer its count, split evenly over its heads (a LoRA rank on a projection spans all the
+    layer's heads; here each head gets an equal share of its layer's query–key width).
+
+    Parameters
+    ----------
+    layers : list of AttentionLayer
+    budget : int
+    rho : float, default=2.0
+        At least 1.
+
+    Returns
+    -------
+    plan : DataFrame (list of dict without pandas) with ``layer, head, d_head, rank``
+    """
+    budget = _check_budget(budget)
+    if not float(rho) >= 1.0:
+        raise ValueError(f"rho must be >= 1 (EVA's cap on a layer's share), got {rho!r}.")
+    heads = _heads_of(layers)
+    cap = max(1, int(round(float(rho) * budget / len(layers))))
+    entries = []
+    for k, layer in enumerate(layers):
+        X = layer.X.reshape(-1, layer.X.shape[-1])
+        lam = np.clip(np.linalg.eigvalsh(np.cov(X, rowvar=False))[::-1], 0.0, None)
+        room = sum(dh for lay, _, _, dh in heads if lay is layer)
+        ratios = lam / lam.sum() if lam.sum() > 0 else lam
+        entries += [(float(v), k) for v in ratios[:min(cap, room)]]
+    order = sorted(range(len(entries)), key=lambda i: -entries[i][0])[:budget]
+    counts = np.bincount([entries[i][1] for i in order], minlength=len(layers))
+    ranks = []
+    for k, layer in enumerate(layers):
+        mine = [dh for lay, _, _, dh in heads if lay is layer]
+        ranks += _split_evenly(counts[k], len(mine), min(mine))
+    return _plan(heads, ranks)
+
+
+def fisher_share_plan(scores, budget):
+    """Palu's allocation: ranks in proportion to each head's share of the Fisher information.
+
+    ``rank_h = budget * F_h / sum F`` rounded down and capped at ``d_head``; what rounding and the caps leave is
+    given one dimension at a time to the heads with the largest fractional parts (Palu hands it out in its own
+    order, then rounds every rank to blocks of 32: at heads of 32–64 dimensions that leaves each head all or
+    nothing, so the blocks are not ported).
+
+    Parameters
+    ----------
+    scores : DataFrame or list of dict
+        Rows ``layer, head, d_head, fisher`` (:func:`head_fisher_scores`).
+    budget : int
+
+    Returns
+    -------
+    plan : DataFrame (list of dict without pandas) with ``layer, head, d_head, rank, fisher``
+    """
+    budget = _check_budget(budget)
+    rows = _rows(scores, ("layer", "head", "d_head", "fisher"))
+    if not rows:
+        raise ValueError("no heads in the scores.")
+    F = np.array([float(r["fisher"]) for r in rows])
+    cap = np.array([int(r["d_head"]) for r in rows])
+    if not np.all(np.isfinite(F)) or np.any(F < 0):
+        raise ValueError("the Fisher scores must be finite and >= 0.")
+    budget = min(budget, int(cap.sum()))
+    share = budget * F / F.sum() if F.sum() > 0 else np.full(F.size, budget / F.size)
+    ranks = np.minimum(np.floor(share).astype(int), cap)
+    left = budget - int(ranks.sum())
+    while left > 0:
+        room = ranks < cap
+        order = [i for i in np.argsort(-(share - ranks), kind="stable") if room[i]]
+        for i in order[:left]:
+            ranks[i] += 1
+        left = budget - int(ranks.sum())
+    out = [dict(layer=int(r["layer"]), head=int(r["head"]), d_head=int(r["d_head"]), rank=int(k),
+                fisher=float(f)) for r, k, f in zip(rows, ranks, F)]
+    return _table(out)
+
+
+def _bert_module(model, layer, what):
+    if layer.style != "bert":
+        raise ValueError(f"layer {layer.index} ({layer.name}) is {layer.style}-style; {what} reads BERT-style "
+                         "attention (separate query and key projections) so far.")
+    return dict(model.named_modules())[layer.name]
+
+
+def _batches(windows, batch_size):
+    import torch
+
+    ids = np.asarray(windows)
+    if ids.ndim != 2:
+        raise ValueError(f"windows must be token ids of shape (n, T), got shape {ids.shape}.")
+    for s in range(0, ids.shape[0], int(batch_size)):
+        yield torch.as_tensor(ids[s:s + int(batch_size)])
+
+
+def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, random_state=0):
+    """Palu's Fisher score of each head's query and key weights.
+
+    For every batch of ``windows`` the loss is back-propagated; each weight's score is the root mean square of its
+    gradients over the batches, and a head's the mean of its scores over its rows of the query and key
+    projections (Palu's per-group mean over its key and value rows; here the query–key map is compressed).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    layers : list of AttentionLayer
+        BERT-style layers (separate ``query`` and ``key`` projections).
+    windows : ndarray of int, shape (n, T)
+        Calibration token ids.
+    loss : callable or None
+        ``loss(output, batch)`` -> scalar tensor. None: the model's next-token cross-entropy where its output has
+        ``logits`` (Palu's calibration loss), else the Fisher information of a unit Gaussian likelihood on its
+        first output (the last hidden state): the loss ``<eta, output>`` with ``eta ~ N(0, I)`` drawn afresh for
+        every batch, whose squared gradient is, in expectation, the diagonal of ``J^T J``.
+    batch_size : int, default=32
+    random_state : int, default=0
+        Seeds the draws of ``eta``.
+
+    Returns
+    -------
+    scores : DataFrame (list of dict without pandas) with ``layer, head, d_head, fisher``
+    """
+    import torch
+
+    heads = _heads_of(layers)
+    modules = {layer.index: _bert_module(model, layer, "head_fisher_scores") for layer in layers}
+    gen = torch.Generator().manual_seed(int(random_state))
+    params = [p for m in modules.values() for p in (m.query.weight, m.key.weight)]
+    sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    was = [p.requires_grad for p in params]
+    count = 0
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        for batch in _batches(windows, batch_size):
+            model.zero_grad(set_to_none=True)
+            out = model(batch)
+            if loss is not None:
+                value = loss(out, batch)
+            elif getattr(out, "logits", None) is not None:
+                logits = out.logits[:, :-1]
+                value = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                          batch[:, 1:].reshape(-1))
+            else:
+                h = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "last_hidden_state") else out
+                eta = torch.randn(h.shape, generator=gen, dtype=h.dtype)
+                value = (eta * h).sum()
+            value.backward()
+            for s, p in zip(sums, params):
+                s += p.grad.detach().double() ** 2
+            count += 1
+    finally:
+        model.zero_grad(set_to_none=True)
+        for p, w in zip(params, was):
+            p.requires_grad_(w)
+    if count == 0:
+        raise ValueError("windows holds no sequences.")
+    rms = {}
+    for k, layer in enumerate(layers):
+        rms[layer.index] = ((sums[2 * k] / count).sqrt().numpy(), (sums[2 * k + 1] / count).sqrt().numpy())
+    out = []
+    for layer, _, h, dh in heads:
+        q, kk = rms[layer.index]
+        rows = slice(h * dh, (h + 1) * dh)
+        out.append(dict(layer=int(layer.index), head=int(h), d_head=dh,
+                        fisher=float((q[rows].mean() + kk[rows].mean()) / 2)))
+    return _table(out)
+
+
+#: Eigen Attention's thresholds on the normalised singular values, as its authors lower them (from 0.98 in steps
+#: of 0.02 while above 0.3), after 1.0 (every direction kept).
+EIGEN_ATTENTION_THRESHOLDS = tuple(np.round(np.r_[1.0, np.arange(0.98, 0.3 - 1e-9, -0.02)], 2))
+
+
+def _block(model, layer_name):
+    """The item of a ``ModuleList`` that holds the attention module (the transformer block: attention and MLP)."""
+    import torch
+
+    modules = dict(model.named_modules())
+    parts = layer_name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        parent = modules.get(".".join(parts[:cut - 1])) if cut > 1 else model
+        if isinstance(parent, torch.nn.ModuleList) and parts[cut - 1].isdigit():
+            return modules[".".join(parts[:cut])]
+    raise ValueError(f"no transformer block (an item of a ModuleList) holds {layer_name!r}.")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _block_outputs(model, block, windows, batch_size):
+    import torch
+
+    got = []
+
+    def hook(module, args, output):
+        got.append((output[0] if isinstance(output, tuple) else output).detach().double())
+        raise _Stop
+
+    handle = block.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            for batch in _batches(windows, batch_size):
+                try:
+                    model(batch)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    return torch.cat(got)
+
+
+def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_THRESHOLDS, batch_size=32):
+    """Eigen Attention's per-layer search, measured once: for each layer and threshold t, the layer's rank and the
+    relative error of its block output with every head truncated there.
+
+    A head's rank at t is the number of its normalised activation singular values
+    (:func:`activation_singular_values`) whose running sum stays below t; the layer's rank is the largest over its
+    heads, and every head of the layer gets it (the authors' one reduced dimension per layer). The error is
+    ``||B(x) - B_t(x)|| / ||B(x)||`` over ``windows`` for the layer's transformer block B (attention and MLP), its
+    heads truncated by :func:`activation_basis_factors` (``truncated_heads(metric="activations")``) and its inputs
+    the full model's, as the authors measure it.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    layers : list of AttentionLayer
+        BERT-style layers, every head held.
+    windows : ndarray of int, shape (n, T)
+        Calibration token ids.
+    thresholds : sequence of float, default=EIGEN_ATTENTION_THRESHOLDS
+        Descending.
+    batch_size : int, default=32
+
+    Returns
+    -------
+    sweep : DataFrame (list of dict without pandas) with ``layer, threshold, rank, error``
+    """
+    from ._compress import truncated_heads
+
+    thresholds = [float(t) for t in thresholds]
+    if not thresholds or any(b >= a for a, b in zip(thresholds, thresholds[1:])) or not 0 < thresholds[-1]:
+        raise ValueError("thresholds must be a non-empty descending sequence of values in (0, 1].")
+    out = []
+    for layer in layers:
+        _bert_module(model, layer, "eigen_attention_sweep")
+        gram = _gram(layer)
+        rows = _bias_rows(layer)
+        spectra = [activation_singular_values(layer.query[p][rows], layer.key[p][rows], gram)
+                   for p in range(layer.n_heads)]
+        block = _block(model, layer.name)
+        full = _block_outputs(model, block, windows, batch_size)
+        norm = float(full.norm())
+        held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
+        d_head = int(layer.query.shape[2])
+        errors = {d_head: 0.0}
+        for t in thresholds:
+            rank = max(int(np.sum(np.cumsum(s) < t - 1e-12)) for s in spectra) if t < 1.0 else d_head
+            rank = min(rank, d_head)
+            if rank not in errors:
+                plan = [dict(layer=layer.index, head=h, rank=rank) for h in held]
+                with truncated_heads(model, plan, [layer], metric="activations"):
+                    low = _block_outputs(model, block, windows, batch_size)
+                errors[rank] = float((full - low).norm()) / norm if norm > 0 else 0.0
+            out.append(dict(layer=int(layer.index), threshold=t, rank=rank, error=errors[rank]))
+    return _table(out)
+
+
+def eigen_attention_plan(sweep, layers, *, error_budget=None, budget=None):
+    """Eigen Attention's ranks from a sweep (:func:`eigen_attention_sweep`).
+
+    ``error_budget=e``: in each layer the threshold is lowered step by step until the block's error reaches e,
+    and the last threshold before it is kept (the authors' rule); every head of the layer gets that threshold's
+    rank. ``budget=W``: the smallest error budget whose plan's total width is at most W (the widths fall as the
+    error budget grows), for comparisons at equal width; where even the sweep's smallest thresholds give more
+    than W, those (the narrowest plan Eigen Attention reaches).
+
+    Returns
+    -------
+    plan : DataFrame (list of dict without pandas) with ``layer, head, d_head, rank, threshold, error``
+    """
+    if (error_budget is None) == (budget is None):
+        raise ValueError("give exactly one of error_budget (the layers' output error) and budget (a total width).")
+    rows = _rows(sweep, ("layer", "threshold", "rank", "error"))
+    by_layer = {}
+    for r in rows:
+        by_layer.setdefault(int(r["layer"]), []).append(r)
+    heads = _heads_of(layers)
+    missing = sorted({int(lay.index) for lay, *_ in heads} - set(by_layer))
+    if missing:
+        raise ValueError(f"the sweep has no rows for layer {missing[0]}.")
+
+    def choose(e):
+        picked = {}
+        for index, steps in by_layer.items():
+            steps = sorted(steps, key=lambda r: -float(r["threshold"]))
+            keep = steps[0]
+            for step in steps[1:]:
+                if float(step["error"]) >= e:
+                    break
+                keep = step
+            picked[index] = keep
+        return picked
+
+    if error_budget is not None:
+        e = float(error_budget)
+        if not e > 0:
+            raise ValueError(f"error_budget must be > 0, got {error_budget!r}.")
+        picked = choose(e)
+    else:
+        W = _check_budget(budget)
+        width = {int(lay.index): sum(1 for l2, *_ in heads if l2 is lay) for lay in layers}
+        candidates = sorted({float(r["error"]) for r in rows} | {np.inf})
+        picked = None
+        for c in candidates:
+            e = np.nextafter(c, np.inf) if np.isfinite(c) else np.inf
+            trial = choose(e)
+            if sum(int(trial[i]["rank"]) * width[i] for i in trial) <= W:
+                picked = trial
+                break
+        if picked is None:   # pragma: no cover - the last candidate keeps the smallest threshold of each layer
+            picked = choose(np.inf)
+    ranks = [int(picked[int(lay.index)]["rank"]) for lay, *_ in heads]
+    return _plan(heads, ranks, threshold=[float(picked[int(lay.index)]["threshold"]) for lay, *_ in heads],
+                 error=[float(picked[int(lay.index)]["error"]) for lay, *_ in heads])
