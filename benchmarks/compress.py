@@ -1,27 +1,47 @@
-"""Rank plans put back into MiniLM: sentence-embedding fidelity of each allocation at equal query–key width.
+"""Rank plans put back into MiniLM: the model's fidelity under each allocation users run today and under rstar's.
 
-For the heads of the layers given, fitted once by ``rstar heads`` (its ``heads.json``, with tolerances) or here,
-each allocation's ranks are put into the model (:func:`rstar.heads.truncated_heads`: each head's query–key map
-truncated to its rank, by SVD in the metric of the layer's tokens — what rstar's curves measure — and by the
-weights' own SVD; value maps untouched), and the model's sentence embeddings (mean-pooled last hidden
-states, normalised, as all-MiniLM-L6-v2 is used) on other windows of text (another seed) are compared with the
-full model's: the mean and the smallest cosine similarity. Allocations at each width W:
+For the heads fitted once by ``rstar heads`` (its ``heads.json``, with tolerances; the whole model or some
+layers), each allocation's ranks are put into the model (:func:`rstar.heads.truncated_heads`, value maps
+untouched) and the model's sentence embeddings (mean-pooled last hidden states, normalised, as
+all-MiniLM-L6-v2 is used) on other windows of text (``--seed``) are compared with the full model's: the mean and
+the smallest cosine similarity.
 
-- ``rstar tolerance``: each head's r*(ε) (its width is W);
-- ``rstar budget``: W split to minimise the summed predicted excess (:func:`rstar.heads.rank_plan`);
-- ``uniform``: W split evenly;
-- ``weight energy``: W split to keep the most of the heads' own kernel SVD energy (the weights alone, no data).
+Allocations at each total query–key width W (the sum of the heads' ranks), all truncated the same way (by SVD in
+the metric of the layer's tokens, what rstar's curves measure), so that only the allocation differs:
 
-Not yet: Eigen Attention's, SVD-LLM's, Palu's and EVA's allocations, trained students, SmolLM2.
+- ``rstar budget``: W split to minimise the summed predicted excess (:func:`rstar.heads.rank_plan`), the heads'
+  own kernels truncated; and ``(fit's models)``: the data-only fits' own rank-r models put in their place (where
+  the run saved them: ``rstar heads --save-factors``) — rstar alone, from the data, without the weights;
+- ``rstar tolerance``: each head's r*(ε) (at its own width only);
+- ``uniform``: W split evenly (one ratio for every head, as SVD-LLM and the fine-tuning libraries by default);
+- ``weight energy``: the most of the kernels' own SVD energy (the weights alone);
+- ``Eigen Attention``: its per-layer threshold search on key/query activation spectra (``eigen_attention_plan``,
+  the smallest layer-output error budget whose plan fits in W);
+- ``Palu``: ranks in proportion to each head's Fisher score (``head_fisher_scores``: for this embedding model a
+  Gaussian likelihood on the last hidden state);
+- ``EVA``: the layers' input components ranked by explained variance (``eva_plan``, rho = 2).
+
+And each anchor with its own truncation: ``Eigen Attention (own)`` (queries and keys on their activations' top
+directions) and ``SVD-LLM (own)`` (uniform ranks, each of W_Q and W_K truncated on its own, whitened by the
+tokens); Eigen Attention also at its own error budgets (its own widths). The anchors' calibration is the first
+``--n-calib`` windows the fits read.
+
+For each tolerance plan (item 5 of the issue): each head's predicted excess at r*(ε) (its risk curve) against the
+realised excess of its truncated kernel (and of the fit's own rank-r model) on the held-out windows, the head alone (its layer truncated, the layers
+before it intact) and inside the whole truncated model (the layers before it truncated too), with the realised
+excess's standard error over windows.
 
 Usage::
 
-    rstar heads --layers 1 --budget 192 --out runs/l1          # the fits (about 6 min on 2 cores)
-    python benchmarks/compress.py --table runs/l1/heads.json     # about 1 min
+    rstar heads --model minilm --seq-len 32 --n-samples 500 --save-factors --out runs/minilm   # about 30 min
+    python benchmarks/compress.py --table runs/minilm/heads.json                   # about 10 min on 2 cores
+
+Writes ``compress.json``, ``compress.md`` and ``compress_pareto.png``, ``compress_predicted.png`` under ``--out``.
 """
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,16 +59,52 @@ def _embed(model, windows, batch=50):
 
 
 def _records(table):
-    return table.to_dict("records") if hasattr(table, "to_dict") else table
+    return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
 
 
-def _energy_curves(layers, rows):
-    by_index = {layer.index: layer for layer in layers}
-    curves = []
-    for r in rows:
-        s = by_index[int(r["layer"])].head(int(r["head"])).kernel_singular_values() ** 2
-        curves.append(1.0 - np.r_[0.0, np.cumsum(s)] / s.sum())
-    return curves
+def _ranks(plan, keys):
+    by = {(int(p["layer"]), int(p["head"])): int(p["rank"]) for p in _records(plan)}
+    return [by[k] for k in keys]
+
+
+def _head_errors(full, trunc):
+    """Per head: each window's squared error of the truncated head's output (n,), and the head's TSS."""
+    out = []
+    for h in range(full.Y.shape[2]):
+        Y, Yt = full.Y[:, :, h], trunc.Y[:, :, h]
+        Yf = Y.reshape(-1, Y.shape[-1])
+        tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+        out.append((np.sum((Y - Yt) ** 2, axis=(1, 2)), tss))
+    return out
+
+
+def _realised(model, plan, layers, held, collect_attention, truncated_heads, factors=None):
+    """Per head (layer, head): realised excess and its standard error, alone and inside the truncated model."""
+    by_layer = {}
+    for p in _records(plan):
+        by_layer.setdefault(int(p["layer"]), []).append(p)
+    out = {}
+    for index, rows in by_layer.items():
+        full = collect_attention(model, held, layers=[index])[0]
+        alone_plan = [dict(layer=index, head=int(p["head"]), rank=int(p["rank"])) for p in rows]
+        with truncated_heads(model, alone_plan, layers, factors=factors):
+            alone = collect_attention(model, held, layers=[index])[0]
+        with truncated_heads(model, plan, layers, factors=factors):
+            inside = collect_attention(model, held, layers=[index])[0]
+        held_heads = list(range(full.n_heads)) if full.head_indices is None else list(full.head_indices)
+        floor = None
+        if factors is not None:
+            # the fit's widest model: its own floor (what a head's fit could not reproduce at any rank)
+            widest = [dict(layer=index, head=int(p["head"]), rank=int(p["d_head"])) for p in rows]
+            with truncated_heads(model, widest, layers, factors=factors):
+                floor = _head_errors(full, collect_attention(model, held, layers=[index])[0])
+        for k, ((e_a, tss), (e_i, _), h) in enumerate(zip(_head_errors(full, alone), _head_errors(full, inside),
+                                                          held_heads)):
+            n = e_a.size
+            out[(index, h)] = dict(alone=float(e_a.sum() / tss), alone_se=float(np.sqrt(n) * e_a.std() / tss),
+                                   inside=float(e_i.sum() / tss), inside_se=float(np.sqrt(n) * e_i.std() / tss),
+                                   floor=None if floor is None else float(floor[k][0].sum() / tss))
+    return out
 
 
 def main(argv=None):
@@ -57,54 +113,215 @@ def main(argv=None):
                    help="heads.json of `rstar heads` with tolerances (its rows, and the windows it fitted on)")
     p.add_argument("--n-eval", type=int, default=500, help="windows the embeddings are compared on")
     p.add_argument("--seed", type=int, default=1, help="seed of those windows (not the fits' --seed)")
+    p.add_argument("--n-calib", type=int, default=128,
+                   help="the anchors' calibration windows (the first of the fits' windows)")
+    p.add_argument("--fractions", default="0.25,0.5,0.75",
+                   help="total widths as fractions of the full width, beside the tolerance plans' widths")
+    p.add_argument("--error-budgets", default="0.02,0.05,0.1,0.2,0.4",
+                   help="Eigen Attention's layer-output error budgets, at its own widths")
     p.add_argument("--out", default="benchmarks/out/compress")
     args = p.parse_args(argv)
 
-    from rstar.heads import (allocate_ranks, collect_attention, load_minilm, rank_plan, text_windows,
-                             truncated_heads)
+    from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
+                             fisher_share_plan, head_fisher_scores, load_minilm, rank_plan, text_windows,
+                             truncated_heads, uniform_plan, weight_energy_plan)
 
+    t0 = time.perf_counter()
     run = json.loads(Path(args.table).read_text())
     rows, T = run["rows"], run["seq_len"]
     if run["seed"] == args.seed:
         raise SystemExit(f"--seed {args.seed} is the fits' own: give another for the windows compared on.")
+    if any(r.get("risk_curve") is None for r in rows):
+        bad = next(r for r in rows if r.get("risk_curve") is None)
+        raise SystemExit(f"layer {bad['layer']} head {bad['head']} has no risk curve ({bad.get('note')}): "
+                         "the plans need every head's.")
+    keys = [(int(r["layer"]), int(r["head"])) for r in rows]
     model, tok = load_minilm()
     model.eval()
-    windows = text_windows(tok, T, args.n_eval, random_state=args.seed)
-    # the layers' tokens for the truncation metric: the windows the fits read (their seed and count)
+    held = text_windows(tok, T, args.n_eval, random_state=args.seed)
+    # the layers' tokens for the truncations: the windows the fits read (their seed and count)
     fit_windows = text_windows(tok, T, run["n_samples"], random_state=run["seed"])
-    layers = collect_attention(model, fit_windows, layers=sorted({int(r["layer"]) for r in rows}))
-    full = _embed(model, windows)
-    energy = _energy_curves(layers, rows)
-    tolerances = sorted(float(k[len("rank_at_"):]) for k in rows[0] if k.startswith("rank_at_"))
+    index = sorted({k[0] for k in keys})
+    layers = [layer.select_heads(sorted(h for li, h in keys if li == layer.index))
+              for layer in collect_attention(model, fit_windows, layers=index)]
+    full_width = sum(int(r["d_head"]) for r in rows)
+    calib = fit_windows[:args.n_calib]
+    print(f"{len(rows)} heads in {len(layers)} layers, full width {full_width}; calibrating the anchors on "
+          f"{len(calib)} windows ...", flush=True)
+    t1 = time.perf_counter()
+    fisher = head_fisher_scores(model, layers, calib, random_state=0)
+    t_fisher = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    sweep = eigen_attention_sweep(model, layers, calib)
+    t_sweep = time.perf_counter() - t1
+    print(f"Palu's Fisher scores {t_fisher:.0f} s, Eigen Attention's sweep {t_sweep:.0f} s", flush=True)
+    full = _embed(model, held)
+
+    def evaluate(name, ranks, metric, width_asked, extra=None, factors=None):
+        plan = [dict(layer=k[0], head=k[1], rank=int(r)) for k, r in zip(keys, ranks)]
+        with truncated_heads(model, plan, layers, metric=metric, factors=factors):
+            emb = _embed(model, held)
+        cos = np.sum(emb * full, axis=1)
+        res = dict(allocation=name, truncation=metric, width_asked=width_asked, width=int(sum(ranks)),
+                   ranks=[int(r) for r in ranks], mean_cosine=float(cos.mean()), min_cosine=float(cos.min()),
+                   loss=float(1 - cos.mean()), **(extra or {}))
+        results.append(res)
+        print(f"W {width_asked if width_asked is not None else '-':>5}: {name:24s} {metric:11s} width {res['width']:5d}  1 - cosine {res['loss']:.3e} "
+              f"(min cosine {res['min_cosine']:.4f})", flush=True)
+        return res
+
+    # the fits' own models (``rstar heads --save-factors``), where the run saved them
+    folder = Path(args.table).parent / "factors"
+    fitted = {}
+    for k in keys:
+        path = folder / f"layer{k[0]}_head{k[1]}.npz"
+        if path.exists():
+            with np.load(path) as f:
+                fitted[k] = (f["A"], f["B"])
+    fitted = fitted if len(fitted) == len(keys) else None
+    print("the fits' own models: " + ("in " + str(folder) if fitted else "not saved (rstar heads --save-factors)"),
+          flush=True)
+
     results = []
-    for tol in tolerances:
-        by_tol = _records(rank_plan(rows, tolerance=tol))
-        width = int(sum(p["rank"] for p in by_tol))
-        n = len(rows)
-        plans = {
-            "rstar tolerance": [p["rank"] for p in by_tol],
-            "rstar budget": [p["rank"] for p in _records(rank_plan(rows, budget=width))],
-            "uniform": [width // n + (1 if k < width % n else 0) for k in range(n)],
-            "weight energy": allocate_ranks(energy, width),
-        }
-        for (name, ranks), metric in ((item, m) for m in ("tokens", "weights") for item in plans.items()):
-            plan = [dict(layer=r["layer"], head=r["head"], rank=int(k)) for r, k in zip(rows, ranks)]
-            with truncated_heads(model, plan, layers, metric=metric):
-                emb = _embed(model, windows)
-            cos = np.sum(emb * full, axis=1)
-            res = dict(tolerance=tol, width=width, allocation=name, truncation=metric, ranks=[int(k) for k in ranks],
-                       mean_cosine=float(cos.mean()), min_cosine=float(cos.min()))
-            results.append(res)
-            print(f"eps {tol:g}, width {width}, {metric} truncation: {name:16s} mean cosine {res['mean_cosine']:.6f} "
-                  f"(min {res['min_cosine']:.5f}), 1 - cosine {1 - res['mean_cosine']:.2e}", flush=True)
+    tolerances = sorted(float(k[len("rank_at_"):]) for k in rows[0] if k.startswith("rank_at_"))
+    tol_plans = {tol: _records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
+    widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
+                    | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
+    for W in widths:
+        for tol, plan in tol_plans.items():
+            if sum(p["rank"] for p in plan) == W:
+                total = dict(predicted_total=float(sum(p["predicted_excess"] for p in plan)))
+                evaluate(f"rstar tolerance {tol:g}", _ranks(plan, keys), "tokens", W, total)
+                if fitted:
+                    evaluate(f"rstar tolerance {tol:g} (fit's models)", _ranks(plan, keys), "tokens", W, total,
+                             fitted)
+        budget_plan = _records(rank_plan(rows, budget=W))
+        total = dict(predicted_total=float(sum(p["predicted_excess"] for p in budget_plan)))
+        evaluate("rstar budget", _ranks(budget_plan, keys), "tokens", W, total)
+        if fitted:
+            evaluate("rstar budget (fit's models)", _ranks(budget_plan, keys), "tokens", W, total, fitted)
+        ea = eigen_attention_plan(sweep, layers, budget=W)
+        plans = {"uniform": uniform_plan(layers, W), "weight energy": weight_energy_plan(layers, W),
+                 "Eigen Attention": ea, "Palu": fisher_share_plan(fisher, W), "EVA": eva_plan(layers, W)}
+        for name, plan in plans.items():
+            evaluate(name, _ranks(plan, keys), "tokens", W)
+        evaluate("Eigen Attention (own)", _ranks(ea, keys), "activations", W)
+        evaluate("SVD-LLM (own)", _ranks(plans["uniform"], keys), "whitened", W)
+    for e in (float(v) for v in args.error_budgets.split(",") if v):
+        plan = eigen_attention_plan(sweep, layers, error_budget=e)
+        evaluate(f"Eigen Attention (own) at error {e:g}", _ranks(plan, keys), "activations", None,
+                 dict(error_budget=e))
+
+    # predicted against realised, per head, for each tolerance plan
+    heads_cmp = []
+    for tol, plan in tol_plans.items():
+        for what, factors in (("head's kernel", None), ("fit's model", fitted)):
+            if what == "fit's model" and not fitted:
+                continue
+            real = _realised(model, plan, layers, held, collect_attention, truncated_heads, factors)
+            for p in plan:
+                r = real[(int(p["layer"]), int(p["head"]))]
+                heads_cmp.append(dict(tolerance=tol, truncated=what, layer=int(p["layer"]), head=int(p["head"]),
+                                      rank=int(p["rank"]), predicted=float(p["predicted_excess"]), **r))
+    elapsed = time.perf_counter() - t0
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compress.json").write_text(json.dumps(results, indent=1))
-    lines = ["| ε | width | truncation | allocation | mean cosine to the full model | 1 − cosine | min cosine |",
+    (out / "compress.json").write_text(json.dumps(dict(results=results, heads=heads_cmp, table=str(args.table),
+                                                       n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
+                                                       seconds=elapsed, fisher_seconds=t_fisher,
+                                                       sweep_seconds=t_sweep), indent=1))
+    lines = [f"Fidelity of MiniLM's sentence embeddings ({args.n_eval} held-out windows of {T} tokens), "
+             f"{len(rows)} heads, full query–key width {full_width}.", "",
+             "| W asked | allocation | truncation | width | 1 − mean cosine | min cosine | rstar predicted Σ excess |",
              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['tolerance']:g} | {r['width']} | {r['truncation']} | {r['allocation']} | {r['mean_cosine']:.6f} | "
-              f"{1 - r['mean_cosine']:.2e} | {r['min_cosine']:.5f} |" for r in results]
+    for r in results:
+        pred = f"{r['predicted_total']:.3f}" if "predicted_total" in r else ""
+        lines.append(f"| {r['width_asked'] if r['width_asked'] is not None else '—'} | {r['allocation']} | "
+                     f"{r['truncation']} | {r['width']} | {r['loss']:.2e} | {r['min_cosine']:.4f} | {pred} |")
+    lines += ["", "| ε | rank-r model | heads | realised (alone) ≤ predicted + 2 se | within 2 se | Σ predicted | "
+              "Σ realised alone | Σ realised in the model | median realised/predicted (alone) | "
+              "Σ floor (the fit's widest model, alone) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for tol in tol_plans:
+        for what in ("head's kernel", "fit's model"):
+            hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
+            if not hs:
+                continue
+            below = sum(h["alone"] <= h["predicted"] + 2 * h["alone_se"] for h in hs)
+            within = sum(abs(h["alone"] - h["predicted"]) <= 2 * h["alone_se"] for h in hs)
+            ratio = np.median([h["alone"] / h["predicted"] for h in hs if h["predicted"] > 0])
+            lines.append(f"| {tol:g} | {what} | {len(hs)} | {below} | {within} | "
+                         f"{sum(h['predicted'] for h in hs):.3f} | {sum(h['alone'] for h in hs):.3f} | "
+                         f"{sum(h['inside'] for h in hs):.3f} | {ratio:.2f} | "
+                         + (f"{sum(h['floor'] for h in hs):.3f} |" if hs[0]["floor"] is not None else "— |"))
+    lines.append(f"\n{elapsed:.0f} s in all (Fisher scores {t_fisher:.0f} s, Eigen Attention's sweep {t_sweep:.0f} s).")
+    (out / "compress.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    _figures(results, heads_cmp, full_width, out)
+
+
+def _figures(results, heads_cmp, full_width, out):
+    try:
+        import matplotlib
+    except ImportError:   # pragma: no cover - optional
+        print("(matplotlib is not installed: no figures)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"rstar budget": ("C3", "o", "-"), "rstar budget (fit's models)": ("C3", "o", ":"), "uniform": ("C0", "s", "--"), "weight energy": ("C1", "^", "--"),
+              "Eigen Attention": ("C2", "v", "--"), "Palu": ("C4", "D", "--"), "EVA": ("C5", "P", "--"),
+              "Eigen Attention (own)": ("C2", "v", ":"), "SVD-LLM (own)": ("C7", "X", ":")}
+    for name, (color, marker, line) in styles.items():
+        pts = sorted((r["width"], r["loss"]) for r in results if r["allocation"] == name)
+        if pts:
+            ax.plot(*zip(*pts), color=color, marker=marker, linestyle=line, label=name)
+    pts = sorted((r["width"], r["loss"]) for r in results if r["allocation"].startswith("Eigen Attention (own) at"))
+    if pts:
+        ax.plot(*zip(*pts), color="C2", marker="x", linestyle="none", label="Eigen Attention at its error budgets")
+    for r in results:
+        if r["allocation"].startswith("rstar tolerance"):
+            own = r["allocation"].endswith("(fit's models)")
+            ax.plot(r["width"], r["loss"], "*", color="C3", markersize=14, markerfacecolor="none" if own else "C3")
+            if not own:
+                ax.annotate(f"r*({float(r['allocation'].split()[2]):.0%})", (r["width"], r["loss"]),
+                            textcoords="offset points", xytext=(6, 6))
+    ax.set_yscale("log")
+    ax.set_xlabel(f"total query–key width (sum of the heads' ranks; full = {full_width})")
+    ax.set_ylabel("1 − mean cosine to the full model's embeddings")
+    ax.set_title("MiniLM with every head's query–key map truncated: fidelity against width")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "compress_pareto.png", dpi=100)
+
+    tols = sorted({h["tolerance"] for h in heads_cmp})
+    fig, axes = plt.subplots(1, len(tols), figsize=(5 * len(tols), 4.5), squeeze=False)
+    for ax, tol in zip(axes[0], tols):
+        lo, hi = np.inf, 0.0
+        for what, color in (("head's kernel", "C0"), ("fit's model", "C3")):
+            hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
+            if not hs:
+                continue
+            pred = np.array([h["predicted"] for h in hs])
+            alone = np.array([h["alone"] for h in hs])
+            inside = np.array([h["inside"] for h in hs])
+            ax.errorbar(pred, alone, yerr=2 * np.array([h["alone_se"] for h in hs]), fmt="o", ms=4, color=color,
+                        label=f"{what}, the head alone (± 2 se)")
+            ax.plot(pred, inside, "x", color=color, alpha=0.6, label=f"{what}, inside the truncated model")
+            lo = min(lo, max(1e-5, min(pred.min(), alone.min(), inside.min()) / 2))
+            hi = max(hi, max(pred.max(), alone.max(), inside.max()) * 2)
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("predicted excess at r*(ε) (risk curve)")
+        ax.set_ylabel("realised excess on held-out windows")
+        ax.set_title(f"ε = {tol:.0%}: each head at r*(ε)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "compress_predicted.png", dpi=100)
 
 
 if __name__ == "__main__":

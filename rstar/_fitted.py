@@ -61,6 +61,51 @@ class FittedOperatorMixin:
             cache["operator"] = self._inv.fit_operator(self._stats, self.components_, **kw)
         return cache["operator"]
 
+    def query_key_factors(self, rank=None):
+        """Factors ``(A, B)`` of the fitted query–key map at rank ``rank``, in the units of the X given to fit.
+
+        The model of ``predict`` at that rank: its logits are ``X_i A B^T X_i^T / sqrt(d)`` (rstar's convention,
+        d = ``n_features_in_``; for a rotary fit, ``rotate(X_i A) rotate(X_i B)^T / sqrt(d)``). Its factors, not
+        the d x d kernel, so that a rank-r head can be put into a model (:func:`rstar.heads.truncated_heads`).
+
+        Parameters
+        ----------
+        rank : int or None
+            0 ... ``n_features_in_``; None: ``rank_``. A rank beyond the fitted model's width gives that width's
+            model (the factored fits model at most their width q).
+
+        Returns
+        -------
+        A, B : ndarray of shape (n_features_in_, r)
+            r the model's rank (``rank``, or less where the fit holds fewer directions). For a rotary fit, one
+            column per rotated coordinate (the rotation of ``operator_.rotary`` acts on each plane's pair of
+            columns), of rank ``rank``: the width is that of the projections.
+
+        Raises
+        ------
+        ValueError
+            A rank out of range, an operator without a query–key map (the linear proxy acts on tokens), or a fit
+            without closed-form operators at its size.
+        """
+        check_is_fitted(self, "rank_")
+        r = self.rank_ if rank is None else rank
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r <= self.n_features_in_:
+            raise ValueError(f"rank must be a whole number in 0 ... {self.n_features_in_}, got {rank!r}.")
+        kw = {"ops": resolve_backend(self.device)} if self._inv.capabilities.reads_sample_passes else {}
+        operator = self._inv.fit_operator(self._stats, self.statistic_.components(int(r)), **kw)
+        if operator is None:
+            raise ValueError("no closed-form operator: its moment sums would exceed the memory budget at this size.")
+        if hasattr(operator, "A") and hasattr(operator, "B") and hasattr(operator, "rotary"):
+            A, B = np.asarray(operator.A, dtype=float), np.asarray(operator.B, dtype=float)
+            return A / self._x_scale, B / self._x_scale
+        K = getattr(operator, "K", None)
+        if K is None:
+            raise ValueError(f"{type(self).__name__} fitted a {self.inversion_} operator, which has no query–key "
+                             "map (it acts on the tokens directly).")
+        U, s, Wt = np.linalg.svd(np.asarray(K, dtype=float) / self._x_scale ** 2)
+        k = min(int(r), int(np.sum(s > s[0] * 1e-12)) if s.size and s[0] > 0 else 0)
+        return U[:, :k] * np.sqrt(s[:k]), Wt[:k].T * np.sqrt(s[:k])
+
     # -- prediction -----------------------------------------------------------
     def predict(self, X):
         """Ŷ from the operator fitted in closed form at rank ``rank_``.

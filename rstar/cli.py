@@ -85,6 +85,10 @@ def _parser():
     heads.add_argument("--no-rank-bound", action="store_true",
                        help="fit without each head's d_head as max_rank (slower: the factored fit then goes to rank "
                             "2 d_head; a count beyond d_head is then reported in the note)")
+    heads.add_argument("--save-factors", action="store_true",
+                       help="also write each head's fitted query-key factors to DIR/factors/layer<L>_head<H>.npz "
+                            "(arrays A, B: the fit's own model at its full width, whose truncations "
+                            "rstar.heads.truncated_heads(factors=...) puts into the model)")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
                             "(the other options must be the same)")
@@ -341,6 +345,13 @@ def _heads(args):
         t_fit, fitted = time.perf_counter(), []
 
         def write(row):
+            pair = row.pop("query_key_factors", None)
+            if pair is not None:
+                import numpy as np
+
+                folder = out / "factors"
+                folder.mkdir(exist_ok=True)
+                np.savez(folder / f"layer{int(row['layer'])}_head{int(row['head'])}.npz", A=pair[0], B=pair[1])
             fh.write(json.dumps(row, default=float) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
@@ -352,7 +363,8 @@ def _heads(args):
 
         try:
             estimate_heads(collected, RStarEstimator(device=args.device), tolerances=tuple(args.tolerance),
-                           skip=skip, on_row=write, progress=True, rank_bound=not args.no_rank_bound)
+                           skip=skip, on_row=write, progress=True, rank_bound=not args.no_rank_bound,
+                           keep_factors=args.save_factors)
         except KeyboardInterrupt:
             print(f"\ninterrupted: {len(done) + len(fitted)} of {total} heads are in {progress_file}; rerun the "
                   "same command with --resume to fit the rest.", file=sys.stderr, flush=True)

@@ -316,7 +316,7 @@ def test_heads_writes_rank_plans_with_their_rank_pattern(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "heads"
     assert cli.main(["heads", "--layers", "0", "--heads", "0,3", "--n-samples", "60", "--seq-len", "12",
-                     "--tolerance", "0.05", "--budget", "20", "--out", str(out)]) == 0
+                     "--tolerance", "0.05", "--budget", "20", "--save-factors", "--out", str(out)]) == 0
     assert "risk_curve" not in capsys.readouterr().out and "risk_curve" not in (out / "heads.csv").read_text()
     rows = json.loads((out / "heads.json").read_text())["rows"]
     plans = json.loads((out / "plan.json").read_text())
@@ -327,6 +327,23 @@ def test_heads_writes_rank_plans_with_their_rank_pattern(tmp_path, capsys):
     name = "encoder.layer.0.attention.self"
     assert tol["rank_pattern"] == {f"{name}.query": width, f"{name}.key": width}
     assert sum(h["rank"] for h in plans["budget=20"]["heads"]) <= 20
+    # the fits' own factors, put into the model at the plan's ranks: the installed kernel is the fit's model
+    # truncated in the tokens' metric, in rstar's convention (logits x~ A B^T x~^T / sqrt(d~))
+    from rstar.heads import collect_attention, load_minilm, text_windows, truncated_head_factors, truncated_heads
+    from rstar.inversions._numerics.softmax_factored import token_metric_roots
+    factors = {}
+    for h in (0, 3):
+        saved = np.load(out / "factors" / f"layer0_head{h}.npz")
+        assert saved["A"].shape == saved["B"].shape and saved["A"].shape[0] == 385 and saved["A"].shape[1] <= 32
+        factors[(0, h)] = (saved["A"], saved["B"])
+    model, tok = load_minilm()
+    layers = collect_attention(model, text_windows(tok, 12, 60, random_state=0), layers=[0])
+    with truncated_heads(model, tol["heads"], layers, factors=factors):
+        inside = collect_attention(model, text_windows(tok, 12, 60, random_state=0), layers=[0])[0]
+    Xt = layers[0].head(0).features()
+    for h, plan_row in zip((0, 3), tol["heads"]):
+        q, k = truncated_head_factors(*factors[(0, h)], plan_row["rank"], token_metric_roots(Xt))
+        np.testing.assert_allclose(inside.head(h).kernel(), q @ k.T, atol=1e-5 * np.abs(q @ k.T).max())
 
 
 def test_heads_bad_device_is_a_one_line_error(tmp_path, capsys):

@@ -188,7 +188,7 @@ def _truncation_rank(curve, tolerance, d_head):
 
 
 def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, value_map_known=True,
-                   truncation=True, skip=(), on_row=None, progress=False, rank_bound=True):
+                   truncation=True, skip=(), on_row=None, progress=False, rank_bound=True, keep_factors=False):
     """Fit a data-only estimator on every head and return one row per head.
 
     Parameters
@@ -222,6 +222,11 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         r*(5%) on the four heads measured). False fits without the bound, so that a count beyond ``d_head``
         shows in ``note`` that the estimator's count is off for the head (with the bound, rules count at most
         ``d_head``).
+    keep_factors : bool, default=False
+        Add a ``query_key_factors`` column: the fitted model's factors ``(A, B)`` at its full width (at most
+        ``d_head``; :meth:`rstar.RStarEstimator.query_key_factors`), in rstar's convention on the head's features
+        (logits ``x~ A B^T x~'^T / sqrt(d~)``). Truncated in the tokens' metric they are the fit's own rank-r
+        models (what its risk curve measures), which :func:`truncated_heads` (``factors=``) puts into the model.
 
     Returns
     -------
@@ -254,7 +259,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     try:
         for layer, head in todo:
             row = _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators,
-                            rank_bound)
+                            rank_bound, keep_factors)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
@@ -315,7 +320,8 @@ class _LineProgress:
         pass
 
 
-def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators, rank_bound=True):
+def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators, rank_bound=True,
+              keep_factors=False):
     """One head's row of :func:`estimate_heads`."""
     est = clone(RStarEstimator(device="auto") if estimator is None else estimator)
     if head.causal:
@@ -376,6 +382,8 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
             row[f"truncation_rank_at_{tol:g}"] = _truncation_rank(curve, tol, head.d_head)
     row["warnings"] = _warning_reasons(caught)
     row["note"] = "; ".join(filter(None, [note, cap]))
+    if keep_factors:
+        row["query_key_factors"] = None if note else est.query_key_factors(min(head.d_head, est.n_features_in_))
     return row
 
 

@@ -47,8 +47,21 @@ def truncated_head_factors(query, key, rank, metric=None):
     return out_q, out_k
 
 
+def _model_factors(pair, shape, layer, head):
+    """A fitted model's factors ``(A, B)`` (rstar's convention: logits ``x~ A B^T x~'^T / sqrt(d~)``) as the
+    module's query and key maps (logits ``x~ q k^T x~'^T / sqrt(d_head)``), padded to ``d_head`` columns."""
+    A, B = (np.asarray(f, dtype=float) for f in pair)
+    p, d_head = shape
+    if A.ndim != 2 or A.shape != B.shape or A.shape[0] != p or A.shape[1] > d_head:
+        raise ValueError(f"layer {layer} head {head}: its factors must be two arrays of shape ({p}, r) with "
+                         f"r <= d_head = {d_head} (the head's columns), got {A.shape} and {B.shape}.")
+    c = (d_head / p) ** 0.25
+    pad = ((0, 0), (0, d_head - A.shape[1]))
+    return np.pad(A * c, pad), np.pad(B * c, pad)
+
+
 @contextmanager
-def truncated_heads(model, plan, layers, metric="tokens"):
+def truncated_heads(model, plan, layers, metric="tokens", factors=None):
     """Within the ``with`` block, each planned head of ``model`` computes its logits with its query–key map
     truncated to the plan's rank (:func:`truncated_head_factors`); the weights are restored on exit, even after
     an exception. Value maps, output projections and every other head are unchanged.
@@ -67,6 +80,11 @@ def truncated_heads(model, plan, layers, metric="tokens"):
         ``"activations"`` on the top directions of its stacked key and query activations (Eigen Attention:
         :func:`rstar.heads.activation_basis_factors`), ``"whitened"`` each of its query and key maps on its own,
         whitened by the tokens (SVD-LLM: :func:`rstar.heads.whitened_factors`).
+    factors : dict or None
+        ``{(layer, head): (A, B)}``: truncate these query–key maps instead of the heads' own — a fitted model's
+        factors in rstar's convention on the head's features (logits ``x~ A B^T x~'^T / sqrt(d~)``;
+        ``estimate_heads(keep_factors=True)``'s ``query_key_factors``, of any width), so that the fit's own rank-r
+        models replace the heads. A planned head without an entry keeps its own map.
 
     Raises
     ------
@@ -114,11 +132,15 @@ def truncated_heads(model, plan, layers, metric="tokens"):
             else:
                 Z = Z.reshape(-1, Z.shape[-1])
                 roots[index] = Z.T @ Z
+        query, key = layer.query[pos][rows], layer.key[pos][rows]
+        if factors is not None and (index, head) in factors:
+            query, key = _model_factors(factors[(index, head)], query.shape, index, head)
         if metric in ("activations", "whitened"):
             trunc = activation_basis_factors if metric == "activations" else whitened_factors
-            q, k = trunc(layer.query[pos][rows], layer.key[pos][rows], roots[index], rank)
+            q, k = trunc(query, key, roots[index], rank)
         else:
-            q, k = truncated_head_factors(layer.query[pos][rows], layer.key[pos][rows], rank, roots.get(index))
+            q, k = truncated_head_factors(query, key, rank, roots.get(index))
+        q, k = q[:, :d_head], k[:, :d_head]
         cols = slice(head * d_head, (head + 1) * d_head)
         d = layer.X.shape[-1]
         for linear, factor in ((module.query, q), (module.key, k)):

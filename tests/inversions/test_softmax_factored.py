@@ -466,3 +466,28 @@ def test_auto_budget_chooses_within_the_calibrations_and_fits_to_the_iteration_c
     assert not fixed.fit_scales and fixed.allows_fit_compute(1e9) and not fixed.allows_fit_compute(2e9)
     with pytest.raises(ValueError, match="compute_budget"):
         RStarEstimator(compute_budget="fast").fit(*_task(1)[:2])
+
+
+def test_query_key_factors_are_the_predict_model_and_its_token_metric_truncations():
+    X, Y, teacher = _task(3, seed=2)
+    scale = 3.0   # the factors are in the units of the X given to fit
+    est = RStarEstimator(value_map=teacher.value_map / scale, tolerance=0.05, random_state=0).fit(X * scale, Y)
+    assert est.inversion_ == FACTORED_NAME
+    A, B = est.query_key_factors()
+    assert A.shape == B.shape == (96, est.rank_)
+    # predict's model: softmax(X A B^T X^T / sqrt(d)) X V
+    S = SoftmaxOperator(A @ B.T, teacher.value_map / scale).predict(X * scale)
+    np.testing.assert_allclose(est.predict(X[:20] * scale), S[:20], rtol=1e-8, atol=1e-10)
+    rel = np.linalg.norm(A @ B.T * scale ** 2 - teacher.kernel) / np.linalg.norm(teacher.kernel)
+    assert rel < 0.05
+    # the widest model truncated in the token metric is the fit's own model at that rank
+    wide = est.query_key_factors(96)
+    roots = sf.token_metric_roots(X * scale)
+    from rstar.heads import truncated_head_factors
+    for r in (1, 2):
+        q, k = truncated_head_factors(*wide, r, roots)
+        A_r, B_r = est.query_key_factors(r)
+        np.testing.assert_allclose(q @ k.T, A_r @ B_r.T, rtol=1e-6, atol=1e-9 * np.abs(A_r @ B_r.T).max())
+    for bad in (-1, 97, 2.5, True):
+        with pytest.raises(ValueError, match="rank must be a whole number"):
+            est.query_key_factors(bad)

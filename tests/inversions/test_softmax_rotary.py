@@ -120,6 +120,13 @@ def test_rotary_estimator_clones_pickles_and_predicts_at_its_positions_only():
     np.testing.assert_allclose(again.predict(X[:5]), est.predict(X[:5]))
     with pytest.raises(ValueError, match="fitted at the 12 positions"):
         est.predict(X[:, :6])
+    # its factors (before the rotation), in the units of the X given to fit: predict's model
+    fa, fb = est.query_key_factors()
+    assert fa.shape == fb.shape and fa.shape[0] == X.shape[-1]
+    assert np.linalg.matrix_rank(fa) == np.linalg.matrix_rank(fb) == est.rank_
+    op = est.operator_
+    np.testing.assert_allclose(sf.factored_outputs(X[:5], X[:5] @ V, fa, fb, op.mask, rotary=op.rotary),
+                               est.predict(X[:5]), rtol=1e-8, atol=1e-10)
 
 
 def test_rotation_changes_the_task():
