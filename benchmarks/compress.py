@@ -298,28 +298,34 @@ def _figures(results, heads_cmp, full_width, out):
     fig.savefig(out / "compress_pareto.png", dpi=100)
 
     tols = sorted({h["tolerance"] for h in heads_cmp})
-    fig, axes = plt.subplots(1, len(tols), figsize=(5 * len(tols), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(tols), figsize=(5.5 * len(tols), 4.8), squeeze=False)
     for ax, tol in zip(axes[0], tols):
-        lo, hi = np.inf, 0.0
-        for what, color in (("head's kernel", "C0"), ("fit's model", "C3")):
+        top = 4 * tol   # realised excess beyond is drawn at the top edge (triangles)
+        for what, color, shift in (("head's kernel", "C0", -0.12), ("fit's model", "C3", 0.12)):
             hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
             if not hs:
                 continue
-            pred = np.array([h["predicted"] for h in hs])
+            x = np.arange(len(hs)) + shift
             alone = np.array([h["alone"] for h in hs])
             inside = np.array([h["inside"] for h in hs])
-            ax.errorbar(pred, alone, yerr=2 * np.array([h["alone_se"] for h in hs]), fmt="o", ms=4, color=color,
-                        label=f"{what}, the head alone (± 2 se)")
-            ax.plot(pred, inside, "x", color=color, alpha=0.6, label=f"{what}, inside the truncated model")
-            lo = min(lo, max(1e-5, min(pred.min(), alone.min(), inside.min()) / 2))
-            hi = max(hi, max(pred.max(), alone.max(), inside.max()) * 2)
-        ax.plot([lo, hi], [lo, hi], "k--", lw=1)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("predicted excess at r*(ε) (risk curve)")
-        ax.set_ylabel("realised excess on held-out windows")
-        ax.set_title(f"ε = {tol:.0%}: each head at r*(ε)")
-        ax.legend(fontsize=8)
+            over = alone > top
+            ax.errorbar(x[~over], alone[~over], yerr=2 * np.array([h["alone_se"] for h in hs])[~over], fmt="o",
+                        ms=3, color=color, label=f"{what}: the head alone (± 2 se)")
+            ax.plot(x[over], np.full(over.sum(), top), "^", color=color, ms=5)
+            ax.plot(x, np.minimum(inside, top), "x", color=color, alpha=0.5, ms=4,
+                    label=f"{what}: inside the truncated model")
+        hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == "head's kernel"]
+        ax.plot(np.arange(len(hs)), [h["predicted"] for h in hs], "_", color="k", ms=9, mew=2,
+                label="predicted (risk curve at r*(ε))")
+        ax.axhline(tol, color="k", lw=0.8, ls="--")
+        for k in range(1, len(hs)):
+            if hs[k]["layer"] != hs[k - 1]["layer"]:
+                ax.axvline(k - 0.5, color="0.8", lw=0.8)
+        ax.set_ylim(0, top * 1.05)
+        ax.set_xlabel("head (layers left to right)")
+        ax.set_ylabel("excess on held-out windows (share of the head's Var(Y))")
+        ax.set_title(f"each head at r*({tol:.0%}); beyond {top:.0%}: triangles at the top")
+        ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "compress_predicted.png", dpi=100)
 
