@@ -26,10 +26,11 @@ directions) and ``SVD-LLM (own)`` (uniform ranks, each of W_Q and W_K truncated 
 tokens); Eigen Attention also at its own error budgets (its own widths). The anchors' calibration is the first
 ``--n-calib`` windows the fits read.
 
-For each tolerance plan (item 5 of the issue): each head's predicted excess at r*(ε) (its risk curve) against the
-realised excess of its truncated kernel (and of the fit's own rank-r model) on the held-out windows, the head alone (its layer truncated, the layers
-before it intact) and inside the whole truncated model (the layers before it truncated too), with the realised
-excess's standard error over windows.
+For each tolerance plan: each head's predicted excess at r*(ε) (its risk curve: the upper bound the plan reads,
+and the point estimate with its standard error) against the realised excess of its truncated kernel (and of the
+fit's own rank-r model) on the held-out windows, the head alone (its layer truncated, the layers before it intact)
+and inside the whole truncated model (the layers before it truncated too), with the realised excess's standard
+error over windows.
 
 Usage::
 
@@ -166,7 +167,8 @@ def main(argv=None):
                    ranks=[int(r) for r in ranks], mean_cosine=float(cos.mean()), min_cosine=float(cos.min()),
                    loss=float(1 - cos.mean()), **(extra or {}))
         results.append(res)
-        print(f"W {width_asked if width_asked is not None else '-':>5}: {name:24s} {metric:11s} width {res['width']:5d}  1 - cosine {res['loss']:.3e} "
+        asked = "-" if width_asked is None else width_asked
+        print(f"W {asked:>5}: {name:24s} {metric:11s} width {res['width']:5d}  1 - cosine {res['loss']:.3e} "
               f"(min cosine {res['min_cosine']:.4f})", flush=True)
         return res
 
@@ -219,10 +221,18 @@ def main(argv=None):
             if what == "fit's model" and not fitted:
                 continue
             real = _realised(model, plan, layers, held, collect_attention, truncated_heads, factors)
+            by_key = {(int(r["layer"]), int(r["head"])): r for r in rows}
             for p in plan:
-                r = real[(int(p["layer"]), int(p["head"]))]
-                heads_cmp.append(dict(tolerance=tol, truncated=what, layer=int(p["layer"]), head=int(p["head"]),
-                                      rank=int(p["rank"]), predicted=float(p["predicted_excess"]), **r))
+                key = (int(p["layer"]), int(p["head"]))
+                r, row = real[key], by_key[key]
+                point = se = None
+                if row.get("risk_curve_point") is not None and row.get("risk_curve_se") is not None:
+                    # the curve's point estimate at the rank (beyond where it was measured: its last value)
+                    k = min(int(p["rank"]), len(row["risk_curve_point"]) - 1)
+                    point, se = float(row["risk_curve_point"][k]), float(row["risk_curve_se"][k])
+                heads_cmp.append(dict(tolerance=tol, truncated=what, layer=key[0], head=key[1], rank=int(p["rank"]),
+                                      predicted=float(p["predicted_excess"]), predicted_point=point,
+                                      predicted_se=se, **r))
     elapsed = time.perf_counter() - t0
 
     out = Path(args.out)
@@ -241,8 +251,8 @@ def main(argv=None):
                      f"{r['truncation']} | {r['width']} | {r['loss']:.2e} | {r['min_cosine']:.4f} | {pred} |")
     lines += ["", "| ε | rank-r model | heads | realised (alone) ≤ predicted + 2 se | within 2 se | Σ predicted | "
               "Σ realised alone | Σ realised in the model | median realised/predicted (alone) | "
-              "Σ floor (the fit's widest model, alone) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for tol in tol_plans:
         for what in ("head's kernel", "fit's model"):
             hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
@@ -254,11 +264,18 @@ def main(argv=None):
             lines.append(f"| {tol:g} | {what} | {len(hs)} | {below} | {within} | "
                          f"{sum(h['predicted'] for h in hs):.3f} | {sum(h['alone'] for h in hs):.3f} | "
                          f"{sum(h['inside'] for h in hs):.3f} | {ratio:.2f} | "
-                         + (f"{sum(h['floor'] for h in hs):.3f} |" if hs[0]["floor"] is not None else "— |"))
+                         + (f"{sum(h['floor'] for h in hs):.3f} |" if hs[0]["floor"] is not None else "— |")
+                         + (f" {_within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |"))
     lines.append(f"\n{elapsed:.0f} s in all (Fisher scores {t_fisher:.0f} s, Eigen Attention's sweep {t_sweep:.0f} s).")
     (out / "compress.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _figures(results, heads_cmp, full_width, out)
+
+
+def _within_point(hs):
+    """Heads whose realised excess (alone) is within two standard errors of the curve's point estimate, the two
+    errors combined."""
+    return sum(abs(h["alone"] - h["predicted_point"]) <= 2 * np.hypot(h["alone_se"], h["predicted_se"]) for h in hs)
 
 
 def _figures(results, heads_cmp, full_width, out):
@@ -271,7 +288,8 @@ def _figures(results, heads_cmp, full_width, out):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    styles = {"rstar budget": ("C3", "o", "-"), "rstar budget (fit's models)": ("C3", "o", ":"), "uniform": ("C0", "s", "--"), "weight energy": ("C1", "^", "--"),
+    styles = {"rstar budget": ("C3", "o", "-"), "rstar budget (fit's models)": ("C3", "o", ":"),
+              "uniform": ("C0", "s", "--"), "weight energy": ("C1", "^", "--"),
               "Eigen Attention": ("C2", "v", "--"), "Palu": ("C4", "D", "--"), "EVA": ("C5", "P", "--"),
               "Eigen Attention (own)": ("C2", "v", ":"), "SVD-LLM (own)": ("C7", "X", ":")}
     for name, (color, marker, line) in styles.items():

@@ -372,7 +372,8 @@ def _heads(args):
     order = {key: k for k, key in enumerate((layer.index, head.head) for layer in collected
                                              for head in layer.heads())}
     rows = sorted(done + fitted, key=lambda r: order.get((int(r["layer"]), int(r["head"])), len(order)))
-    shown = [key for key in rows[0] if key != "risk_curve"]   # the curves go to heads.json and the plan
+    # the curves go to heads.json and the plan
+    shown = [key for key in rows[0] if key not in ("risk_curve", "risk_curve_point", "risk_curve_se")]
     print(markdown_table(rows, shown))
     (out / "heads.json").write_text(json.dumps({"command": sys.argv, **record, "rows": rows,
                                                 "elapsed_s": time.perf_counter() - t0}, indent=1, default=float))

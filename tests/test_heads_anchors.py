@@ -202,3 +202,34 @@ def test_the_anchors_truncations_inside_the_model(bert):
         q, k = trunc(layers[1].query[0], layers[1].key[0], gram, 3)
         np.testing.assert_allclose(inside.query[0] @ inside.key[0].T, q @ k.T, atol=1e-5)
         np.testing.assert_allclose(inside.query[1], layers[1].query[1], atol=1e-6)
+
+
+def test_the_anchors_and_factors_errors_are_one_line(bert):
+    model, ids, layers = bert
+    with pytest.raises(ValueError, match="windows must be token ids of shape"):
+        head_fisher_scores(model, layers, ids[0])
+    with pytest.raises(ValueError, match="holds no sequences"):
+        head_fisher_scores(model, layers, ids[:0])
+    with pytest.raises(ValueError, match="budget must be a whole number"):
+        eva_plan(layers, -1)
+    with pytest.raises(ValueError, match="error_budget must be > 0"):
+        eigen_attention_plan([dict(layer=i, threshold=1.0, rank=8, error=0.0) for i in (0, 1)], layers,
+                             error_budget=0)
+    with pytest.raises(ValueError, match="no rows for layer 1"):
+        eigen_attention_plan([dict(layer=0, threshold=1.0, rank=8, error=0.0)], layers, budget=4)
+    plan = [dict(layer=1, head=0, rank=2)]
+    for bad in [(np.zeros((17, 2)), np.zeros((17, 3))), (np.zeros((5, 2)), np.zeros((5, 2))),
+                (np.zeros((17, 9)), np.zeros((17, 9)))]:
+        with pytest.raises(ValueError, match="factors must be two arrays of shape \\(17, r\\)"), truncated_heads(
+                model, plan, layers, factors={(1, 0): bad}):
+            pass
+
+
+def test_query_key_factors_of_an_operator_without_one_is_a_one_line_error():
+    from rstar import MPRankEstimator
+    from rstar.datasets import make_linear_proxy
+
+    X, Y = make_linear_proxy(300, seq_len=6, n_features=5, rank=2, random_state=0)
+    est = MPRankEstimator("linear_proxy").fit(X, Y)
+    with pytest.raises(ValueError, match="has no query–key map"):
+        est.query_key_factors()

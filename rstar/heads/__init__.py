@@ -242,7 +242,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         warning the fit issued as ``Category: message`` (the reason), separated by a vertical bar;
         ``risk_curve`` (a list, None without tolerances) is the head's predicted relative excess at ranks
         0 ... d_head, the upper bound ``rank_at_<ε>`` is read from (``risk_curve_upper_``), which
-        :func:`rank_plan` splits a total width by.
+        :func:`rank_plan` splits a total width by; ``risk_curve_point`` and ``risk_curve_se`` are the curve's
+        point estimate and standard error (``risk_curve_``, ``risk_curve_se_``; None where not measured).
     """
     tolerances = tuple(float(t) for t in tolerances)
     probe = RStarEstimator() if estimator is None else estimator
@@ -374,6 +375,10 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
     # the curve r*(eps) is read from, ranks 0 ... d_head at most (for rank_plan's budget mode)
     row["risk_curve"] = (None if note or not tolerances or getattr(est, "risk_curve_upper_", None) is None
                          else [float(v) for v in np.asarray(est.risk_curve_upper_)[:head.d_head + 1]])
+    # the curve's point estimate and standard error (predicted excess against realised: rstar.heads' benchmarks)
+    for key, attr in (("risk_curve_point", "risk_curve_"), ("risk_curve_se", "risk_curve_se_")):
+        value = None if row["risk_curve"] is None else getattr(est, attr, None)
+        row[key] = None if value is None else [float(v) for v in np.asarray(value)[:head.d_head + 1]]
     sv = head.kernel_singular_values()
     row["kernel_rank"] = int(np.sum(sv > sv[0] * 1e-10)) if sv.size and sv[0] > 0 else 0
     if truncation:
