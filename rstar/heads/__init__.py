@@ -37,15 +37,15 @@ from sklearn.base import clone
 
 from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
-from ._anchors import (EIGEN_ATTENTION_THRESHOLDS, activation_basis_factors, activation_singular_values,
-                       eigen_attention_plan, eigen_attention_sweep, eva_plan, fisher_share_plan, head_fisher_scores,
-                       uniform_plan, weight_energy_plan, whitened_factors)
+from ._anchors import (EIGEN_ATTENTION_THRESHOLDS, eigen_attention_plan, eigen_attention_sweep, eva_plan,
+                       fisher_share_plan, head_fisher_scores, uniform_plan, weight_energy_plan)
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
 from ..inversions._numerics.softmax_factored import token_metric_roots
 from ..inversions._numerics.rotary import (RotaryPositions, pair_rotations, plane_strengths, rotary_directions,
                                           truncated_rotary_head)
 from ._collect import AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows, collect_attention
-from ._compress import truncated_head_factors, truncated_heads
+from ._compress import (activation_basis_factors, activation_singular_values, truncated_head_factors,
+                        truncated_heads, whitened_factors)
 from ._plan import _rows, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 

@@ -17,11 +17,11 @@ algorithms (no code copied); where a port departs from them it says so.
 
 import numpy as np
 
+from ._compress import activation_basis_factors, activation_singular_values, truncated_heads, whitened_factors
 from ._plan import _rows, allocate_ranks
 
-__all__ = ["EIGEN_ATTENTION_THRESHOLDS", "activation_basis_factors", "activation_singular_values",
-           "eigen_attention_plan", "eigen_attention_sweep", "eva_plan",
-           "fisher_share_plan", "head_fisher_scores", "uniform_plan", "weight_energy_plan", "whitened_factors"]
+__all__ = ["EIGEN_ATTENTION_THRESHOLDS", "eigen_attention_plan", "eigen_attention_sweep", "eva_plan",
+           "fisher_share_plan", "head_fisher_scores", "uniform_plan", "weight_energy_plan"]
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -79,72 +79,6 @@ def _gram(layer):
 
 def _bias_rows(layer):
     return slice(None) if layer.has_bias else slice(0, -1)
-
-
-# -- truncations ------------------------------------------------------------------------------------------------
-def activation_singular_values(query, key, gram):
-    """Eigen Attention's spectrum of a head: the singular values of its key and query activations stacked as rows
-    (``[Z key; Z query]``, uncentred, ``gram = Z^T Z``), descending, normalised to sum 1 (singular values, not
-    their squares, as the authors' threshold reads them)."""
-    C = key.T @ gram @ key + query.T @ gram @ query
-    s = np.sqrt(np.clip(np.linalg.eigvalsh((C + C.T) / 2)[::-1], 0.0, None))
-    return s / s.sum() if s.sum() > 0 else s
-
-
-def activation_basis_factors(query, key, gram, rank):
-    """Eigen Attention's truncation of a head: its queries and keys projected on the top ``rank`` right-singular
-    directions of the stacked activations ``[Z key; Z query]`` (one basis for both sides, so the logits are
-    ``(q U_r)(k U_r)^T``).
-
-    Parameters
-    ----------
-    query, key : ndarray of shape (p, d_head)
-        The head's maps on the features Z (``[W; b]`` on ``[x, 1]``, or ``W`` on x).
-    gram : ndarray of shape (p, p)
-        ``Z^T Z`` over the calibration tokens.
-    rank : int
-
-    Returns
-    -------
-    query_r, key_r : ndarray of shape (p, d_head)
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, Z = rng.standard_normal((5, 3)), rng.standard_normal((5, 3)), rng.standard_normal((40, 5))
-    >>> q2, k2 = activation_basis_factors(q, k, Z.T @ Z, 1)
-    >>> int(np.linalg.matrix_rank(q2 @ k2.T))
-    1
-    """
-    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
-    C = key.T @ gram @ key + query.T @ gram @ query
-    w, V = np.linalg.eigh((C + C.T) / 2)
-    U = V[:, np.argsort(w)[::-1][:int(rank)]]
-    P = U @ U.T
-    return query @ P, key @ P
-
-
-def whitened_factors(query, key, gram, rank):
-    """SVD-LLM's truncation, each of the head's query and key maps on its own: ``W`` truncated where
-    ``||Z (W - W_r)||`` is least — the SVD of ``S W`` with ``S`` any square root of ``gram = Z^T Z`` (the authors
-    whiten by its Cholesky factor; any root gives the same ``Z W_r``), mapped back by ``S^+``; the part of ``W``
-    the calibration tokens do not reach is kept unchanged.
-
-    Parameters and returns as :func:`activation_basis_factors`; the head's kernel ``query_r key_r^T`` has rank at
-    most ``rank``.
-    """
-    w, Q = np.linalg.eigh((gram + gram.T) / 2)
-    keep = w > 1e-12 * max(w.max(), 0.0) if w.size and w.max() > 0 else np.zeros_like(w, dtype=bool)
-    S = (Q[:, keep] * np.sqrt(w[keep])) @ Q[:, keep].T
-    S_pinv = (Q[:, keep] / np.sqrt(w[keep])) @ Q[:, keep].T
-    P = Q[:, keep] @ Q[:, keep].T
-    out = []
-    for W in (np.asarray(query, dtype=float), np.asarray(key, dtype=float)):
-        U, s, Vt = np.linalg.svd(S @ W, full_matrices=False)
-        r = int(rank)
-        out.append(W - P @ W + S_pinv @ ((U[:, :r] * s[:r]) @ Vt[:r]))
-    return tuple(out)
 
 
 # -- allocations ------------------------------------------------------------------------------------------------
@@ -422,8 +356,6 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
     -------
     sweep : DataFrame (list of dict without pandas) with ``layer, threshold, rank, error``
     """
-    from ._compress import truncated_heads
-
     thresholds = [float(t) for t in thresholds]
     if not thresholds or any(b >= a for a, b in zip(thresholds, thresholds[1:])) or not 0 < thresholds[-1]:
         raise ValueError("thresholds must be a non-empty descending sequence of values in (0, 1].")

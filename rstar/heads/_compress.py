@@ -8,7 +8,73 @@ from ..inversions._numerics.linalg import factored_svd
 from ..inversions._numerics.softmax_factored import token_metric_roots
 from ._plan import _rows
 
-__all__ = ["truncated_head_factors", "truncated_heads"]
+__all__ = ["activation_basis_factors", "activation_singular_values", "truncated_head_factors", "truncated_heads",
+           "whitened_factors"]
+
+
+def activation_singular_values(query, key, gram):
+    """Eigen Attention's spectrum of a head: the singular values of its key and query activations stacked as rows
+    (``[Z key; Z query]``, uncentred, ``gram = Z^T Z``), descending, normalised to sum 1 (singular values, not
+    their squares, as the authors' threshold reads them)."""
+    C = key.T @ gram @ key + query.T @ gram @ query
+    s = np.sqrt(np.clip(np.linalg.eigvalsh((C + C.T) / 2)[::-1], 0.0, None))
+    return s / s.sum() if s.sum() > 0 else s
+
+
+def activation_basis_factors(query, key, gram, rank):
+    """Eigen Attention's truncation of a head: its queries and keys projected on the top ``rank`` right-singular
+    directions of the stacked activations ``[Z key; Z query]`` (one basis for both sides, so the logits are
+    ``(q U_r)(k U_r)^T``).
+
+    Parameters
+    ----------
+    query, key : ndarray of shape (p, d_head)
+        The head's maps on the features Z (``[W; b]`` on ``[x, 1]``, or ``W`` on x).
+    gram : ndarray of shape (p, p)
+        ``Z^T Z`` over the calibration tokens.
+    rank : int
+
+    Returns
+    -------
+    query_r, key_r : ndarray of shape (p, d_head)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, Z = rng.standard_normal((5, 3)), rng.standard_normal((5, 3)), rng.standard_normal((40, 5))
+    >>> q2, k2 = activation_basis_factors(q, k, Z.T @ Z, 1)
+    >>> int(np.linalg.matrix_rank(q2 @ k2.T))
+    1
+    """
+    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
+    C = key.T @ gram @ key + query.T @ gram @ query
+    w, V = np.linalg.eigh((C + C.T) / 2)
+    U = V[:, np.argsort(w)[::-1][:int(rank)]]
+    P = U @ U.T
+    return query @ P, key @ P
+
+
+def whitened_factors(query, key, gram, rank):
+    """SVD-LLM's truncation, each of the head's query and key maps on its own: ``W`` truncated where
+    ``||Z (W - W_r)||`` is least — the SVD of ``S W`` with ``S`` any square root of ``gram = Z^T Z`` (the authors
+    whiten by its Cholesky factor; any root gives the same ``Z W_r``), mapped back by ``S^+``; the part of ``W``
+    the calibration tokens do not reach is kept unchanged.
+
+    Parameters and returns as :func:`activation_basis_factors`; the head's kernel ``query_r key_r^T`` has rank at
+    most ``rank``.
+    """
+    w, Q = np.linalg.eigh((gram + gram.T) / 2)
+    keep = w > 1e-12 * max(w.max(), 0.0) if w.size and w.max() > 0 else np.zeros_like(w, dtype=bool)
+    S = (Q[:, keep] * np.sqrt(w[keep])) @ Q[:, keep].T
+    S_pinv = (Q[:, keep] / np.sqrt(w[keep])) @ Q[:, keep].T
+    P = Q[:, keep] @ Q[:, keep].T
+    out = []
+    for W in (np.asarray(query, dtype=float), np.asarray(key, dtype=float)):
+        U, s, Vt = np.linalg.svd(S @ W, full_matrices=False)
+        r = int(rank)
+        out.append(W - P @ W + S_pinv @ ((U[:, :r] * s[:r]) @ Vt[:r]))
+    return tuple(out)
 
 
 def truncated_head_factors(query, key, rank, metric=None):
@@ -93,8 +159,6 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         whose style is not BERT-style (separate ``query`` and ``key`` projections: the only one rewritten so far).
     """
     import torch
-
-    from ._anchors import activation_basis_factors, whitened_factors
 
     if metric not in ("tokens", "weights", "activations", "whitened"):
         raise ValueError(f"metric must be 'tokens', 'weights', 'activations' or 'whitened', got {metric!r}.")
