@@ -210,8 +210,10 @@ def test_the_anchors_and_factors_errors_are_one_line(bert):
         head_fisher_scores(model, layers, ids[0])
     with pytest.raises(ValueError, match="holds no sequences"):
         head_fisher_scores(model, layers, ids[:0])
-    with pytest.raises(ValueError, match="budget must be a whole number"):
+    with pytest.raises(ValueError, match="budget must be >= 0"):
         eva_plan(layers, -1)
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
+        head_fisher_scores(model, layers, ids, batch_size=0)
     with pytest.raises(ValueError, match="error_budget must be > 0"):
         eigen_attention_plan([dict(layer=i, threshold=1.0, rank=8, error=0.0) for i in (0, 1)], layers,
                              error_budget=0)

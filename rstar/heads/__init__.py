@@ -46,7 +46,7 @@ from ..inversions._numerics.rotary import (RotaryPositions, pair_rotations, plan
 from ._collect import AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows, collect_attention
 from ._compress import (activation_basis_factors, activation_singular_values, truncated_head_factors,
                         truncated_heads, whitened_factors)
-from ._plan import _rows, allocate_ranks, rank_pattern, rank_plan
+from ._plan import _rows, _table, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
 __all__ = ["AttentionLayer", "EIGEN_ATTENTION_THRESHOLDS", "HeadTask", "activation_basis_factors",
@@ -270,11 +270,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     finally:
         if bar is not None:
             bar.close()
-    try:
-        import pandas as pd
-    except ImportError:   # pragma: no cover - depends on the environment
-        return rows
-    return pd.DataFrame(rows)
+    return _table(rows)
 
 
 def _outside_the_estimators(layer, estimator):

@@ -17,28 +17,14 @@ algorithms (no code copied); where a port departs from them it says so.
 
 import numpy as np
 
-from ._compress import activation_basis_factors, activation_singular_values, truncated_heads, whitened_factors
-from ._plan import _rows, allocate_ranks
+from ._compress import activation_singular_values, truncated_heads
+from ._plan import _check_budget, _rows, _table, allocate_ranks
 
 __all__ = ["EIGEN_ATTENTION_THRESHOLDS", "eigen_attention_plan", "eigen_attention_sweep", "eva_plan",
            "fisher_share_plan", "head_fisher_scores", "uniform_plan", "weight_energy_plan"]
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def _table(rows):
-    try:
-        import pandas as pd
-    except ImportError:   # pragma: no cover - depends on the environment
-        return rows
-    return pd.DataFrame(rows)
-
-
-def _check_budget(budget):
-    if isinstance(budget, bool) or not float(budget).is_integer() or float(budget) < 0:
-        raise ValueError(f"budget must be a whole number of query-key dimensions >= 0, got {budget!r}.")
-    return int(budget)
-
-
 def _heads_of(layers):
     """``(layer, position, head index, d_head)`` for every head held, in the layers' order."""
     out = []
@@ -66,14 +52,10 @@ def _split_evenly(total, parts, cap):
     return [min(cap, base + (1 if k < extra else 0)) for k in range(parts)]
 
 
-def _features(layer):
-    """The layer's tokens as rows, with the constant feature where its projections have biases."""
-    X = layer.X.reshape(-1, layer.X.shape[-1])
-    return np.concatenate([X, np.ones((X.shape[0], 1))], axis=1) if layer.has_bias else X
-
-
 def _gram(layer):
-    Z = _features(layer)
+    """``Z^T Z`` of the layer's features (its tokens, with the constant feature where it has biases)."""
+    Z = layer.head(0).features()
+    Z = Z.reshape(-1, Z.shape[-1])
     return Z.T @ Z
 
 
@@ -205,6 +187,8 @@ def _bert_module(model, layer, what):
 def _batches(windows, batch_size):
     import torch
 
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
     ids = np.asarray(windows)
     if ids.ndim != 2:
         raise ValueError(f"windows must be token ids of shape (n, T), got shape {ids.shape}.")

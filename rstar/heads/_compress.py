@@ -4,7 +4,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..inversions._numerics.linalg import factored_svd
+from ..inversions._numerics.linalg import factored_svd, psd_power
 from ..inversions._numerics.softmax_factored import token_metric_roots
 from ._plan import _rows
 
@@ -12,12 +12,20 @@ __all__ = ["activation_basis_factors", "activation_singular_values", "truncated_
            "whitened_factors"]
 
 
+def _stacked_activations(query, key, gram):
+    """Eigenvalues (descending) and eigenvectors of ``[Z key; Z query]^T [Z key; Z query]`` (``gram = Z^T Z``): the
+    squared singular values and right-singular directions of a head's stacked key and query activations."""
+    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
+    C = key.T @ gram @ key + query.T @ gram @ query
+    w, V = np.linalg.eigh((C + C.T) / 2)
+    return np.clip(w[::-1], 0.0, None), V[:, ::-1]
+
+
 def activation_singular_values(query, key, gram):
     """Eigen Attention's spectrum of a head: the singular values of its key and query activations stacked as rows
     (``[Z key; Z query]``, uncentred, ``gram = Z^T Z``), descending, normalised to sum 1 (singular values, not
     their squares, as the authors' threshold reads them)."""
-    C = key.T @ gram @ key + query.T @ gram @ query
-    s = np.sqrt(np.clip(np.linalg.eigvalsh((C + C.T) / 2)[::-1], 0.0, None))
+    s = np.sqrt(_stacked_activations(query, key, gram)[0])
     return s / s.sum() if s.sum() > 0 else s
 
 
@@ -47,12 +55,9 @@ def activation_basis_factors(query, key, gram, rank):
     >>> int(np.linalg.matrix_rank(q2 @ k2.T))
     1
     """
-    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
-    C = key.T @ gram @ key + query.T @ gram @ query
-    w, V = np.linalg.eigh((C + C.T) / 2)
-    U = V[:, np.argsort(w)[::-1][:int(rank)]]
+    U = _stacked_activations(query, key, gram)[1][:, :int(rank)]
     P = U @ U.T
-    return query @ P, key @ P
+    return np.asarray(query, dtype=float) @ P, np.asarray(key, dtype=float) @ P
 
 
 def whitened_factors(query, key, gram, rank):
@@ -64,16 +69,24 @@ def whitened_factors(query, key, gram, rank):
     Parameters and returns as :func:`activation_basis_factors`; the head's kernel ``query_r key_r^T`` has rank at
     most ``rank``.
     """
-    w, Q = np.linalg.eigh((gram + gram.T) / 2)
-    keep = w > 1e-12 * max(w.max(), 0.0) if w.size and w.max() > 0 else np.zeros_like(w, dtype=bool)
-    S = (Q[:, keep] * np.sqrt(w[keep])) @ Q[:, keep].T
-    S_pinv = (Q[:, keep] / np.sqrt(w[keep])) @ Q[:, keep].T
-    P = Q[:, keep] @ Q[:, keep].T
+    return _whitened(query, key, _gram_roots(gram), rank)
+
+
+def _gram_roots(gram):
+    """``(S, S^+)``: the square root of a Gram matrix and its pseudo-inverse (:func:`psd_power`)."""
+    return psd_power(gram, 0.5), psd_power(gram, -0.5)
+
+
+def _whitened(query, key, roots, rank):
+    """:func:`whitened_factors` from the Gram's roots (computed once per layer)."""
+    S, S_pinv = roots
+    r = int(rank)
     out = []
     for W in (np.asarray(query, dtype=float), np.asarray(key, dtype=float)):
-        U, s, Vt = np.linalg.svd(S @ W, full_matrices=False)
-        r = int(rank)
-        out.append(W - P @ W + S_pinv @ ((U[:, :r] * s[:r]) @ Vt[:r]))
+        SW = S @ W
+        U, s, Vt = np.linalg.svd(SW, full_matrices=False)
+        # S^+ S W is W's part the tokens reach: replaced by its truncation, the rest kept
+        out.append(W - S_pinv @ SW + S_pinv @ ((U[:, :r] * s[:r]) @ Vt[:r]))
     return tuple(out)
 
 
@@ -195,12 +208,12 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
                 roots[index] = token_metric_roots(Z)
             else:
                 Z = Z.reshape(-1, Z.shape[-1])
-                roots[index] = Z.T @ Z
+                roots[index] = Z.T @ Z if metric == "activations" else _gram_roots(Z.T @ Z)
         query, key = layer.query[pos][rows], layer.key[pos][rows]
         if factors is not None and (index, head) in factors:
             query, key = _model_factors(factors[(index, head)], query.shape, index, head)
         if metric in ("activations", "whitened"):
-            trunc = activation_basis_factors if metric == "activations" else whitened_factors
+            trunc = activation_basis_factors if metric == "activations" else _whitened
             q, k = trunc(query, key, roots[index], rank)
         else:
             q, k = truncated_head_factors(query, key, rank, roots.get(index))

@@ -16,6 +16,24 @@ def _rows(table, required=()):
     return rows
 
 
+def _table(rows):
+    """Rows as a DataFrame, or the list of dicts itself without pandas."""
+    try:
+        import pandas as pd
+    except ImportError:   # pragma: no cover - depends on the environment
+        return rows
+    return pd.DataFrame(rows)
+
+
+def _check_budget(budget):
+    """A total query–key width: a whole number >= 0."""
+    if isinstance(budget, bool) or not float(budget).is_integer():
+        raise ValueError(f"budget must be a whole number of query-key dimensions, got {budget!r}.")
+    if int(budget) < 0:
+        raise ValueError(f"budget must be >= 0, got {int(budget)}.")
+    return int(budget)
+
+
 def _curve(row):
     """The head's predicted excess at ranks 0 ... d_head (the curve its r*(ε) is read from), non-increasing."""
     curve = row.get("risk_curve")
@@ -56,11 +74,7 @@ def allocate_ranks(curves, budget):
     >>> allocate_ranks([[1.0, 0.2, 0.1], [1.0, 0.9, 0.0]], 2)   # not greedy: the second head's gain comes at 2
     [0, 2]
     """
-    if isinstance(budget, bool) or not float(budget).is_integer():
-        raise ValueError(f"budget must be a whole number of query-key dimensions, got {budget!r}.")
-    budget = int(budget)
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0, got {budget}.")
+    budget = _check_budget(budget)
     curves = [np.asarray(c, dtype=float) for c in curves]
     if any(c.ndim != 1 or c.size == 0 or not np.all(np.isfinite(c)) for c in curves):
         raise ValueError("each curve must be a non-empty 1-D array of finite excess risks (ranks 0, 1, ...).")
@@ -132,11 +146,7 @@ def rank_plan(table, *, tolerance=None, budget=None):
         reached = [True] * len(rows)
     plan = [dict(layer=int(r["layer"]), head=int(r["head"]), d_head=int(r["d_head"]), rank=k,
                  predicted_excess=float(c[k]), reached=ok) for r, c, k, ok in zip(rows, curves, ranks, reached)]
-    try:
-        import pandas as pd
-    except ImportError:   # pragma: no cover - depends on the environment
-        return plan
-    return pd.DataFrame(plan)
+    return _table(plan)
 
 
 def _query_key_modules(layer):
