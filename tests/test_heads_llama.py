@@ -70,6 +70,31 @@ def test_the_logit_family_is_every_pair_s_kernel_side_by_side():
     assert np.sum(family_svd([(A, B)], [1.0], pairs, "q")[1] > 1e-8) == 2
 
 
+def test_the_weighted_family_of_two_heads_is_formed_without_its_turned_copies():
+    """family_svd's half-sum and half-difference of two heads (what the split-half statistic compares), at angles
+    that are not a multiple of one another (every pair its own difference, as a model's float32 tables give),
+    equal the explicit ``sum_h w_h [sqrt(w) A_h R B_h^T]`` on both sides: values and directions."""
+    rng = np.random.default_rng(4)
+    d, P, T = 9, 3, 6
+    pos = RotaryPositions(np.outer(np.arange(T), [1.0, 0.2, 0.01]) + 1e-6 * rng.standard_normal((T, P)))
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    pairs = pair_rotations(pos, mask)
+    assert pairs[0].shape[0] == mask.sum() - T + 1   # the diagonal pairs share delta = 0
+    heads = [(rng.standard_normal((d, 2 * P)), rng.standard_normal((d, 2 * P))) for _ in range(2)]
+    for weights in ([0.5, 0.5], [0.5, -0.5]):
+        blocks = []
+        for t, s_ in zip(*np.nonzero(mask)):
+            delta = pos.angles[s_] - pos.angles[t]
+            c, s = np.cos(delta), np.sin(delta)
+            R = np.block([[np.diag(c), -np.diag(s)], [np.diag(s), np.diag(c)]])
+            blocks.append(sum(w * A @ R @ B.T for w, (A, B) in zip(weights, heads)) / np.sqrt(mask.sum()))
+        for side, Z in (("q", np.hstack(blocks)), ("k", np.hstack([K.T for K in blocks]))):
+            U, sv = family_svd(heads, weights, pairs, side)
+            U0, s0, _ = np.linalg.svd(Z, full_matrices=False)
+            np.testing.assert_allclose(sv[:d], s0, rtol=1e-10, atol=1e-12 * s0[0])
+            np.testing.assert_allclose(np.abs(np.sum(U[:, :d] * U0, axis=0)), 1.0, atol=1e-8)
+
+
 def test_rotary_positions_refuse_what_is_not_a_rotation():
     with pytest.raises(ValueError, match="2-D array"):
         RotaryPositions(np.zeros(4))
