@@ -126,12 +126,14 @@ def test_head_fisher_scores_are_the_rms_gradients_of_each_head_s_query_and_key_r
     q, k = [(acc / 3).sqrt()[8:16].mean().item() for acc in sq]
     got = next(p["fisher"] for p in scores if p["layer"] == 1 and p["head"] == 1)
     np.testing.assert_allclose(got, (q + k) / 2, rtol=1e-6)
+    assert {p["fisher_loss"] for p in scores} == {"given"}
     assert all(p.grad is None for p in model.parameters())
     # the default (a Gaussian likelihood on the last hidden state) is seeded; a head whose values are zero
     # cannot move the output through its queries and keys: its score is zero
     a = _records(head_fisher_scores(model, layers, ids, batch_size=30, random_state=3))
     b = _records(head_fisher_scores(model, layers, ids, batch_size=30, random_state=3))
     assert [p["fisher"] for p in a] == [p["fisher"] for p in b] and all(p["fisher"] > 0 for p in a)
+    assert {p["fisher_loss"] for p in a} == {"unit Gaussian likelihood on the last hidden state"}
     with torch.no_grad():
         saved = module.value.weight[:8].clone()
         module.value.weight[:8] = 0.0

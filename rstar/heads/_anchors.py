@@ -221,7 +221,9 @@ def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, rand
 
     Returns
     -------
-    scores : DataFrame (list of dict without pandas) with ``layer, head, d_head, fisher``
+    scores : DataFrame (list of dict without pandas) with ``layer, head, d_head, fisher, fisher_loss``
+        ``fisher_loss`` says which loss the scores are of: ``"given"``, ``"next-token cross-entropy"`` or
+        ``"unit Gaussian likelihood on the last hidden state"``.
     """
     import torch
 
@@ -231,7 +233,7 @@ def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, rand
     params = [p for m in modules.values() for p in (m.query.weight, m.key.weight)]
     sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     was = [p.requires_grad for p in params]
-    count = 0
+    count, used = 0, "given"
     try:
         for p in params:
             p.requires_grad_(True)
@@ -244,10 +246,12 @@ def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, rand
                 logits = out.logits[:, :-1]
                 value = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                           batch[:, 1:].reshape(-1))
+                used = "next-token cross-entropy"
             else:
                 h = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "last_hidden_state") else out
                 eta = torch.randn(h.shape, generator=gen, dtype=h.dtype)
                 value = (eta * h).sum()
+                used = "unit Gaussian likelihood on the last hidden state"
             value.backward()
             for s, p in zip(sums, params):
                 s += p.grad.detach().double() ** 2
@@ -266,7 +270,7 @@ def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, rand
         q, kk = rms[layer.index]
         rows = slice(h * dh, (h + 1) * dh)
         out.append(dict(layer=int(layer.index), head=int(h), d_head=dh,
-                        fisher=float((q[rows].mean() + kk[rows].mean()) / 2)))
+                        fisher=float((q[rows].mean() + kk[rows].mean()) / 2), fisher_loss=used))
     return _table(out)
 
 
