@@ -37,7 +37,9 @@ Usage::
     rstar heads --model minilm --seq-len 32 --n-samples 500 --save-factors --out runs/minilm   # about 30 min
     python benchmarks/compress.py --table runs/minilm/heads.json                   # about 10 min on 2 cores
 
-Writes ``compress.json``, ``compress.md`` and ``compress_pareto.png``, ``compress_predicted.png`` under ``--out``.
+Writes ``compress.json``, ``compress.md`` and ``compress_pareto.png``, ``compress_predicted.png`` under ``--out``;
+each step as it finishes to ``compress.partial.jsonl`` there, with the steps done and the time left printed, so an
+interrupted run continues with ``--resume`` (same options).
 """
 
 import argparse
@@ -108,6 +110,45 @@ def _realised(model, plan, layers, held, collect_attention, truncated_heads, fac
     return out
 
 
+class _Journal:
+    """The run as it goes: each finished step (the anchors' calibration, each evaluation, each per-head
+    comparison) appended as one JSON line to ``OUT/compress.partial.jsonl`` (the run's options on the first), so an
+    interrupted run continues with ``--resume`` where it stopped; the progress line gives the steps done and an
+    estimate of the time left (the mean time of this run's steps so far)."""
+
+    def __init__(self, path, record, resume, total):
+        self.path, self.total, self.done, self.t0, self.timed = Path(path), int(total), {}, time.perf_counter(), []
+        if self.path.exists() and resume:
+            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            if not lines or lines[0].get("record") != record:
+                raise SystemExit(f"cannot resume {self.path}: it was started with other options "
+                                 f"({lines[0].get('record') if lines else 'none'}); delete it or use another --out.")
+            self.done = {line["key"]: line["value"] for line in lines[1:]}
+            print(f"resuming: {len(self.done)} of {self.total} steps are in {self.path}", flush=True)
+        else:
+            if self.path.exists():
+                raise SystemExit(f"{self.path} holds an earlier run: rerun with --resume to continue it, or delete "
+                                 "it (or give another --out) to start over.")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(dict(record=record)) + "\n")
+
+    def step(self, key, compute):
+        """``compute()``'s value for ``key``: the journal's where the step was done before, else computed now and
+        appended."""
+        if key in self.done:
+            return self.done[key]
+        t = time.perf_counter()
+        value = compute()
+        self.timed.append(time.perf_counter() - t)
+        self.done[key] = value
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(dict(key=key, value=value)) + "\n")
+        left = (self.total - len(self.done)) * float(np.mean(self.timed))
+        print(f"  [{len(self.done)}/{self.total}] {time.perf_counter() - self.t0:.0f} s, about {left:.0f} s left",
+              flush=True)
+        return value
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--table", required=True,
@@ -121,6 +162,8 @@ def main(argv=None):
     p.add_argument("--error-budgets", default="0.02,0.05,0.1,0.2,0.4",
                    help="Eigen Attention's layer-output error budgets, at its own widths")
     p.add_argument("--out", default="benchmarks/out/compress")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --out (its compress.partial.jsonl) instead of starting over")
     args = p.parse_args(argv)
 
     from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
@@ -137,40 +180,7 @@ def main(argv=None):
         raise SystemExit(f"layer {bad['layer']} head {bad['head']} has no risk curve ({bad.get('note')}): "
                          "the plans need every head's.")
     keys = [(int(r["layer"]), int(r["head"])) for r in rows]
-    model, tok = load_minilm()
-    model.eval()
-    held = text_windows(tok, T, args.n_eval, random_state=args.seed)
-    # the layers' tokens for the truncations: the windows the fits read (their seed and count)
-    fit_windows = text_windows(tok, T, run["n_samples"], random_state=run["seed"])
-    index = sorted({k[0] for k in keys})
-    layers = [layer.select_heads(sorted(h for li, h in keys if li == layer.index))
-              for layer in collect_attention(model, fit_windows, layers=index)]
     full_width = sum(int(r["d_head"]) for r in rows)
-    calib = fit_windows[:args.n_calib]
-    print(f"{len(rows)} heads in {len(layers)} layers, full width {full_width}; calibrating the anchors on "
-          f"{len(calib)} windows ...", flush=True)
-    t1 = time.perf_counter()
-    fisher = head_fisher_scores(model, layers, calib, random_state=0)
-    t_fisher = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    sweep = eigen_attention_sweep(model, layers, calib)
-    t_sweep = time.perf_counter() - t1
-    print(f"Palu's Fisher scores {t_fisher:.0f} s, Eigen Attention's sweep {t_sweep:.0f} s", flush=True)
-    full = _embed(model, held)
-
-    def evaluate(name, ranks, metric, width_asked, extra=None, factors=None):
-        plan = [dict(layer=k[0], head=k[1], rank=int(r)) for k, r in zip(keys, ranks)]
-        with truncated_heads(model, plan, layers, metric=metric, factors=factors):
-            emb = _embed(model, held)
-        cos = np.sum(emb * full, axis=1)
-        res = dict(allocation=name, truncation=metric, width_asked=width_asked, width=int(sum(ranks)),
-                   ranks=[int(r) for r in ranks], mean_cosine=float(cos.mean()), min_cosine=float(cos.min()),
-                   loss=float(1 - cos.mean()), **(extra or {}))
-        results.append(res)
-        asked = "-" if width_asked is None else width_asked
-        print(f"W {asked:>5}: {name:24s} {metric:11s} width {res['width']:5d}  1 - cosine {res['loss']:.3e} "
-              f"(min cosine {res['min_cosine']:.4f})", flush=True)
-        return res
 
     # the fits' own models (``rstar heads --save-factors``), where the run saved them
     folder = Path(args.table).parent / "factors"
@@ -181,14 +191,70 @@ def main(argv=None):
             with np.load(path) as f:
                 fitted[k] = (f["A"], f["B"])
     fitted = fitted if len(fitted) == len(keys) else None
-    print("the fits' own models: " + ("in " + str(folder) if fitted else "not saved (rstar heads --save-factors)"),
-          flush=True)
 
-    results = []
     tolerances = sorted(float(k[len("rank_at_"):]) for k in rows[0] if k.startswith("rank_at_"))
     tol_plans = {tol: _records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
     widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
+    budgets = [float(v) for v in args.error_budgets.split(",") if v]
+    # the steps, counted before any runs (for the time left): the two calibrations, then per width the tolerance
+    # plans at their widths, the budget split and the anchors, then Eigen Attention's own budgets and the per-head
+    # comparisons
+    models = 2 if fitted else 1
+    n_steps = (2 + sum(models * sum(sum(p["rank"] for p in plan) == W for plan in tol_plans.values())
+                       + models + 7 for W in widths) + len(budgets) + models * len(tol_plans))
+    record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
+                  fractions=args.fractions, error_budgets=args.error_budgets, fitted=bool(fitted))
+    journal = _Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume, n_steps)
+
+    model, tok = load_minilm()
+    model.eval()
+    held = text_windows(tok, T, args.n_eval, random_state=args.seed)
+    # the layers' tokens for the truncations: the windows the fits read (their seed and count)
+    fit_windows = text_windows(tok, T, run["n_samples"], random_state=run["seed"])
+    index = sorted({k[0] for k in keys})
+    layers = [layer.select_heads(sorted(h for li, h in keys if li == layer.index))
+              for layer in collect_attention(model, fit_windows, layers=index)]
+    calib = fit_windows[:args.n_calib]
+    print(f"{len(rows)} heads in {len(layers)} layers, full width {full_width}, {n_steps} steps; calibrating the "
+          f"anchors on {len(calib)} windows ...", flush=True)
+
+    def timed(fn):
+        t1 = time.perf_counter()
+        value = _records(fn())
+        return dict(rows=value, seconds=time.perf_counter() - t1)
+
+    fisher = journal.step("fisher", lambda: timed(lambda: head_fisher_scores(model, layers, calib, random_state=0)))
+    sweep = journal.step("sweep", lambda: timed(lambda: eigen_attention_sweep(model, layers, calib)))
+    t_fisher, t_sweep = fisher["seconds"], sweep["seconds"]
+    fisher_loss = fisher["rows"][0]["fisher_loss"]
+    fisher, sweep = fisher["rows"], sweep["rows"]
+    print(f"Palu's Fisher scores {t_fisher:.0f} s (loss: {fisher_loss}), Eigen Attention's sweep {t_sweep:.0f} s",
+          flush=True)
+    print("the fits' own models: " + ("in " + str(folder) if fitted else "not saved (rstar heads --save-factors)"),
+          flush=True)
+    state = {}
+
+    def evaluate(name, ranks, metric, width_asked, extra=None, factors=None):
+        def compute():
+            if "full" not in state:
+                state["full"] = _embed(model, held)
+            plan = [dict(layer=k[0], head=k[1], rank=int(r)) for k, r in zip(keys, ranks)]
+            with truncated_heads(model, plan, layers, metric=metric, factors=factors):
+                emb = _embed(model, held)
+            cos = np.sum(emb * state["full"], axis=1)
+            return dict(allocation=name, truncation=metric, width_asked=width_asked, width=int(sum(ranks)),
+                        ranks=[int(r) for r in ranks], mean_cosine=float(cos.mean()), min_cosine=float(cos.min()),
+                        loss=float(1 - cos.mean()), **(extra or {}))
+
+        res = journal.step(f"evaluate|{name}|{metric}|{width_asked}", compute)
+        results.append(res)
+        asked = "-" if width_asked is None else width_asked
+        print(f"W {asked:>5}: {name:24s} {metric:11s} width {res['width']:5d}  1 - cosine {res['loss']:.3e} "
+              f"(min cosine {res['min_cosine']:.4f})", flush=True)
+        return res
+
+    results = []
     for W in widths:
         for tol, plan in tol_plans.items():
             if sum(p["rank"] for p in plan) == W:
@@ -206,25 +272,27 @@ def main(argv=None):
         plans = {"uniform": uniform_plan(layers, W), "weight energy": weight_energy_plan(layers, W),
                  "Eigen Attention": ea, "Palu": fisher_share_plan(fisher, W), "EVA": eva_plan(layers, W)}
         for name, plan in plans.items():
-            evaluate(name, _ranks(plan, keys), "tokens", W)
+            evaluate(name, _ranks(plan, keys), "tokens", W, dict(fisher_loss=fisher_loss) if name == "Palu" else None)
         evaluate("Eigen Attention (own)", _ranks(ea, keys), "activations", W)
         evaluate("SVD-LLM (own)", _ranks(plans["uniform"], keys), "whitened", W)
-    for e in (float(v) for v in args.error_budgets.split(",") if v):
+    for e in budgets:
         plan = eigen_attention_plan(sweep, layers, error_budget=e)
         evaluate(f"Eigen Attention (own) at error {e:g}", _ranks(plan, keys), "activations", None,
                  dict(error_budget=e))
 
     # predicted against realised, per head, for each tolerance plan
     heads_cmp = []
+    by_key = {(int(r["layer"]), int(r["head"])): r for r in rows}
     for tol, plan in tol_plans.items():
         for what, factors in (("head's kernel", None), ("fit's model", fitted)):
             if what == "fit's model" and not fitted:
                 continue
-            real = _realised(model, plan, layers, held, collect_attention, truncated_heads, factors)
-            by_key = {(int(r["layer"]), int(r["head"])): r for r in rows}
+            real = journal.step(f"realised|{tol:g}|{what}", lambda: {
+                f"{k[0]},{k[1]}": v for k, v in _realised(model, plan, layers, held, collect_attention,
+                                                         truncated_heads, factors).items()})
             for p in plan:
                 key = (int(p["layer"]), int(p["head"]))
-                r, row = real[key], by_key[key]
+                r, row = real[f"{key[0]},{key[1]}"], by_key[key]
                 point = se = None
                 if row.get("risk_curve_point") is not None and row.get("risk_curve_se") is not None:
                     # the curve's point estimate at the rank (beyond where it was measured: its last value)
@@ -234,13 +302,15 @@ def main(argv=None):
                                       predicted=float(p["predicted_excess"]), predicted_point=point,
                                       predicted_se=se, **r))
     elapsed = time.perf_counter() - t0
+    if len(journal.done) != n_steps:
+        raise RuntimeError(f"the run took {len(journal.done)} steps where {n_steps} were counted")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compress.json").write_text(json.dumps(dict(results=results, heads=heads_cmp, table=str(args.table),
                                                        n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
                                                        seconds=elapsed, fisher_seconds=t_fisher,
-                                                       sweep_seconds=t_sweep), indent=1))
+                                                       sweep_seconds=t_sweep, fisher_loss=fisher_loss), indent=1))
     lines = [f"Fidelity of MiniLM's sentence embeddings ({args.n_eval} held-out windows of {T} tokens), "
              f"{len(rows)} heads, full query–key width {full_width}.", "",
              "| W asked | allocation | truncation | width | 1 − mean cosine | min cosine | rstar predicted Σ excess |",
@@ -266,7 +336,8 @@ def main(argv=None):
                          f"{sum(h['inside'] for h in hs):.3f} | {ratio:.2f} | "
                          + (f"{sum(h['floor'] for h in hs):.3f} |" if hs[0]["floor"] is not None else "— |")
                          + (f" {_within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |"))
-    lines.append(f"\n{elapsed:.0f} s in all (Fisher scores {t_fisher:.0f} s, Eigen Attention's sweep {t_sweep:.0f} s).")
+    lines.append(f"\n{elapsed:.0f} s in all (Fisher scores {t_fisher:.0f} s, their loss the {fisher_loss}; "
+                 f"Eigen Attention's sweep {t_sweep:.0f} s).")
     (out / "compress.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _figures(results, heads_cmp, full_width, out)
