@@ -89,10 +89,7 @@ class FittedOperatorMixin:
         """
         check_is_fitted(self, "rank_")
         r = self.rank_ if rank is None else rank
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r <= self.n_features_in_:
-            raise ValueError(f"rank must be a whole number in 0 ... {self.n_features_in_}, got {rank!r}.")
-        kw = {"ops": resolve_backend(self.device)} if self._inv.capabilities.reads_sample_passes else {}
-        operator = self._inv.fit_operator(self._stats, self.statistic_.components(int(r)), **kw)
+        operator = self._operator_at(r)
         if operator is None:
             raise ValueError("no closed-form operator: its moment sums would exceed the memory budget at this size.")
         if hasattr(operator, "A") and hasattr(operator, "B") and hasattr(operator, "rotary"):
@@ -106,13 +103,26 @@ class FittedOperatorMixin:
         k = min(int(r), int(np.sum(s > s[0] * 1e-12)) if s.size and s[0] > 0 else 0)
         return U[:, :k] * np.sqrt(s[:k]), Wt[:k].T * np.sqrt(s[:k])
 
+    def _operator_at(self, rank):
+        """The closed-form operator at ``rank`` (None: ``operator_``, cached), after checking the rank."""
+        if rank is None:
+            return self.operator_
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank <= self.n_features_in_:
+            raise ValueError(f"rank must be a whole number in 0 ... {self.n_features_in_}, got {rank!r}.")
+        kw = {"ops": resolve_backend(self.device)} if self._inv.capabilities.reads_sample_passes else {}
+        return self._inv.fit_operator(self._stats, self.statistic_.components(int(rank)), **kw)
+
     # -- prediction -----------------------------------------------------------
-    def predict(self, X):
-        """Ŷ from the operator fitted in closed form at rank ``rank_``.
+    def predict(self, X, rank=None):
+        """Ŷ from the operator fitted in closed form at rank ``rank_`` (or at ``rank``).
 
         Parameters
         ----------
         X : array-like of shape (n_samples, T, d) or (n_samples, d)
+        rank : int or None
+            None: ``rank_``. Another rank, 0 ... ``n_features_in_``: the model at that rank from the same fit
+            (e.g. at ``rank_at_tolerance(0.05)``), without refitting; the model :meth:`query_key_factors` gives
+            the factors of.
 
         Returns
         -------
@@ -128,7 +138,7 @@ class FittedOperatorMixin:
         if self._inv.space == "tokens" and T != self._dims[0]:
             raise ValueError(f"X has T={T} tokens, but the linear-proxy operator A is {self._dims[0]} x "
                              f"{self._dims[0]} (fitted on T={self._dims[0]}).")
-        operator = self.operator_
+        operator = self._operator_at(rank)
         if operator is None:
             raise ValueError("predict is not available: the moment sums for the closed-form operator were not "
                              "accumulated because they would exceed the memory budget for this T, d and d_v "

@@ -194,6 +194,20 @@ def test_rank_override_is_a_sweep(table1_task):
     assert est.rank_ == 5 and est.components_.shape == (5, 16)
 
 
+def test_predict_at_another_rank_is_the_model_of_that_rank(table1_task):
+    """predict(X, rank=r) gives the fit's rank-r model without refitting: the same as fitting with rank=r."""
+    X, Y, _ = table1_task
+    est = RStarEstimator(operator="linear_proxy").fit(X[:700], Y[:700])
+    assert est.rank_ == 3
+    for r in (1, 2, 5):
+        again = RStarEstimator(operator="linear_proxy", rank=r).fit(X[:700], Y[:700])
+        np.testing.assert_allclose(est.predict(X[700:], rank=r), again.predict(X[700:]), rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(est.predict(X[700:], rank=3), est.predict(X[700:]))
+    for bad in (-1, 17, 2.0, True):
+        with pytest.raises(ValueError, match="rank must be a whole number"):
+            est.predict(X[700:], rank=bad)
+
+
 def test_max_rank_caps_estimate(table1_task):
     X, Y, _ = table1_task
     assert MPRankEstimator(max_rank=2).fit(X, Y).rank_ == 2
