@@ -42,6 +42,13 @@ def _residual_dof(n, T, d, d_v, q, value_map_known):
     return (n // 2) * T * d_v - 2 * d * q - (0 if value_map_known else d * d_v)
 
 
+def _samples_for_dof(T, d, d_v, q, value_map_known, min_dof):
+    """The fewest samples (even) whose halves keep ``min_dof`` residual degrees of freedom each
+    (:func:`_residual_dof`) for width-q factors."""
+    per_half = -(-(min_dof + 2 * d * q + (0 if value_map_known else d * d_v)) // (T * d_v))
+    return 2 * int(per_half)
+
+
 def _segment_cost(n, T, d, d_v, q, value_map_known=True, calibration=DEFAULT_CALIBRATION):
     """Multiply-adds of one segment of L-BFGS iterations on both halves (n samples in all), and, with V fitted,
     the least-squares V each segment starts from."""
@@ -68,7 +75,8 @@ def factored_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUD
         return "the factored least squares fits the samples in memory, and these are read in passes"
     if _residual_dof(n, T, d, d_v, q, value_map_known) < min_dof:
         return (f"{n} samples leave fewer than {min_dof} residual degrees of freedom per half for rank-{q} "
-                f"factors at T={T}, d={d}, d_v={d_v}")
+                f"factors at T={T}, d={d}, d_v={d_v} (at least "
+                f"{_samples_for_dof(T, d, d_v, q, value_map_known, min_dof)} samples would)")
     if not budget.allows_samples(n, T, d, d_v):
         return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
     if not budget.allows_fit_compute(_stage_cost(n, T, d, d_v, q, value_map_known, calibration)):

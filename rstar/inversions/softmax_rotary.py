@@ -32,7 +32,7 @@ from ..budgets import DEFAULT_BUDGET
 from ..calibration import DEFAULT_CALIBRATION
 from ..risk import centred_sums, total_sum_of_squares
 from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, split_half_counts
-from .softmax_factored import _residual_dof, _segment_cost
+from .softmax_factored import _residual_dof, _segment_cost, _samples_for_dof
 
 __all__ = ["ROTARY_NAME", "rotary_fit_blocker", "rotary_statistic", "rotary_rank_residuals",
            "rotary_half_disagreement", "rotary_output_distances", "rotary_operator", "RotarySoftmaxOperator"]
@@ -54,7 +54,8 @@ def rotary_fit_blocker(n, T, d, d_v, rotary, value_map_known=False, budget=DEFAU
         return "the rotary least squares fits the samples in memory, and these are read in passes"
     if _residual_dof(n, T, d, d_v, q, value_map_known) < calibration.min_noise_dof:
         return (f"{n} samples leave fewer than {calibration.min_noise_dof} residual degrees of freedom per half for "
-                f"a rotary head of width {q} at T={T}, d={d}, d_v={d_v}")
+                f"a rotary head of width {q} at T={T}, d={d}, d_v={d_v} (at least "
+                f"{_samples_for_dof(T, d, d_v, q, value_map_known, calibration.min_noise_dof)} samples would)")
     if not budget.allows_samples(n, T, d, d_v):
         return f"keeping the {n} samples exceeds the memory budget ({budget.describe()})"
     cost = sf.factored_start_cost(n, T, d, d_v, value_map_known) + 2 * _segment_cost(n, T, d, d_v, q,

@@ -110,6 +110,22 @@ def test_rotary_refusals_are_one_line_errors():
         choose_inversion("softmax", shape=(T, D, DV), method="auto", rotary=POS)
 
 
+@pytest.mark.parametrize("known", [True, False])
+def test_too_few_samples_for_a_rotary_fit_names_how_many_would_do(known):
+    """The refusal names the fewest samples that would fit (and that many do: its count is not a guess)."""
+    import re
+
+    with pytest.raises(ValueError, match="samples would") as info:
+        choose_inversion("softmax", shape=(T, D, DV), n_samples=6, method="least_squares", rotary=POS,
+                         value_map_known=known)
+    need = int(re.search(r"at least (\d+) samples would", str(info.value)).group(1))
+    assert choose_inversion("softmax", shape=(T, D, DV), n_samples=need, method="least_squares", rotary=POS,
+                            value_map_known=known).name == ROTARY_NAME
+    with pytest.raises(ValueError, match=f"at least {need} samples would"):
+        choose_inversion("softmax", shape=(T, D, DV), n_samples=need - 2, method="least_squares", rotary=POS,
+                         value_map_known=known)
+
+
 def test_rotary_estimator_clones_pickles_and_predicts_at_its_positions_only():
     A, B = _head(planes=(0,))
     X, Y, V = _task(A, B, n=400)
