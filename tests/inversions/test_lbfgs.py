@@ -109,3 +109,17 @@ def test_compact_memory_is_the_two_loop_recursion():
         g = rng.standard_normal(n)
         expected = _two_loop_reference(g, pairs)
         np.testing.assert_allclose(mem.inverse_hessian_times(g), expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+
+
+def test_a_failed_line_search_ends_the_run_without_scipy_s_warning():
+    """A gradient that points uphill: every search fails, the run stops with status "line_search", and scipy's
+    LineSearchWarning (handled here) does not reach the user."""
+    import warnings
+
+    def wrong(x):
+        return float(x @ x), -2 * x
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x, f, nit, status = minimize_lbfgs(wrong, np.ones(3), 50, 1e-12)
+    assert (nit, status) == (0, "line_search") and f == 3.0

@@ -10,6 +10,8 @@ in its compact matrix form: :class:`_CurvatureMemory`) costs about ``4 m n`` mul
 relative reduction ``(f_k - f_{k+1}) / max(|f_k|, |f_{k+1}|, 1) <= ftol``.
 """
 
+import warnings
+
 import numpy as np
 from scipy import linalg, optimize
 
@@ -129,8 +131,12 @@ def minimize_lbfgs(fun, x0, max_iter, ftol, memory=20, callback=None, c1=1e-4, c
                 p = -g / max(float(np.linalg.norm(g)), tiny)
             if not float(g @ p) < 0:
                 continue
-            alpha = optimize.line_search(lambda z: evaluate(z)[0], lambda z: evaluate(z)[1], x, p, g, f,
-                                         c1=c1, c2=c2, maxiter=line_search_iter)[0]
+            with warnings.catch_warnings():
+                # a failed search is handled here (steepest descent, then the "line_search" status); scipy's own
+                # warning would only reach the user as noise
+                warnings.filterwarnings("ignore", message="The line search algorithm did not converge")
+                alpha = optimize.line_search(lambda z: evaluate(z)[0], lambda z: evaluate(z)[1], x, p, g, f,
+                                             c1=c1, c2=c2, maxiter=line_search_iter)[0]
             if alpha is not None:
                 step = alpha * p
                 break
