@@ -184,6 +184,82 @@ def test_rotary_truncation_projects_on_the_logit_family_and_planes_are_kept_whol
     assert np.all(sv[4:] < 1e-12 * sv[0]) and sv[3] > 1e-3 * sv[0]
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_rotary_head_is_cut_on_its_query_side_inside_the_model(ids, kind):
+    """truncated_heads on a Llama-family layer: the planned head's q_proj rows (and bias) are projected to the plan's
+    width, the shared k_proj and every other head untouched, the model computes the projected head exactly, the
+    projection is the best of its width for the head's logit family on the query side (Eckart-Young), full width
+    changes nothing, and the weights come back on exit."""
+    from rstar.heads import rotary_query_projection, truncated_heads
+    from rstar.inversions._numerics.softmax_factored import token_metric_roots
+
+    model = _model(kind)
+    attn = model.model.layers[0].self_attn
+    before = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+    layer = collect_attention(model, ids, layers=[0])[0]
+    head = layer.head(1)
+    A, B = head.factors()
+    Z = head.features()
+    metric = token_metric_roots(Z)
+    pairs = pair_rotations(layer.rotary, head.mask())
+    P = rotary_query_projection(A, B, 3, pairs, metric)
+    assert np.linalg.matrix_rank(P, tol=1e-8) == 3
+    # Eckart-Young on the query side: the family of the cut-off part holds exactly the tail of the head's values
+    s = family_svd([(metric[0] @ A, metric[2] @ B)], [1.0], pairs, "q")[1]
+    tail = family_svd([(metric[0] @ A, metric[2] @ B), (metric[0] @ P @ A, metric[2] @ B)], [1.0, -1.0], pairs,
+                      "q")[1]
+    np.testing.assert_allclose(np.sum(tail ** 2), np.sum(s[3:] ** 2), rtol=1e-8)
+    plan = [dict(layer=0, head=1, rank=3), dict(layer=0, head=0, rank=8)]
+    with truncated_heads(model, plan, [layer]):
+        inside = collect_attention(model, ids, layers=[0])[0]
+        q_rows = attn.q_proj.weight[8:16].detach().double().numpy()
+        assert torch.equal(attn.k_proj.weight, before["k_proj.weight"])
+        assert torch.equal(attn.q_proj.weight[16:], before["q_proj.weight"][16:])
+    assert np.linalg.matrix_rank(q_rows, tol=1e-5) == 3
+    assert inside.max_abs_error < 1e-4
+    expected = head.output(factors=(P @ A, B))
+    np.testing.assert_allclose(inside.Y[:, :, 1], expected, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(inside.Y[:, :, [0, 2, 3]], layer.Y[:, :, [0, 2, 3]], atol=1e-5)   # full width: a no-op
+    assert np.abs(inside.Y[:, :, 1] - layer.Y[:, :, 1]).max() > 1e-3
+    assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
+    for metric_name in ("activations", "whitened"):
+        with pytest.raises(ValueError, match="query side"):
+            with truncated_heads(model, plan, [layer], metric=metric_name):
+                pass
+    with pytest.raises(ValueError, match="rotary fit's own factors"):
+        with truncated_heads(model, plan, [layer], factors={(0, 1): (A, B)}):
+            pass
+    assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
+
+
+def test_palu_scores_a_llama_head_by_its_query_rows_and_its_group_s_key_rows(ids):
+    """head_fisher_scores on a causal LM: next-token cross-entropy, each query head scored by its own q_proj rows
+    and the k_proj rows of the key head its group shares."""
+    from rstar.heads import head_fisher_scores
+
+    model = _model("llama")
+    layers = collect_attention(model, ids, layers=[1])
+    scores = head_fisher_scores(model, layers, ids, batch_size=8)
+    rows = scores.to_dict("records") if hasattr(scores, "to_dict") else scores
+    assert {r["fisher_loss"] for r in rows} == {"next-token cross-entropy"}
+    attn = model.model.layers[1].self_attn
+    sq = [torch.zeros_like(attn.q_proj.weight), torch.zeros_like(attn.k_proj.weight)]
+    for start in range(0, len(ids), 8):
+        batch = torch.as_tensor(ids[start:start + 8])
+        model.zero_grad()
+        logits = model(batch).logits[:, :-1]
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).backward()
+        sq[0] += attn.q_proj.weight.grad ** 2
+        sq[1] += attn.k_proj.weight.grad ** 2
+    model.zero_grad(set_to_none=True)
+    q, k = [(acc / 3).sqrt() for acc in sq]
+    for h, g in ((1, 0), (2, 1)):   # 4 query heads, 2 key heads: heads 0-1 read key head 0, heads 2-3 key head 1
+        want = (q[8 * h:8 * (h + 1)].mean() + k[8 * g:8 * (g + 1)].mean()).item() / 2
+        got = next(r["fisher"] for r in rows if r["head"] == h)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_rotary_layers_are_fitted_in_the_rotary_class_and_others_are_refused_with_the_reason(ids):
     layers = collect_attention(_model("llama"), np.random.default_rng(1).integers(0, 50, size=(400, 9)))
     table = estimate_heads([layers[0].select_heads([0, 2])], tolerances=(0.05,))

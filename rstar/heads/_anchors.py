@@ -177,6 +177,17 @@ def fisher_share_plan(scores, budget):
     return _table(out)
 
 
+def _query_key_linears(model, layer, what):
+    """The layer's query and key projections: BERT's ``query``/``key`` or Llama's ``q_proj``/``k_proj``."""
+    module = dict(model.named_modules())[layer.name]
+    if layer.style == "bert":
+        return module.query, module.key
+    if layer.style == "llama":
+        return module.q_proj, module.k_proj
+    raise ValueError(f"layer {layer.index} ({layer.name}) is {layer.style}-style; {what} reads BERT-style "
+                     "(query, key) and Llama-style (q_proj, k_proj) attention so far.")
+
+
 def _bert_module(model, layer, what):
     if layer.style != "bert":
         raise ValueError(f"layer {layer.index} ({layer.name}) is {layer.style}-style; {what} reads BERT-style "
@@ -207,7 +218,8 @@ def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, rand
     ----------
     model : torch.nn.Module
     layers : list of AttentionLayer
-        BERT-style layers (separate ``query`` and ``key`` projections).
+        BERT-style (``query``, ``key``) or Llama-style (``q_proj``, ``k_proj``) layers; a key head shared by a
+        group of query heads gives each of them its score.
     windows : ndarray of int, shape (n, T)
         Calibration token ids.
     loss : callable or None
@@ -228,9 +240,9 @@ def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, rand
     import torch
 
     heads = _heads_of(layers)
-    modules = {layer.index: _bert_module(model, layer, "head_fisher_scores") for layer in layers}
+    linears = {layer.index: _query_key_linears(model, layer, "head_fisher_scores") for layer in layers}
     gen = torch.Generator().manual_seed(int(random_state))
-    params = [p for m in modules.values() for p in (m.query.weight, m.key.weight)]
+    params = [lin.weight for pair in linears.values() for lin in pair]
     sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     was = [p.requires_grad for p in params]
     count, used = 0, "given"
@@ -266,11 +278,13 @@ def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, rand
     for k, layer in enumerate(layers):
         rms[layer.index] = ((sums[2 * k] / count).sqrt().numpy(), (sums[2 * k + 1] / count).sqrt().numpy())
     out = []
-    for layer, _, h, dh in heads:
+    for layer, pos, h, dh in heads:
         q, kk = rms[layer.index]
-        rows = slice(h * dh, (h + 1) * dh)
+        # a key head shared by a group of query heads (grouped-query attention) scores each of them
+        g = h if layer.kv_groups is None else int(layer.kv_groups[pos])
         out.append(dict(layer=int(layer.index), head=int(h), d_head=dh,
-                        fisher=float((q[rows].mean() + kk[rows].mean()) / 2), fisher_loss=used))
+                        fisher=float((q[h * dh:(h + 1) * dh].mean() + kk[g * dh:(g + 1) * dh].mean()) / 2),
+                        fisher_loss=used))
     return _table(out)
 
 

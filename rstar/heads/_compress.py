@@ -5,11 +5,12 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..inversions._numerics.linalg import factored_svd, psd_power
+from ..inversions._numerics.rotary import family_svd, pair_rotations
 from ..inversions._numerics.softmax_factored import token_metric_roots
 from ._plan import _rows
 
-__all__ = ["activation_basis_factors", "activation_singular_values", "truncated_head_factors", "truncated_heads",
-           "whitened_factors"]
+__all__ = ["activation_basis_factors", "activation_singular_values", "rotary_query_projection",
+           "truncated_head_factors", "truncated_heads", "whitened_factors"]
 
 
 def _stacked_activations(query, key, gram):
@@ -139,6 +140,26 @@ def _model_factors(pair, shape, layer, head):
     return np.pad(A * c, pad), np.pad(B * c, pad)
 
 
+def rotary_query_projection(query, key, rank, pairs, metric=None):
+    """The projection ``P`` (d x d, rank ``rank``) that cuts a rotary head to width ``rank`` on its query side:
+    ``P query`` on the top ``rank`` query-side directions of the head's logit family ``query R(delta) key^T`` over
+    the pairs (:func:`rstar.inversions._numerics.rotary.family_svd`), in the token metric (``metric`` as in
+    :func:`truncated_head_factors`; None: the weights' own).
+
+    The projected head's logits ``x^T P query R(delta) key^T x'`` have rank at most ``rank`` at every angle, and
+    over the family they are its best rank-``rank`` approximation on the query side (Eckart–Young: projecting the
+    rows of ``Z_q = [sqrt(w) K(delta)]`` on its top left singular vectors). The key side is left alone, so a key
+    head shared by a group of query heads (grouped-query attention) serves each of them at its own width.
+    """
+    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
+    d = query.shape[0]
+    if metric is None:
+        eye = np.eye(d)
+        metric = (eye, eye, eye, eye)
+    U = family_svd([(metric[0] @ query, metric[2] @ key)], [1.0], pairs, "q")[0][:, :max(0, int(rank))]
+    return metric[1] @ U @ U.T @ metric[0]
+
+
 @contextmanager
 def truncated_heads(model, plan, layers, metric="tokens", factors=None):
     """Within the ``with`` block, each planned head of ``model`` computes its logits with its query–key map
@@ -165,11 +186,19 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         ``estimate_heads(keep_factors=True)``'s ``query_key_factors``, of any width), so that the fit's own rank-r
         models replace the heads. A planned head without an entry keeps its own map.
 
+    Notes
+    -----
+    A Llama-family head (rotary positions, keys shared by a group of query heads) is cut on its query side only:
+    its rows of ``q_proj`` projected by :func:`rotary_query_projection` (``"tokens"``: in the tokens' metric;
+    ``"weights"``: in the weights' own), so that a shared key head serves each query head of its group at that
+    head's width. ``"activations"``, ``"whitened"`` and ``factors`` cut both sides and are refused there.
+
     Raises
     ------
     ValueError
-        A planned layer not among ``layers``, a head it does not hold, a rank outside ``0 ... d_head``, or a layer
-        whose style is not BERT-style (separate ``query`` and ``key`` projections: the only one rewritten so far).
+        A planned layer not among ``layers``, a head it does not hold, a rank outside ``0 ... d_head``, a layer of
+        another style than BERT's (separate ``query`` and ``key`` projections) or Llama's (``q_proj``, ``k_proj``),
+        or a truncation a rotary layer does not take.
     """
     import torch
 
@@ -186,9 +215,10 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         layer = by_index.get(index)
         if layer is None:
             raise ValueError(f"the plan has layer {index}, which is not among the layers given.")
-        if layer.style != "bert":
+        if layer.style not in ("bert", "llama"):
             raise ValueError(f"layer {index} ({layer.name}) is {layer.style}-style; only BERT-style attention "
-                             "(separate query and key projections) is rewritten so far.")
+                             "(separate query and key projections) and Llama-style (q_proj, k_proj) are rewritten "
+                             "so far.")
         held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
         if head not in held:
             raise ValueError(f"layer {index} holds no head {head} (it holds {held}).")
@@ -197,6 +227,9 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         if not 0 <= rank <= d_head:
             raise ValueError(f"layer {index} head {head}: rank {rank} is outside 0 ... d_head = {d_head}.")
         module = modules[layer.name]
+        if layer.style == "llama":
+            edits += _llama_query_edits(module, layer, pos, head, rank, metric, factors, roots)
+            continue
         # [W; b] on [x, 1] where both projections have bias parameters (a truncation in the tokens' metric may give
         # a zero bias a non-zero value), else W on x alone
         biased = module.query.bias is not None and module.key.bias is not None
@@ -234,3 +267,36 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         with torch.no_grad():
             for param, index, value in reversed(saved):
                 param.data[index] = value
+
+
+def _llama_query_edits(module, layer, pos, head, rank, metric, factors, roots):
+    """The edits of ``q_proj`` (and its bias) that cut one Llama-style head to ``rank`` on its query side."""
+    if metric not in ("tokens", "weights"):
+        raise ValueError(f"layer {layer.index} ({layer.name}) shares its key heads across query heads and rotates "
+                         f"them: it is cut on the query side, in the metric 'tokens' or 'weights'; {metric!r} "
+                         "would cut the shared keys too.")
+    if factors is not None and (layer.index, head) in factors:
+        raise ValueError(f"layer {layer.index} head {head}: a rotary fit's own factors are not put back into a "
+                         "model yet (their rotation is the fit's, not the module's); truncate the head's own map.")
+    # [W; b] on [x, 1] where q_proj has a bias parameter (a projection in the tokens' metric may give a zero bias a
+    # value), else W on x alone
+    biased = module.q_proj.bias is not None
+    rows = slice(None) if biased else slice(0, -1)
+    if metric == "tokens" and layer.index not in roots:
+        X = layer.X
+        roots[layer.index] = token_metric_roots(np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1)
+                                                if biased else X)
+    pairs = pair_rotations(layer.rotary, layer.head(pos).mask())
+    P = rotary_query_projection(layer.query[pos][rows], layer.key[pos][rows], rank, pairs,
+                                roots.get(layer.index) if metric == "tokens" else None)
+    d_head = layer.query.shape[2]
+    cols = slice(head * d_head, (head + 1) * d_head)
+    W = module.q_proj.weight.detach().double().cpu().numpy()[cols].T            # (d, d_head), the raw map
+    b = (module.q_proj.bias.detach().double().cpu().numpy()[cols] if biased else np.zeros(d_head))
+    raw = np.vstack([W, b[None]])[rows]
+    new = P @ raw
+    d = W.shape[0]
+    edits = [(module.q_proj.weight, (cols, slice(None)), new[:d].T)]
+    if biased:
+        edits.append((module.q_proj.bias, (cols,), new[d]))
+    return edits
