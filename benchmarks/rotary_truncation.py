@@ -2,7 +2,8 @@
 
 Each head of SmolLM2-135M-Instruct (30 layers x 9 query heads, 3 key/value groups per layer, d = 576,
 d_head = 64, RoPE) is read by :func:`rstar.heads.collect_attention` on windows of the standard library's
-text, and truncated inside the rotary class: its planes kept whole, strongest first in the token metric
+text, and truncated inside the rotary class: its query and key projections on the top directions of its logit
+family over the window's pairs, in the token metric, the rotation kept at every plane
 (:func:`rstar.heads.kernel_truncation_curve`). The smallest width that reproduces the head's output within
 eps of Var(Y) (:func:`rstar.heads.truncation_rank`) bounds the head's rotary r*(eps) from above.
 
