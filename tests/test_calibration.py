@@ -45,6 +45,7 @@ DEFAULTS = {
     "split_half_noise_edge": 1.25,
     # factored fit
     "factored_start_rank": 8,
+    "rotary_start_logit_std": 0.1,
     "factored_segment_iter": 50,
     "factored_stable_rtol": 0.01,
     "factored_clear_gap": 2.0,

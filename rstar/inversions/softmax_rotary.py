@@ -171,11 +171,11 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     starts = []
     for (X, Y), loss in zip(halves, losses):
         V0 = sf.value_map_given_kernel(X, Y, mask=mask, calibration=calibration) if value_map is None else value_map
-        # logits of order one tenth: the fit grows the directions the data hold (a saddle at zero has no gradient)
+        # small logits: the fit grows the directions the data hold (a saddle at zero has no gradient)
         A0, B0 = _random_start(rng, metric, q, 1.0)
         Xs = X[: min(X.shape[0], 256)]
         std = float(np.std(Xs @ A0 @ (Xs @ B0).transpose(0, 2, 1) / np.sqrt(d))) or 1.0
-        t = np.sqrt(0.1 / std)
+        t = np.sqrt(calibration.rotary_start_logit_std / std)
         starts.append((A0 * t, B0 * t, V0))
     state = {}
 
