@@ -60,7 +60,9 @@ def _fit_row(head, held, args):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         est.fit(head.features(), head.Y)
-        ranks = [int(est.rank_)] + [int(est.rank_at_tolerance(e)) for e in TOLERANCES[1:]]
+        readings = [(int(est.rank_), tuple(est.rank_interval_))] + [est.rank_at_tolerance(e, return_interval=True)
+                                                                   for e in TOLERANCES[1:]]
+        ranks = [int(r) for r, _ in readings]
     seconds = time.perf_counter() - t0
     Yh = held.Y.reshape(-1, held.Y.shape[-1])
     tss = float(np.sum((Yh - Yh.mean(axis=0)) ** 2))
@@ -70,7 +72,8 @@ def _fit_row(head, held, args):
     # model at that rank is another, short of it where the fit has not converged)
     held_curve = kernel_truncation_curve(held)
     return dict(layer=int(head.layer), head=int(head.head), kv_group=int(head.kv_group), d_head=int(head.d_head),
-                ranks=ranks, interval=[int(v) for v in est.rank_interval_], held_out_excess=excess,
+                ranks=ranks, interval=[int(v) for v in est.rank_interval_],
+                intervals=[[int(v) for v in interval] for _, interval in readings], held_out_excess=excess,
                 held_out_truncation_excess=[float(held_curve[min(r, head.d_head)]) for r in ranks],
                 truncation=[int(rank_at_tolerance(curve, e)) for e in TOLERANCES],
                 planes=[int(rank_at_tolerance(planes, e)) for e in TOLERANCES],

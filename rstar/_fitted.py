@@ -1,13 +1,17 @@
 """What a fitted data-only estimator offers beyond its attributes: the statistic it read, the closed-form
 operator at its rank, ``predict`` and ``score``, and its risk curve read at another tolerance."""
 
+import warnings
+
 import numpy as np
 from sklearn.utils.validation import check_is_fitted
 
 from ._backend import resolve_backend
 from ._validation import check_tokens
 from .metrics import token_r2_score
+from .risk import rank_at_tolerance as curve_rank
 from .risk import rank_read_again
+from .rules import identifiability
 
 __all__ = ["FittedOperatorMixin"]
 
@@ -16,20 +20,32 @@ class FittedOperatorMixin:
     """``statistic_``, ``operator_``, ``predict``, ``score`` and ``rank_at_tolerance`` of a fitted data-only
     estimator (which provides ``_whiten``, ``_choose`` and the fitted state)."""
 
-    def rank_at_tolerance(self, tolerance):
+    def rank_at_tolerance(self, tolerance, return_interval=False):
         """r*(tolerance) from the fitted curve without refitting (read as the fit reads it: ``risk_curve_upper_``,
-        the curve's upper bound at ``tolerance_level``).
+        the curve's upper bound at ``tolerance_level``), through the same gates as the fit's own reading.
 
         Parameters
         ----------
         tolerance : float in [0, 1)
+        return_interval : bool, default=False
+            Also return the reading's interval, as ``rank_interval_`` is for the fit's tolerance: from the curve's
+            rank at twice the tolerance to its upper bound's at half, widened to every rank the data leave open
+            where a gate warns.
 
         Returns
         -------
-        int
+        rank : int
             The smallest rank whose relative excess risk (its upper bound) is at most ``tolerance``; the number
             of features d where the curve reached the rank beyond which its models no longer change (the
             factored fit's q) without reaching ``tolerance``, as ``fit`` reads it.
+        interval : tuple of int, only if ``return_interval``
+
+        Warns
+        -----
+        UnidentifiableRankWarning
+            Where the fit's gates hold at this tolerance: the curve is measured against a fit that did not identify
+            its statistic, its halves disagree by more than the tolerance resolves, or the tolerance is finer than
+            the noise (the same warnings ``fit`` gives at its own tolerance).
 
         Raises
         ------
@@ -40,8 +56,22 @@ class FittedOperatorMixin:
         check_is_fitted(self, "rank_")
         if "risk_curve_" not in self.__dict__:
             raise ValueError("no risk curve: fit with tolerance=... (any value) to compute risk_curve_.")
-        return rank_read_again(self.risk_curve_, self.__dict__.get("risk_curve_upper_"),
-                               self.__dict__.get("_risk_curve_full_rank"), tolerance)
+        curve, upper = self.risk_curve_, self.__dict__.get("risk_curve_upper_")
+        rank = rank_read_again(curve, upper, self.__dict__.get("_risk_curve_full_rank"), tolerance)
+        gates_in = self.__dict__.get("_tolerance_gates")
+        if gates_in is None:   # pragma: no cover - every fit with a curve records its gates
+            return (rank, (rank, rank)) if return_interval else rank
+        tol, dim = float(tolerance), int(gates_in["dim"])
+        low = curve_rank(curve, min(2 * tol, 1.0))
+        high = curve_rank(curve if upper is None else upper, tol / 2)
+        interval = (min(rank, dim if low is None else low), max(rank, dim if high is None else high))
+        gates = identifiability.tolerance_verdicts(tolerance=tol, rank=rank, calibration=self._calibration(),
+                                                   **gates_in)
+        for v in gates:
+            if v.category is not None:
+                warnings.warn(v.warning(), stacklevel=2)
+        interval = identifiability.covering(interval, gates)
+        return (rank, (int(interval[0]), int(interval[1]))) if return_interval else rank
 
     @property
     def statistic_(self):

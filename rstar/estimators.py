@@ -285,7 +285,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         self.noise_floor_interval_ = interval
         self.verdicts_ = list(gates) + [v for v in res.warnings if isinstance(v, identifiability.Verdict)]
         for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_distance_",
-                     "risk_curve_resolution_", "_risk_curve_full_rank"):
+                     "risk_curve_resolution_", "_risk_curve_full_rank", "_tolerance_gates"):
             self.__dict__.pop(attr, None)
         rank = res.rank if self.rank is None else self.rank
         if self.tolerance is not None:
@@ -326,9 +326,12 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                      "risk_curve_resolution_"):
             setattr(self, name, getattr(reading, name.rstrip("_")))
         self._risk_curve_full_rank = reading.full_rank
-        gates = identifiability.tolerance_verdicts(
-            tolerance=self.tolerance, rank=reading.rank, dim=ws.dim, inversion=ws.inversion, identified=identified,
-            disagreement=reading.risk_curve_resolution, noise_upper=res.rank_interval[1], calibration=cal)
+        # what the gates read, kept so that rank_at_tolerance reads another tolerance through them
+        self._tolerance_gates = dict(dim=int(ws.dim), inversion=ws.inversion, identified=bool(identified),
+                                     disagreement=reading.risk_curve_resolution,
+                                     noise_upper=int(res.rank_interval[1]))
+        gates = identifiability.tolerance_verdicts(tolerance=self.tolerance, rank=reading.rank, calibration=cal,
+                                                   **self._tolerance_gates)
         _warn(_issued(gates), stacklevel=6)
         self.verdicts_ += gates
         return reading.rank, identifiability.covering(reading.interval, gates)

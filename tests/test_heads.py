@@ -155,6 +155,9 @@ def test_table_on_small_heads(ids):
         assert r["rank_lower"] <= r["rank"] <= r["rank_upper"]
         assert r["rank_at_0.05"] <= r["rank_at_0.01"]
         assert r["truncation_rank_at_0.05"] <= r["truncation_rank_at_0.01"] <= r["kernel_rank"] <= 3
+        for tol in ("0.01", "0.05"):   # each reading with its interval, as the fit's own is
+            lo, hi = r[f"rank_interval_at_{tol}"]
+            assert lo <= r[f"rank_at_{tol}"] <= hi <= r["d_head"]
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
     ax = plot_head_ranks(table, "rank_at_0.01")
@@ -473,6 +476,7 @@ def test_rank_plan_by_tolerance_and_by_budget_and_its_rank_pattern(ids):
     plan = rank_plan(table, tolerance=0.05).to_dict("records")
     assert [p["rank"] for p in plan] == [r["rank_at_0.05"] for r in rows]
     assert all(p["predicted_excess"] <= 0.05 and p["reached"] for p in plan)
+    assert [p["rank_interval"] for p in plan] == [list(r["rank_interval_at_0.05"]) for r in rows]
     # within a total width: never more, and no worse in summed excess than the tolerance plan at its own width
     width = sum(p["rank"] for p in plan)
     budgeted = rank_plan(table, budget=width).to_dict("records")

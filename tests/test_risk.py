@@ -82,6 +82,26 @@ def test_tiny_tolerance_warns_beyond_the_noise():
     assert est.rank_ > est.noise_floor_rank_
 
 
+def test_another_tolerance_is_read_through_the_fit_s_gates():
+    """rank_at_tolerance reads another tolerance as fit reads its own: the same rank and interval as a fit at that
+    tolerance, and the same warnings where the tolerance is finer than the noise (not a bare number)."""
+    X, Y = make_linear_proxy(400, rank=2, noise=0.3, random_state=1)
+    coarse = MPRankEstimator(tolerance=0.3).fit(X, Y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fine = MPRankEstimator(tolerance=0.0).fit(X, Y)
+    with pytest.warns(UnidentifiableRankWarning) as again:
+        rank, interval = fine.rank_at_tolerance(0.0, return_interval=True)
+    assert_warned(again, "tolerance_below_noise", category=UnidentifiableRankWarning)
+    assert [str(w.message) for w in again] == [str(w.message) for w in caught
+                                              if issubclass(w.category, UnidentifiableRankWarning)]
+    assert (rank, interval) == (fine.rank_, fine.rank_interval_)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fine.rank_at_tolerance(0.3, return_interval=True) == (coarse.rank_, coarse.rank_interval_)
+        assert coarse.rank_at_tolerance(0.3) == coarse.rank_
+
+
 def test_fit_batches_gives_the_same_curve(graded_softmax):
     X, Y = graded_softmax
     whole = RStarEstimator(tolerance=0.02).fit(X, Y)

@@ -233,12 +233,14 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     -------
     table : pandas.DataFrame, or list of dict without pandas
         Columns ``layer, head, kv_group, d_head, rank, rank_lower, rank_upper, effective_rank, inversion,
-        rank_at_<ε> ...,
+        rank_at_<ε> ..., rank_interval_at_<ε> ...,
         kernel_rank, truncation_rank_at_<ε> ..., risk_curve, warnings, note``: ``rank`` and its interval are the
         noise-floor estimate, within what the class allows (a head's kernel has rank at most ``d_head``: an
         interval reaching beyond is capped, and a count beyond makes the interval ``(0, d_head)``; ``note``
-        says which); ``rank_at_<ε>`` (at most ``d_head``) is
-        None where the estimator has no rank-r operators at this size (the first-order inversion over its
+        says which); ``rank_at_<ε>`` (at most ``d_head``) is read through the fit's gates
+        (:meth:`rstar.RStarEstimator.rank_at_tolerance`), ``rank_interval_at_<ε>`` its interval ``[lo, hi]``
+        (every rank the data leave open where a gate warns, capped at ``d_head``; its warnings join ``warnings``);
+        both are None where the estimator has no rank-r operators at this size (the first-order inversion over its
         memory budget for ``d^4`` moment sums), with the reason in ``note``; ``warnings`` holds each distinct
         warning the fit issued as ``Category: message`` (the reason), separated by a vertical bar;
         ``risk_curve`` (a list, None without tolerances) is the head's predicted relative excess at ranks
@@ -366,9 +368,18 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
     row = dict(layer=layer.index, head=head.head, kv_group=head.kv_group, d_head=head.d_head, rank=rank,
                rank_lower=min(lower, upper),
                rank_upper=upper, effective_rank=float(est.effective_rank_), inversion=est.inversion_)
-    for tol in tolerances:
-        # r*(eps) <= d_head: the head's own kernel (rank <= d_head) reproduces it exactly
-        row[f"rank_at_{tol:g}"] = None if note else min(est.rank_at_tolerance(tol), head.d_head)
+    with warnings.catch_warnings(record=True) as reread:
+        warnings.simplefilter("always")
+        for tol in tolerances:
+            # r*(eps) <= d_head: the head's own kernel (rank <= d_head) reproduces it exactly; read through the
+            # fit's gates, its interval widened where they warn
+            if note:
+                row[f"rank_at_{tol:g}"] = row[f"rank_interval_at_{tol:g}"] = None
+                continue
+            r, (lo, hi) = est.rank_at_tolerance(tol, return_interval=True)
+            row[f"rank_at_{tol:g}"] = min(r, head.d_head)
+            row[f"rank_interval_at_{tol:g}"] = [min(lo, head.d_head), min(hi, head.d_head)]
+    caught = list(caught) + list(reread)
     # the curve r*(eps) is read from, ranks 0 ... d_head at most (for rank_plan's budget mode)
     row["risk_curve"] = (None if note or not tolerances or getattr(est, "risk_curve_upper_", None) is None
                          else [float(v) for v in np.asarray(est.risk_curve_upper_)[:head.d_head + 1]])

@@ -121,7 +121,9 @@ def rank_plan(table, *, tolerance=None, budget=None):
     Returns
     -------
     plan : pandas.DataFrame, or list of dict without pandas
-        One row per head: ``layer, head, d_head, rank, predicted_excess, reached``.
+        One row per head: ``layer, head, d_head, rank, predicted_excess, reached``; in tolerance mode also
+        ``rank_interval``, the reading's interval where the table has it (``rank_interval_at_<ε>``; None
+        otherwise).
 
     Raises
     ------
@@ -146,6 +148,13 @@ def rank_plan(table, *, tolerance=None, budget=None):
         reached = [True] * len(rows)
     plan = [dict(layer=int(r["layer"]), head=int(r["head"]), d_head=int(r["d_head"]), rank=k,
                  predicted_excess=float(c[k]), reached=ok) for r, c, k, ok in zip(rows, curves, ranks, reached)]
+    if tolerance is not None:
+        # the reading's interval where the table has it at this tolerance (estimate_heads' rank_interval_at_<ε>):
+        # a head whose interval is wide is one the data did not pin down
+        key = f"rank_interval_at_{float(tolerance):g}"
+        for row, r in zip(plan, rows):
+            interval = r.get(key)
+            row["rank_interval"] = None if interval is None else [int(v) for v in interval]
     return _table(plan)
 
 
