@@ -498,10 +498,11 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
             f"{inversion} fits, whose outputs disagree by {disagreement:.3g} of Var(Y) (a quarter of their "
             "mean squared difference: the excess of a half's model over their mean), more than "
             f"{fraction:g} times the tolerance, so the rank read ({rank}) may be too small "
-            "(or larger than needed) for the model predict uses; rank_interval_ reaches "
-            f"{dim}. The halves settle on different optima where the rank fitted is too small for the task, "
+            "(or larger than needed) for the model predict uses; rank_interval_ is every rank, "
+            f"(0, {dim}). The halves settle on different optima where the rank fitted is too small for the task, "
             "or the samples too few: more samples, a larger tolerance, or a larger compute_budget would help.",
-            (None, int(dim))))
+            # either way: halves that disagree have not found the model, so neither end of the reading holds
+            (0, int(dim))))
     if rank > noise_upper:
         out.append(Verdict(
             "tolerance_below_noise", UnidentifiableRankWarning,

@@ -302,10 +302,10 @@ def test_halves_that_disagree_beyond_the_tolerance_are_warned():
     X, Y, teacher = make_attention_task(200, rank=3, random_state=0, return_teacher=True, **{**SHAPE, "noise": 0.5})
     with pytest.warns(UnidentifiableRankWarning) as caught:
         noisy = RStarEstimator(value_map=teacher.value_map, tolerance=0.01).fit(X, Y)
-    assert_warned(caught, "curve_resolution", bounds=(None, SHAPE["n_features"]), category=UnidentifiableRankWarning)
-    assert noisy.risk_curve_resolution_ > 0.05 and noisy.rank_interval_[1] == SHAPE["n_features"]
-    # its interval still covers the planted 3 (the lower end is read off the curve itself)
-    assert noisy.rank_interval_[0] <= 3
+    assert_warned(caught, "curve_resolution", bounds=(0, SHAPE["n_features"]), category=UnidentifiableRankWarning)
+    # halves that disagree have not found the model: neither end of the reading holds (a SmolLM2 head whose fit
+    # had not converged read r*(1%) = 58 with the interval (53, 64) where its truncation rank was 32)
+    assert noisy.risk_curve_resolution_ > 0.05 and noisy.rank_interval_ == (0, SHAPE["n_features"])
     # the curve stops at the half-sum's rank 2q, beyond which nothing changes (not at d = 96)
     q = noisy.statistic_.null.fitted_rank
     with warnings.catch_warnings():
