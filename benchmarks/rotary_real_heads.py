@@ -118,6 +118,32 @@ def summary(rows):
     return "\n".join(lines)
 
 
+def figure(rows, path):
+    """r*(eps) against the truncation rank per head, each reading with its interval, at both tolerances."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TOLERANCES), figsize=(5.2 * len(TOLERANCES), 4.6), sharey=True)
+    top = max(r["d_head"] for r in rows)
+    for i, (ax, e) in enumerate(zip(np.atleast_1d(axes), TOLERANCES)):
+        for r in rows:
+            ok = r["held_out_truncation_excess"][i] <= e and r["ranks"][i] <= r["truncation"][i]
+            lo, hi = r["intervals"][i] if "intervals" in r else r["interval"] if i == 0 else (r["ranks"][i],) * 2
+            x = r["truncation"][i] + (r["head"] - 4) * 0.08
+            ax.plot([x, x], [lo, hi], color="0.75", lw=1, zorder=1)
+            ax.scatter(x, r["ranks"][i], s=22, zorder=2, color="tab:green" if ok else "tab:red")
+        ax.plot([0, top], [0, top], color="k", lw=0.8, ls="--")
+        ax.set(xlim=(0, top + 1), ylim=(-1, top + 1), xlabel="truncation rank of the real head",
+               title=f"ε = {e:g}: green sufficient and within, red not")
+    np.atleast_1d(axes)[0].set_ylabel("rstar's r*(ε), with its interval")
+    fig.suptitle(f"SmolLM2-135M, {len(rows)} rotary heads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default="0:0,0:4,10:2,15:0,20:6,29:8",
@@ -129,7 +155,12 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/rotary_real_heads.json")
     parser.add_argument("--resume", action="store_true", help="continue the run in OUT.partial.jsonl")
+    parser.add_argument("--figure", default=None, help="also draw r*(eps) against the truncation rank here (PNG)")
+    parser.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figure from a finished run")
     args = parser.parse_args(argv)
+    if args.replot:
+        figure(json.loads(open(args.replot).read())["rows"], args.figure or "rotary_real_heads.png")
+        return
     from rstar.heads import collect_attention, text_windows
 
     model, tok = load_smollm2()
@@ -179,6 +210,8 @@ def main(argv=None):
     print()
     print(summary(rows))
     save_json(args.out, dict(vars(args), rows=rows))
+    if args.figure:
+        figure(rows, args.figure)
 
 
 if __name__ == "__main__":
