@@ -49,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from _runs import Journal, plan_ranks, records
+
 
 def _embed(model, windows, batch=50):
     import torch
@@ -59,15 +61,6 @@ def _embed(model, windows, batch=50):
             h = model(torch.as_tensor(windows[s:s + batch])).last_hidden_state.mean(dim=1)
             out.append(torch.nn.functional.normalize(h, dim=1).double().numpy())
     return np.concatenate(out)
-
-
-def _records(table):
-    return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
-
-
-def _ranks(plan, keys):
-    by = {(int(p["layer"]), int(p["head"])): int(p["rank"]) for p in _records(plan)}
-    return [by[k] for k in keys]
 
 
 def _head_errors(full, trunc):
@@ -84,7 +77,7 @@ def _head_errors(full, trunc):
 def _realised(model, plan, layers, held, collect_attention, truncated_heads, factors=None):
     """Per head (layer, head): realised excess and its standard error, alone and inside the truncated model."""
     by_layer = {}
-    for p in _records(plan):
+    for p in records(plan):
         by_layer.setdefault(int(p["layer"]), []).append(p)
     out = {}
     for index, rows in by_layer.items():
@@ -108,45 +101,6 @@ def _realised(model, plan, layers, held, collect_attention, truncated_heads, fac
                                    inside=float(e_i.sum() / tss), inside_se=float(np.sqrt(n) * e_i.std() / tss),
                                    floor=None if floor is None else float(floor[k][0].sum() / tss))
     return out
-
-
-class _Journal:
-    """The run as it goes: each finished step (the anchors' calibration, each evaluation, each per-head
-    comparison) appended as one JSON line to ``OUT/compress.partial.jsonl`` (the run's options on the first), so an
-    interrupted run continues with ``--resume`` where it stopped; the progress line gives the steps done and an
-    estimate of the time left (the mean time of this run's steps so far)."""
-
-    def __init__(self, path, record, resume, total):
-        self.path, self.total, self.done, self.t0, self.timed = Path(path), int(total), {}, time.perf_counter(), []
-        if self.path.exists() and resume:
-            lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            if not lines or lines[0].get("record") != record:
-                raise SystemExit(f"cannot resume {self.path}: it was started with other options "
-                                 f"({lines[0].get('record') if lines else 'none'}); delete it or use another --out.")
-            self.done = {line["key"]: line["value"] for line in lines[1:]}
-            print(f"resuming: {len(self.done)} of {self.total} steps are in {self.path}", flush=True)
-        else:
-            if self.path.exists():
-                raise SystemExit(f"{self.path} holds an earlier run: rerun with --resume to continue it, or delete "
-                                 "it (or give another --out) to start over.")
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(dict(record=record)) + "\n")
-
-    def step(self, key, compute):
-        """``compute()``'s value for ``key``: the journal's where the step was done before, else computed now and
-        appended."""
-        if key in self.done:
-            return self.done[key]
-        t = time.perf_counter()
-        value = compute()
-        self.timed.append(time.perf_counter() - t)
-        self.done[key] = value
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(dict(key=key, value=value)) + "\n")
-        left = (self.total - len(self.done)) * float(np.mean(self.timed))
-        print(f"  [{len(self.done)}/{self.total}] {time.perf_counter() - self.t0:.0f} s, about {left:.0f} s left",
-              flush=True)
-        return value
 
 
 def main(argv=None):
@@ -193,7 +147,7 @@ def main(argv=None):
     fitted = fitted if len(fitted) == len(keys) else None
 
     tolerances = sorted(float(k[len("rank_at_"):]) for k in rows[0] if k.startswith("rank_at_"))
-    tol_plans = {tol: _records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
+    tol_plans = {tol: records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
     widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     budgets = [float(v) for v in args.error_budgets.split(",") if v]
@@ -205,7 +159,7 @@ def main(argv=None):
                        + models + 7 for W in widths) + len(budgets) + models * len(tol_plans))
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
                   fractions=args.fractions, error_budgets=args.error_budgets, fitted=bool(fitted))
-    journal = _Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume, n_steps)
+    journal = Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume, n_steps)
 
     model, tok = load_minilm()
     model.eval()
@@ -221,7 +175,7 @@ def main(argv=None):
 
     def timed(fn):
         t1 = time.perf_counter()
-        value = _records(fn())
+        value = records(fn())
         return dict(rows=value, seconds=time.perf_counter() - t1)
 
     fisher = journal.step("fisher", lambda: timed(lambda: head_fisher_scores(model, layers, calib, random_state=0)))
@@ -259,25 +213,26 @@ def main(argv=None):
         for tol, plan in tol_plans.items():
             if sum(p["rank"] for p in plan) == W:
                 total = dict(predicted_total=float(sum(p["predicted_excess"] for p in plan)))
-                evaluate(f"rstar tolerance {tol:g}", _ranks(plan, keys), "tokens", W, total)
+                evaluate(f"rstar tolerance {tol:g}", plan_ranks(plan, keys), "tokens", W, total)
                 if fitted:
-                    evaluate(f"rstar tolerance {tol:g} (fit's models)", _ranks(plan, keys), "tokens", W, total,
+                    evaluate(f"rstar tolerance {tol:g} (fit's models)", plan_ranks(plan, keys), "tokens", W, total,
                              fitted)
-        budget_plan = _records(rank_plan(rows, budget=W))
+        budget_plan = records(rank_plan(rows, budget=W))
         total = dict(predicted_total=float(sum(p["predicted_excess"] for p in budget_plan)))
-        evaluate("rstar budget", _ranks(budget_plan, keys), "tokens", W, total)
+        evaluate("rstar budget", plan_ranks(budget_plan, keys), "tokens", W, total)
         if fitted:
-            evaluate("rstar budget (fit's models)", _ranks(budget_plan, keys), "tokens", W, total, fitted)
+            evaluate("rstar budget (fit's models)", plan_ranks(budget_plan, keys), "tokens", W, total, fitted)
         ea = eigen_attention_plan(sweep, layers, budget=W)
         plans = {"uniform": uniform_plan(layers, W), "weight energy": weight_energy_plan(layers, W),
                  "Eigen Attention": ea, "Palu": fisher_share_plan(fisher, W), "EVA": eva_plan(layers, W)}
         for name, plan in plans.items():
-            evaluate(name, _ranks(plan, keys), "tokens", W, dict(fisher_loss=fisher_loss) if name == "Palu" else None)
-        evaluate("Eigen Attention (own)", _ranks(ea, keys), "activations", W)
-        evaluate("SVD-LLM (own)", _ranks(plans["uniform"], keys), "whitened", W)
+            evaluate(name, plan_ranks(plan, keys), "tokens", W,
+                     dict(fisher_loss=fisher_loss) if name == "Palu" else None)
+        evaluate("Eigen Attention (own)", plan_ranks(ea, keys), "activations", W)
+        evaluate("SVD-LLM (own)", plan_ranks(plans["uniform"], keys), "whitened", W)
     for e in budgets:
         plan = eigen_attention_plan(sweep, layers, error_budget=e)
-        evaluate(f"Eigen Attention (own) at error {e:g}", _ranks(plan, keys), "activations", None,
+        evaluate(f"Eigen Attention (own) at error {e:g}", plan_ranks(plan, keys), "activations", None,
                  dict(error_budget=e))
 
     # predicted against realised, per head, for each tolerance plan

@@ -29,20 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
+from _runs import plan_ranks, records
 from rotary_truncation import load_smollm2
-
-
-def _records(table):
-    return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
 
 
 def read_table(path):
     """The heads' rows (``layer, head, d_head, risk_curve``) from ``rstar heads``' heads.json or
-    ``rotary_real_heads.py``'s JSON, and the T and seed they were read at."""
+    ``rotary_real_heads.py``'s JSON, and the T they were read at."""
     record = json.loads(Path(path).read_text())
     rows = record["rows"] if isinstance(record, dict) and "rows" in record else record
-    if isinstance(rows, dict):   # pandas' to_json(orient="columns") is not written by rstar; refuse plainly
-        raise SystemExit(f"{path}: expected a list of rows.")
+    if not isinstance(rows, list):
+        raise SystemExit(f"{path}: expected a list of rows, or a record with 'rows'.")
     keep = [r for r in rows if r.get("risk_curve") is not None]
     if len(keep) != len(rows):
         raise SystemExit(f"{path}: {len(rows) - len(keep)} heads have no risk curve; the plans need every head's.")
@@ -95,19 +92,18 @@ def main(argv=None):
           f"{base:.4f} nats/token (perplexity {np.exp(base):.2f}) on {args.n_eval} held-out windows", flush=True)
     t1 = time.perf_counter()
     fisher = head_fisher_scores(model, layers, calib)
-    fisher_loss = _records(fisher)[0]["fisher_loss"]
+    fisher_loss = records(fisher)[0]["fisher_loss"]
     print(f"Palu's Fisher scores ({fisher_loss}) in {time.perf_counter() - t1:.0f} s", flush=True)
 
     tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
                         or {0.01, 0.05})
-    tol_plans = {tol: _records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
+    tol_plans = {tol: records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
     widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     results = []
 
     def evaluate(name, plan, W):
-        ranks = {(int(q["layer"]), int(q["head"])): int(q["rank"]) for q in _records(plan)}
-        plan = [dict(layer=k[0], head=k[1], rank=ranks[k]) for k in keys]
+        plan = [dict(layer=k[0], head=k[1], rank=r) for k, r in zip(keys, plan_ranks(plan, keys))]
         with truncated_heads(model, plan, layers):
             ce = cross_entropy(model, held)
         res = dict(allocation=name, width_asked=W, width=sum(q["rank"] for q in plan), cross_entropy=ce,

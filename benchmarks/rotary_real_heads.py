@@ -30,12 +30,12 @@ group); ``all`` the 270 heads.
 
 import argparse
 import json
-import os
 import time
 import warnings
 
 import numpy as np
 
+from _runs import Journal
 from rotary_truncation import load_smollm2, save_json
 
 TOLERANCES = (0.01, 0.05)
@@ -166,46 +166,34 @@ def main(argv=None):
     model, tok = load_smollm2()
     config = model.config
     pairs = _pairs(args.heads, config.num_hidden_layers, config.num_attention_heads)
-    record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device")}
-    journal = args.out + ".partial.jsonl"
-    done = {}
-    if os.path.exists(journal):
-        if not args.resume:
-            raise SystemExit(f"{journal} holds an earlier run: rerun with --resume to continue it, or delete it.")
-        lines = [json.loads(line) for line in open(journal) if line.strip()]
-        if not lines or lines[0] != record:
-            raise SystemExit(f"cannot resume {journal}: it was started with other options ({lines[:1]}).")
-        done = {(r["layer"], r["head"]): r for r in lines[1:]}
-        print(f"resuming: {len(done)} of {len(pairs)} heads are in {journal}", flush=True)
-    else:
-        os.makedirs(os.path.dirname(journal) or ".", exist_ok=True)
-        with open(journal, "w") as fh:
-            fh.write(json.dumps(record) + "\n")
+    record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device", "figure")}
+    journal = Journal(args.out + ".partial.jsonl", record, args.resume, len(pairs))
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
     print("| layer | head | kv | r*(1%) | interval | r*(5%) | held-out: truncation at r*(1%) / r*(5%) | "
           "held-out: fit's model at r*(1%) / r*(5%) | trunc. 1% / 5% | "
           "planes 1% / 5% | EVA 90% | time (s) | warnings |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in done.values():
+    for row in journal.done.values():
         _print_row(row)
-    t0, fitted = time.perf_counter(), 0
-    for layer_index in sorted({layer for layer, _ in pairs}):
-        todo = [h for layer, h in pairs if layer == layer_index and (layer, h) not in done]
-        if not todo:
-            continue
-        fit_layer = collect_attention(model, windows[:args.n_samples], layers=[layer_index])[0]
-        held_layer = collect_attention(model, windows[args.n_samples:], layers=[layer_index])[0]
-        for h in todo:
-            row = _fit_row(fit_layer.head(h), held_layer.head(h), args)
-            done[(layer_index, h)] = row
-            with open(journal, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-            _print_row(row)
-            fitted += 1
-            elapsed = time.perf_counter() - t0
-            left = elapsed / fitted * (len(pairs) - len(done))
-            print(f"  [{len(done)}/{len(pairs)} heads] {elapsed:.0f} s, about {left:.0f} s left", flush=True)
-        del fit_layer, held_layer
+    read = {}
+
+    def heads(layer_index, h):
+        # a layer's heads read once, when the first of its heads not in the journal is fitted (inside that step,
+        # so its time counts)
+        if read.get("index") != layer_index:
+            read.clear()
+            read.update(index=layer_index,
+                        fit=collect_attention(model, windows[:args.n_samples], layers=[layer_index])[0],
+                        held=collect_attention(model, windows[args.n_samples:], layers=[layer_index])[0])
+        return read["fit"].head(h), read["held"].head(h)
+
+    done = {}
+    for layer_index, h in sorted(pairs):
+        key = f"{layer_index},{h}"
+        fresh = key not in journal.done
+        done[(layer_index, h)] = journal.step(key, lambda: _fit_row(*heads(layer_index, h), args))
+        if fresh:
+            _print_row(done[(layer_index, h)])
     rows = [done[p] for p in pairs]
     print()
     print(summary(rows))

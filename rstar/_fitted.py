@@ -9,8 +9,7 @@ from sklearn.utils.validation import check_is_fitted
 from ._backend import resolve_backend
 from ._validation import check_tokens
 from .metrics import token_r2_score
-from .risk import rank_at_tolerance as curve_rank
-from .risk import rank_read_again
+from .risk import rank_read_again, tolerance_interval
 from .rules import identifiability
 
 __all__ = ["FittedOperatorMixin"]
@@ -61,12 +60,9 @@ class FittedOperatorMixin:
         gates_in = self.__dict__.get("_tolerance_gates")
         if gates_in is None:   # pragma: no cover - every fit with a curve records its gates
             return (rank, (rank, rank)) if return_interval else rank
-        tol, dim = float(tolerance), int(gates_in["dim"])
-        low = curve_rank(curve, min(2 * tol, 1.0))
-        high = curve_rank(curve if upper is None else upper, tol / 2)
-        interval = (min(rank, dim if low is None else low), max(rank, dim if high is None else high))
-        gates = identifiability.tolerance_verdicts(tolerance=tol, rank=rank, calibration=self._calibration(),
-                                                   **gates_in)
+        interval = tolerance_interval(curve, upper, rank, tolerance, int(gates_in["dim"]))
+        gates = identifiability.tolerance_verdicts(tolerance=float(tolerance), rank=rank,
+                                                   calibration=self._calibration(), **gates_in)
         for v in gates:
             if v.category is not None:
                 warnings.warn(v.warning(), stacklevel=2)

@@ -21,7 +21,7 @@ import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
            "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance", "rank_read_again",
-           "tolerance_reading", "ToleranceReading"]
+           "tolerance_interval", "tolerance_reading", "ToleranceReading"]
 
 
 
@@ -219,16 +219,23 @@ def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise
         curve, se, distance, upper = read(rss, parts, distance_parts)
     rank = rank_at_tolerance(upper, tol)
     rank = ws.dim if rank is None else rank
-    # the lower end off the curve itself (no confidence margin, no distance), the upper off the bound
-    low = rank_at_tolerance(curve, min(2 * tol, 1.0))
-    high = rank_at_tolerance(upper, tol / 2)
-    interval = (min(rank, ws.dim if low is None else low), max(rank, ws.dim if high is None else high))
-    return ToleranceReading(rank=rank, interval=interval, risk_curve=curve,
+    return ToleranceReading(rank=rank, interval=tolerance_interval(curve, upper, rank, tol, ws.dim),
+                            risk_curve=curve,
                             risk_curve_se=se if per_sample else None, risk_curve_upper=upper,
                             risk_curve_distance=distance, risk_curve_resolution=inv.half_disagreement(stats, ws),
                             # a curve that reaches the limit and not a tolerance: only the full model (rank d) is
                             # known to reach it
                             full_rank=int(ws.dim) if len(curve) > limit else None)
+
+
+def tolerance_interval(curve, upper, rank, tolerance, dim):
+    """The interval of r*(``tolerance``) read as ``rank``: from the rank where the curve itself reaches twice the
+    tolerance (no confidence margin, no distance) to where its upper bound reaches half of it; ``dim`` for an end
+    the curve does not reach."""
+    tol = float(tolerance)
+    low = rank_at_tolerance(curve, min(2 * tol, 1.0))
+    high = rank_at_tolerance(curve if upper is None else upper, tol / 2)
+    return (int(min(rank, dim if low is None else low)), int(max(rank, dim if high is None else high)))
 
 
 def rank_read_again(curve, upper, full_rank, tolerance):

@@ -107,25 +107,25 @@ def test_count_below_is_sequential():
     assert alpha_calibration.count_below([], 0.01) == 0
 
 
-def test_the_compress_run_continues_where_it_stopped(tmp_path, capsys):
-    """benchmarks/compress.py's journal: a step done is read back, not recomputed; a run resumed with other options,
-    or started over an earlier one without --resume, is a one-line refusal."""
-    compress = pytest.importorskip("compress")
+def test_a_long_benchmark_continues_where_it_stopped(tmp_path, capsys):
+    """The long benchmarks' journal (compress.py, rotary_real_heads.py): a step done is read back, not recomputed; a
+    run resumed with other options, or started over an earlier one without --resume, is a one-line refusal."""
+    runs = pytest.importorskip("_runs")
     path, record, calls = tmp_path / "compress.partial.jsonl", dict(n_eval=40, seed=1), []
 
     def work(v):
         calls.append(v)
         return dict(value=v)
 
-    first = compress._Journal(path, record, False, 3)
+    first = runs.Journal(path, record, False, 3)
     assert first.step("a", lambda: work(1)) == dict(value=1)
     assert first.step("a", lambda: work(2)) == dict(value=1) and calls == [1]
     assert "[1/3]" in capsys.readouterr().out
-    again = compress._Journal(path, record, True, 3)
+    again = runs.Journal(path, record, True, 3)
     assert again.step("a", lambda: work(3)) == dict(value=1) and calls == [1]
     assert again.step("b", lambda: work(4)) == dict(value=4) and calls == [1, 4]
-    assert len(compress._Journal(path, record, True, 3).done) == 2
+    assert len(runs.Journal(path, record, True, 3).done) == 2
     with pytest.raises(SystemExit, match="other options"):
-        compress._Journal(path, dict(n_eval=41, seed=1), True, 3)
+        runs.Journal(path, dict(n_eval=41, seed=1), True, 3)
     with pytest.raises(SystemExit, match="--resume"):
-        compress._Journal(path, record, False, 3)
+        runs.Journal(path, record, False, 3)

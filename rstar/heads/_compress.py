@@ -235,8 +235,7 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         biased = module.query.bias is not None and module.key.bias is not None
         rows = slice(None) if biased else slice(0, -1)
         if metric != "weights" and index not in roots:
-            X = layer.X
-            Z = np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1) if biased else X
+            Z = _layer_tokens(layer, biased)
             if metric == "tokens":
                 roots[index] = token_metric_roots(Z)
             else:
@@ -269,6 +268,12 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
                 param.data[index] = value
 
 
+def _layer_tokens(layer, biased):
+    """The layer's tokens, with the constant feature ``[x, 1]`` where the truncated maps act on their bias too."""
+    X = layer.X
+    return np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1) if biased else X
+
+
 def _llama_query_edits(module, layer, pos, head, rank, metric, factors, roots):
     """The edits of ``q_proj`` (and its bias) that cut one Llama-style head to ``rank`` on its query side."""
     if metric not in ("tokens", "weights"):
@@ -283,9 +288,7 @@ def _llama_query_edits(module, layer, pos, head, rank, metric, factors, roots):
     biased = module.q_proj.bias is not None
     rows = slice(None) if biased else slice(0, -1)
     if metric == "tokens" and layer.index not in roots:
-        X = layer.X
-        roots[layer.index] = token_metric_roots(np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1)
-                                                if biased else X)
+        roots[layer.index] = token_metric_roots(_layer_tokens(layer, biased))
     pairs = pair_rotations(layer.rotary, layer.head(pos).mask())
     P = rotary_query_projection(layer.query[pos][rows], layer.key[pos][rows], rank, pairs,
                                 roots.get(layer.index) if metric == "tokens" else None)
