@@ -204,6 +204,13 @@ def test_a_rotary_head_is_cut_on_its_query_side_inside_the_model(ids, kind):
     pairs = pair_rotations(layer.rotary, head.mask())
     P = rotary_query_projection(A, B, 3, pairs, metric)
     assert np.linalg.matrix_rank(P, tol=1e-8) == 3
+    for bad in (-1, 9, 2.5, True):
+        with pytest.raises(ValueError, match="rank must be a whole number in 0 ... 8"):
+            rotary_query_projection(A, B, bad, pairs, metric)
+    with pytest.raises(ValueError, match="finite arrays of one shape"):
+        rotary_query_projection(A, B[:, :4], 3, pairs, metric)
+    with pytest.raises(ValueError, match="finite arrays of one shape"):
+        rotary_query_projection(np.where(A > 0, np.nan, A), B, 3, pairs, metric)
     # Eckart-Young on the query side: the family of the cut-off part holds exactly the tail of the head's values
     s = family_svd([(metric[0] @ A, metric[2] @ B)], [1.0], pairs, "q")[1]
     tail = family_svd([(metric[0] @ A, metric[2] @ B), (metric[0] @ P @ A, metric[2] @ B)], [1.0, -1.0], pairs,

@@ -152,11 +152,16 @@ def rotary_query_projection(query, key, rank, pairs, metric=None):
     head shared by a group of query heads (grouped-query attention) serves each of them at its own width.
     """
     query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
+    if query.ndim != 2 or query.shape != key.shape or not np.all(np.isfinite(query)) or not np.all(np.isfinite(key)):
+        raise ValueError(f"query and key must be finite arrays of one shape (d, 2P), got {query.shape} and "
+                         f"{key.shape}.")
+    if isinstance(rank, bool) or not float(rank).is_integer() or not 0 <= rank <= query.shape[1]:
+        raise ValueError(f"rank must be a whole number in 0 ... {query.shape[1]} (the head's width), got {rank!r}.")
     d = query.shape[0]
     if metric is None:
         eye = np.eye(d)
         metric = (eye, eye, eye, eye)
-    U = family_svd([(metric[0] @ query, metric[2] @ key)], [1.0], pairs, "q")[0][:, :max(0, int(rank))]
+    U = family_svd([(metric[0] @ query, metric[2] @ key)], [1.0], pairs, "q")[0][:, :int(rank)]
     return metric[1] @ U @ U.T @ metric[0]
 
 
