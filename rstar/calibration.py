@@ -248,6 +248,15 @@ class Calibration:
         "python benchmarks/rotary_start_scale.py",
         "planted rotary widths 0, 2 and 4 (Gaussian tokens, d = 16, T = 12, 4 planes, n = 3000, causal, V known, "
         "2 seeds): every reading exact at start scales 0.01, 0.03, 0.1, 0.3 and 1 (30 of 30); not a critical value")
+    log_attention_variance_floor: float = _value(
+        1.0, "factored fit", "positive",
+        "tau^2 (nats^2) of the log-attention least squares of rotary heads (V known): an entry of log S counts with "
+        "weight 1 / (1 + Var(log S) / tau^2), fully where its log is known to within tau, hardly where the output "
+        "noise buries it.",
+        "python benchmarks/rotary_planted.py",
+        "a scale, not a critical value: on noise-free real heads (benchmarks/rotary_real_heads.py) every entry known "
+        "past rounding weighs ~1 at any tau; with output noise it sets how fast buried entries fade, and the fit is "
+        "refined on the outputs afterwards")
     factored_segment_iter: int = _value(
         50, "factored fit", "count",
         "The factored fit's L-BFGS iterations run in segments of this many; after each the split-half count is "
@@ -339,6 +348,13 @@ class Calibration:
         "on real tokens such a fit grows its leading directions for about 200 iterations and carries a weak "
         "direction both halves share for 350 (a planted rank 3 on MiniLM's tokens, d = 384, whose count settled "
         "between 400 and 500)")
+    log_attention_max_iter: int = _value(
+        1000, "optimisers", "count",
+        "L-BFGS iterations of the rotary log-attention fit at most (it stops earlier once its split-half count "
+        "settles).",
+        "python benchmarks/rotary_real_heads.py",
+        "SmolLM2 layer 3 head 3 (n = 500, T = 32): at 400 iterations its count was still moving (full-width model "
+        "0.95 % of Var(Y) off held out, interval (0, 64)); it settled within 800 (0.16 %, r*(1 %) 60 in (58, 61))")
     value_ridge: float = _value(
         1e-10, "optimisers", "nonnegative",
         "Relative ridge (times the mean eigenvalue) of the value map's normal matrix in the factored fit, where "

@@ -46,6 +46,7 @@ DEFAULTS = {
     # factored fit
     "factored_start_rank": 8,
     "rotary_start_logit_std": 0.1,
+    "log_attention_variance_floor": 1.0,
     "factored_segment_iter": 50,
     "factored_stable_rtol": 0.01,
     "factored_clear_gap": 2.0,
@@ -62,6 +63,7 @@ DEFAULTS = {
     "coherent_max_iter": 50,
     "factored_max_iter": 400,
     "factored_max_iter_fitted_v": 600,
+    "log_attention_max_iter": 1000,
     "value_ridge": 1e-10,
     # budgets
     "memory_budget": 2**29,

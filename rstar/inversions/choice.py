@@ -25,7 +25,7 @@ from .query_key_cross_fit import cross_fit_blocker
 from .query_key_least_squares import least_squares_sizes_fit
 from .softmax_exact import exact_softmax_memory_fits, exact_softmax_shape_ok, exact_softmax_well_conditioned
 from .softmax_factored import FACTORED_NAME, factored_capacity, factored_fit_blocker
-from .softmax_rotary import ROTARY_NAME, rotary_fit_blocker
+from .softmax_rotary import ROTARY_LOG_NAME, ROTARY_NAME, rotary_fit_blocker, rotary_inversion_name
 from .softmax_least_squares import softmax_fit_blocker, softmax_fit_capacity
 from .token import moment_sums_fit
 
@@ -43,6 +43,9 @@ INVERSIONS = {
     FACTORED_NAME: ("softmax", "least squares of K = A B^T (rank q) on each half, tested against their difference"),
     ROTARY_NAME: ("softmax", "least squares of a rotary head (its planes at the given frequencies) on each half, "
                   "tested plane by plane against their difference"),
+    ROTARY_LOG_NAME: ("softmax", "least squares of a rotary head on each half's log-attention log S_i, "
+                      "S_i = Y_i (X_i V)^+ (V known, T well below d_v), refined on the outputs, tested plane by "
+                      "plane against their difference"),
 }
 #: The methods an estimator can ask for.
 METHODS = ("auto", "first_order", "exact", "least_squares")
@@ -174,9 +177,11 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
         if blocker is not None:
             raise ValueError(f"the rotary least squares, the only inversion of rotary heads, cannot run here: "
                              f"{blocker}.")
-        return InversionChoice(ROTARY_NAME, "rotary positions: a rotary head of width 2P at the given frequencies is "
-                               "fitted by least squares on each half of the samples and tested plane by plane "
-                               "against the half-difference", ROTARY_NAME)
+        name, why = rotary_inversion_name(T, d, d_v, value_map_known, calibration=cal)
+        loss = "the log-attention" if name == ROTARY_LOG_NAME else "the outputs"
+        return InversionChoice(name, f"rotary positions: a rotary head of width 2P at the given frequencies is "
+                               f"fitted by least squares on {loss} of each half of the samples ({why}) and tested "
+                               "plane by plane against the half-difference", name)
     if causal:
         if operator != "softmax" or method != "least_squares":
             raise ValueError("causal=True needs the softmax operator's least squares (RStarEstimator with "

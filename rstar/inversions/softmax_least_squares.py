@@ -16,7 +16,8 @@ from ._statistic import split_half_counts
 from ._numerics.softmax_factored import causal_mask as sf_causal_mask, token_metric_roots_of_sums, token_metric_sums
 from .query_key import QueryKeyInversion
 from .softmax_rotary import (
-    ROTARY_NAME,
+    ROTARY_NAMES,
+    rotary_inversion_name,
     rotary_fit_blocker,
     rotary_half_disagreement,
     rotary_operator,
@@ -185,7 +186,13 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     def factored_name(self):
         """The factored run's name: the rotary least squares for rotary heads, else the factored one (where the
         d^2 x d^2 information exceeds the memory budget it runs instead of the full-rank least squares)."""
-        return ROTARY_NAME if getattr(self, "rotary", None) is not None else FACTORED_NAME
+        rotary = getattr(self, "rotary", None)
+        if rotary is None:
+            return FACTORED_NAME
+        V = self.value_map
+        d_v = V.shape[1] if V is not None else None
+        d = V.shape[0] if V is not None else None
+        return rotary_inversion_name(rotary.length, d, d_v, V is not None, calibration=self.calibration)[0]
 
     @property
     def produces(self):
@@ -413,7 +420,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """Per-sample residuals of the factored fit's cross-fitted rank-r models (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        residuals = rotary_rank_residuals if ws.inversion == ROTARY_NAME else factored_rank_residuals
+        residuals = rotary_rank_residuals if ws.inversion in ROTARY_NAMES else factored_rank_residuals
         return residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
                          per_sample=True, calibration=self.calibration)
 
@@ -421,7 +428,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """The factored run's :func:`factored_half_disagreement` (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        disagreement = rotary_half_disagreement if ws.inversion == ROTARY_NAME else factored_half_disagreement
+        disagreement = rotary_half_disagreement if ws.inversion in ROTARY_NAMES else factored_half_disagreement
         return disagreement(ws, self._halves(stats), self.value_map, self._mask(stats),
                                           calibration=self.calibration)
 
@@ -450,7 +457,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """The factored run's :func:`factored_output_distances` (None for the other runs)."""
         if ws.inversion != self.factored_name:
             return None
-        distances = rotary_output_distances if ws.inversion == ROTARY_NAME else factored_output_distances
+        distances = rotary_output_distances if ws.inversion in ROTARY_NAMES else factored_output_distances
         return distances(ws, self._in_memory(stats), self.value_map, ranks, self._mask(stats),
                                          calibration=self.calibration)
 
@@ -471,7 +478,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         closed-form operators are used instead (:meth:`Inversion.rank_residuals`).
         """
         if ws.inversion == self.factored_name:
-            residuals = rotary_rank_residuals if ws.inversion == ROTARY_NAME else factored_rank_residuals
+            residuals = rotary_rank_residuals if ws.inversion in ROTARY_NAMES else factored_rank_residuals
             return residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
                              calibration=self.calibration)
         if ws.inversion != self.name:
@@ -519,7 +526,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
     def fit_operator(self, stats, basis, samples=None, ops=NUMPY):
         if samples is None and self.default_run(stats) == self.factored_name:
             ws = self._factored_ws(stats)
-            if ws.inversion == ROTARY_NAME:
+            if ws.inversion in ROTARY_NAMES:
                 return rotary_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0],
                                        self._mask(stats), calibration=self.calibration)
             if ws.inversion == self.factored_name:

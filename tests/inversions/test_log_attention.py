@@ -1,0 +1,134 @@
+"""The log-attention least squares of rotary heads (V known, T well below d_v): the attention read back from the
+outputs, its weights, the loss's gradients, and the width it reads through RStarEstimator."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from rstar import RotaryPositions, RStarEstimator
+from rstar.inversions import choose_inversion
+from rstar.inversions._numerics import softmax_factored as sf
+from rstar.inversions._numerics.log_attention import (LogAttentionHalfLoss, attention_from_outputs,
+                                                      log_attention_loss, log_attention_targets)
+from rstar.inversions.softmax_rotary import ROTARY_LOG_NAME, ROTARY_NAME
+
+T, D, P, DV = 8, 16, 4, 16
+POS = RotaryPositions.from_frequencies(10000.0 ** -(np.arange(P) / P), T)
+MASK = np.tril(np.ones((T, T), dtype=bool))
+
+
+def _head(planes, seed=0, scale=1.5):
+    rng = np.random.default_rng(seed)
+    A, B = np.zeros((D, 2 * P)), np.zeros((D, 2 * P))
+    for p in planes:
+        for c in (p, p + P):
+            A[:, c], B[:, c] = rng.standard_normal(D) * scale, rng.standard_normal(D) * scale
+    return A, B
+
+
+def _task(A, B, n=600, seed=0, noise=0.0):
+    rng = np.random.default_rng(seed + 100)
+    X = rng.standard_normal((n, T, D))
+    V = rng.standard_normal((D, DV)) / np.sqrt(D)
+    Y = sf.factored_outputs(X, X @ V, A, B, MASK, rotary=POS)
+    return X, Y + noise * Y.std() * rng.standard_normal(Y.shape), V
+
+
+def test_attention_is_read_back_exactly_and_a_repeated_token_gives_no_entry():
+    A, B = _head((0, 2))
+    X, Y, V = _task(A, B, n=20)
+    X[3, 5] = X[3, 2]                                 # token 2 repeated at position 5 in sample 3
+    Y = sf.factored_outputs(X, X @ V, A, B, MASK, rotary=POS)
+    S, variance, sigma2 = attention_from_outputs(X, Y, V)
+    truth = sf._attention(X, A, B, MASK, POS)
+    keep = np.ones(20, dtype=bool)
+    keep[3] = False
+    np.testing.assert_allclose(S[keep], truth[keep], atol=1e-10)
+    assert sigma2 < 1e-25
+    # the repeated token's two columns are not told apart: no weight; every other kept entry counts fully
+    L, W, U, C = log_attention_targets(S, variance, MASK)
+    assert np.all(W[3][:, [2, 5]] == 0) and np.all(C[3][:, [2, 5]] == 0) and np.all(np.isinf(variance[3][:, [2, 5]]))
+    outside = ~MASK[None].repeat(20, 0)
+    assert np.all(W[outside] == 0) and np.all(C[outside] == 0)
+    clear = keep[:, None, None] & MASK & (truth > 1e-6)
+    assert np.all(W[clear] > 0.999)
+    # where W is below 1 the rest holds the entry below its bound
+    np.testing.assert_allclose((W + C)[keep[:, None, None] & MASK], 1.0)
+    np.testing.assert_allclose(L[clear], np.log(truth[clear]), atol=1e-6)
+
+
+def test_output_noise_is_estimated_and_buried_entries_fade():
+    A, B = _head((0, 1, 2, 3), scale=2.5)
+    X, Y, V = _task(A, B, n=400)
+    rng = np.random.default_rng(7)
+    sigma = 0.01
+    S, variance, sigma2 = attention_from_outputs(X, Y + sigma * rng.standard_normal(Y.shape), V)
+    assert sigma2 == pytest.approx(sigma**2, rel=0.05)
+    truth = sf._attention(X, A, B, MASK, POS)
+    _, W, U, C = log_attention_targets(S, variance, MASK)
+    small, large = MASK & (truth < 1e-4), MASK & (truth > 0.2)
+    assert W[small].mean() < 0.2 < 0.95 < W[large].mean()
+    # the bound on a buried entry holds the truth in all but a few per cent of entries (2 standard deviations)
+    assert np.mean(np.log(truth[small]) <= U[small]) > 0.95
+    assert C[small].mean() > 0.8
+
+
+def test_log_attention_gradients_match_finite_differences():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((5, T, D))
+    targets = (rng.standard_normal((5, T, T)), rng.uniform(size=(5, T, T)) * MASK,
+               rng.standard_normal((5, T, T)) - 1.0, rng.uniform(size=(5, T, T)) * MASK)
+    A, B = rng.standard_normal((D, 2 * P)) * 0.3, rng.standard_normal((D, 2 * P)) * 0.3
+    f, gA, gB = log_attention_loss(X, targets, A, B, rotary=POS)
+    eps = 1e-6
+    for which, grad in ((0, gA), (1, gB)):
+        for i, j in ((3, 5), (0, 0), (15, 7)):
+            E = np.zeros_like(A)
+            E[i, j] = eps
+            plus = [A + E, B] if which == 0 else [A, B + E]
+            minus = [A - E, B] if which == 0 else [A, B - E]
+            numeric = (log_attention_loss(X, targets, *plus, rotary=POS)[0]
+                       - log_attention_loss(X, targets, *minus, rotary=POS)[0]) / (2 * eps)
+            assert numeric == pytest.approx(grad[i, j], rel=1e-5, abs=1e-8)
+    # the row constants are free: adding one to a row of L and U changes nothing
+    shift = rng.standard_normal((5, T, 1))
+    moved = (targets[0] + shift, targets[1], targets[2] + shift, targets[3])
+    assert log_attention_loss(X, moved, A, B, rotary=POS)[0] == pytest.approx(f, rel=1e-10)
+    # the true head has zero loss on its own log-attention
+    A0, B0 = _head((1,))
+    S = sf._attention(X, A0, B0, MASK, POS)
+    assert log_attention_loss(X, log_attention_targets(S, np.zeros_like(S), MASK), A0, B0, rotary=POS)[0] < 1e-18
+    with pytest.raises(ValueError, match="fits no V"):
+        LogAttentionHalfLoss(X, S @ (X @ np.eye(D)), np.eye(D), MASK, rotary=POS)(A, B, np.eye(D), value_grad=True)
+
+
+def test_the_choice_reads_the_attention_back_only_where_it_can():
+    shape = (T, D, DV)
+    known = choose_inversion("softmax", shape=shape, n_samples=600, method="least_squares", rotary=POS,
+                             value_map_known=True)
+    assert known.name == ROTARY_LOG_NAME and "log-attention" in known.reason
+    unknown = choose_inversion("softmax", shape=shape, n_samples=600, method="least_squares", rotary=POS,
+                               value_map_known=False)
+    assert unknown.name == ROTARY_NAME and "value map is not known" in unknown.reason
+    # T above 0.9 d_v: X_i V does not give the attention back
+    wide = RotaryPositions.from_frequencies(10000.0 ** -(np.arange(P) / P), 15)
+    narrow = choose_inversion("softmax", shape=(15, D, DV), n_samples=600, method="least_squares", rotary=wide,
+                              value_map_known=True)
+    assert narrow.name == ROTARY_NAME and "does not give the attention back" in narrow.reason
+
+
+@pytest.mark.parametrize("planes, width, noise", [((0, 3), 4, 0.0), ((3,), 2, 0.0), ((0, 1), 4, 0.05),
+                                                  ((), 0, 0.05)])
+def test_planted_widths_are_read_on_the_log_attention(planes, width, noise):
+    """Noise-free and noisy planted heads: the fit runs on the log-attention, the width is exact and the risk
+    curve reaches the floor there."""
+    A, B = _head(planes)
+    X, Y, V = _task(A, B, noise=noise)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = RStarEstimator(rotary=POS, causal=True, value_map=V, tolerance=0.01, random_state=0).fit(X, Y)
+    assert est.inversion_ == ROTARY_LOG_NAME
+    assert (est.rank_, est.rank_interval_) == (width, (width, width))
+    if width:
+        assert est.risk_curve_[width] < 0.01 < est.risk_curve_[width - 1]
