@@ -48,19 +48,26 @@ def read_table(path):
 
 
 def cross_entropy(model, windows, batch_size=16):
-    """Mean next-token cross-entropy (nats per predicted token) over the windows."""
+    """Each window's mean next-token cross-entropy (nats per predicted token), shape (n,): every window has the
+    same T - 1 predicted tokens, so their mean is the mean over all tokens."""
     import torch
 
-    total, count = 0.0, 0
+    out = []
     with torch.no_grad():
         for s in range(0, len(windows), batch_size):
             batch = torch.as_tensor(windows[s:s + batch_size])
             logits = model(batch).logits[:, :-1].double()
             target = batch[:, 1:]
-            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                             target.reshape(-1), reduction="sum"))
-            count += target.numel()
-    return total / count
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                   reduction="none").reshape(target.shape)
+            out.append(ce.mean(dim=1).numpy())
+    return np.concatenate(out)
+
+
+def paired_se(a, b):
+    """Standard error of ``mean(a - b)`` over windows (the same windows under both models)."""
+    diff = np.asarray(a) - np.asarray(b)
+    return float(diff.std(ddof=1) / np.sqrt(diff.size))
 
 
 def main(argv=None):
@@ -87,7 +94,8 @@ def main(argv=None):
     index = sorted({k[0] for k in keys})
     layers = [layer.select_heads(sorted(h for li, h in keys if li == layer.index))
               for layer in collect_attention(model, calib, layers=index)]
-    base = cross_entropy(model, held)
+    base_windows = cross_entropy(model, held)
+    base = float(base_windows.mean())
     print(f"{len(rows)} heads in {len(layers)} layers, full query-key width {full_width}, T = {T}; full model: "
           f"{base:.4f} nats/token (perplexity {np.exp(base):.2f}) on {args.n_eval} held-out windows", flush=True)
     t1 = time.perf_counter()
@@ -100,18 +108,22 @@ def main(argv=None):
     tol_plans = {tol: records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
     widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
-    results = []
+    results, windows_of, versus = [], {}, []
 
     def evaluate(name, plan, W):
         plan = [dict(layer=k[0], head=k[1], rank=r) for k, r in zip(keys, plan_ranks(plan, keys))]
         with truncated_heads(model, plan, layers):
-            ce = cross_entropy(model, held)
+            per_window = cross_entropy(model, held)
+        ce = float(per_window.mean())
         res = dict(allocation=name, width_asked=W, width=sum(q["rank"] for q in plan), cross_entropy=ce,
-                   excess=ce - base, perplexity=float(np.exp(ce)), ranks=[q["rank"] for q in plan])
+                   excess=ce - base, excess_se=paired_se(per_window, base_windows), perplexity=float(np.exp(ce)),
+                   ranks=[q["rank"] for q in plan])
         results.append(res)
-        print(f"W {W:5d}: {name:22s} width {res['width']:5d}  excess {res['excess']:+.4f} nats/token  "
-              f"perplexity {res['perplexity']:.2f}", flush=True)
+        windows_of[(name, W)] = per_window
+        print(f"W {W:5d}: {name:22s} width {res['width']:5d}  excess {res['excess']:+.4f} ± {res['excess_se']:.4f} "
+              f"nats/token  perplexity {res['perplexity']:.2f}", flush=True)
 
+    others = ("uniform", "weight energy", "EVA", "Palu")
     for W in widths:
         for tol, plan in tol_plans.items():
             if sum(q["rank"] for q in plan) == W:
@@ -121,28 +133,37 @@ def main(argv=None):
         evaluate("weight energy", weight_energy_plan(layers, W), W)
         evaluate("EVA", eva_plan(layers, W), W)
         evaluate("Palu", fisher_share_plan(fisher, W), W)
+        # rstar's budget split against the best other allocation at this width, paired over the same windows
+        best = min(others, key=lambda n: windows_of[(n, W)].mean())
+        mine = windows_of[("rstar budget", W)]
+        versus.append(dict(width=W, best_other=best, difference=float(mine.mean() - windows_of[(best, W)].mean()),
+                           difference_se=paired_se(mine, windows_of[(best, W)])))
     elapsed = time.perf_counter() - t0
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decoder_perplexity.json").write_text(json.dumps(dict(
-        results=results, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval, n_calib=args.n_calib,
+        results=results, versus=versus, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval, n_calib=args.n_calib,
         seed=args.seed, seq_len=T, heads=[list(k) for k in keys], fisher_loss=fisher_loss, seconds=elapsed),
         indent=1))
     names = list(dict.fromkeys(r["allocation"] for r in results if not r["allocation"].startswith("rstar r*")))
     lines = [f"SmolLM2-135M-Instruct, {len(rows)} rotary heads cut (full query–key width {full_width}); excess "
              f"next-token cross-entropy over the full model ({base:.4f} nats/token, perplexity {np.exp(base):.2f}) "
              f"on {args.n_eval} held-out windows of {T} tokens, nats per token.", "",
-             "| W | rstar tolerance plan | " + " | ".join(names) + " |",
-             "|---|---|" + "---|" * len(names)]
-    for W in widths:
+             "Each cell: the excess ± its standard error over the windows (paired with the full model); the last "
+             "column, rstar's budget split minus the best other allocation at that width, paired over the same "
+             "windows (negative: rstar better).", "",
+             "| W | rstar tolerance plan | " + " | ".join(names) + " | rstar budget − best other |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    for W, vs in zip(widths, versus):
         at = {r["allocation"]: r for r in results if r["width_asked"] == W}
-        tol = next((f"{r['allocation']}: {r['excess']:+.4f}" for name, r in at.items() if name.startswith("rstar r*")),
-                   "—")
+        tol = next((f"{r['allocation']}: {r['excess']:+.4f} ± {r['excess_se']:.4f}" for name, r in at.items()
+                    if name.startswith("rstar r*")), "—")
         best = min(at[n]["excess"] for n in names)
         cells = [(f"**{at[n]['excess']:+.4f}**" if at[n]["excess"] == best else f"{at[n]['excess']:+.4f}")
-                 for n in names]
-        lines.append(f"| {W} | {tol} | " + " | ".join(cells) + " |")
+                 + f" ± {at[n]['excess_se']:.4f}" for n in names]
+        lines.append(f"| {W} | {tol} | " + " | ".join(cells)
+                     + f" | {vs['difference']:+.4f} ± {vs['difference_se']:.4f} ({vs['best_other']}) |")
     lines.append(f"\n{elapsed:.0f} s in all; Palu's scores of the {fisher_loss}.")
     (out / "decoder_perplexity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

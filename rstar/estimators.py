@@ -909,11 +909,15 @@ class RStarEstimator(MPRankEstimator):
         windows' T positions (:class:`rstar.RotaryPositions`;
         ``RotaryPositions.from_frequencies(theta, T)`` for plain RoPE,
         ``rstar.heads`` reads them off a model). The fit then stays in the
-        rotary class (theory §2): ``softmax_rotary_least_squares`` fits a
-        head of width ``2P`` at those frequencies on each half and counts
-        whole planes (two dimensions each), so ``rank_`` is even and at most
-        ``2P``; the risk curve truncates whole planes, strongest first.
-        ``predict`` then needs windows of the same T.
+        rotary class (theory §2): a head of width ``2P`` at those
+        frequencies is fitted on each half — on the attention read back from
+        the outputs and then on the outputs (``softmax_rotary_log_attention``)
+        where ``value_map`` is given and ``T <= 0.9 min(d, d_v)``, else on the
+        outputs (``softmax_rotary_least_squares``) — and ``rank_`` is the
+        rank of its query and key projections with the rotation kept (the
+        rank of its logit family over the window's pairs, at most ``2P``;
+        odd widths exist); the risk curve truncates to the top directions of
+        that family. ``predict`` then needs windows of the same T.
 """ + _FITTED_DOC.replace(_P_VALUES_DOC, _RSTAR_P_VALUES_DOC) + """
     Examples
     --------

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rstar import RotaryPositions  # noqa: E402
+from rstar import RotaryPositions, RStarEstimator  # noqa: E402
 from rstar.heads import (collect_attention, estimate_heads, kernel_truncation_curve,  # noqa: E402
                          plane_truncation_curve, truncation_rank)
 from rstar.inversions._numerics.rotary import (family_svd, pair_rotations, plane_strengths, rotate,  # noqa: E402
@@ -265,6 +265,25 @@ def test_palu_scores_a_llama_head_by_its_query_rows_and_its_group_s_key_rows(ids
         got = next(r["fisher"] for r in rows if r["head"] == h)
         np.testing.assert_allclose(got, want, rtol=1e-5)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_rotary_head_whose_window_is_short_beside_its_width_is_fitted_on_its_log_attention():
+    """head_dim 16, T = 9 <= 0.9 * 16: the attention is read back from the outputs (layer 0 repeats tokens within
+    windows, whose value rows then coincide and give no entry); the reading is within the truncation rank and the
+    fit's own model at full width reproduces held-out windows of the head."""
+    model = _model("llama", hidden_size=64, intermediate_size=128)
+    rng = np.random.default_rng(2)
+    layer = collect_attention(model, rng.integers(0, 50, size=(500, 9)), layers=[0])[0]
+    held = collect_attention(model, rng.integers(0, 50, size=(200, 9)), layers=[0])[0].head(1)
+    table = estimate_heads([layer.select_heads([1])], tolerances=(0.05,))
+    assert set(table["inversion"]) == {"softmax_rotary_log_attention"}
+    assert np.all(table["rank_at_0.05"] <= table["truncation_rank_at_0.05"] + 1)
+    head = layer.head(1)
+    est = RStarEstimator(rotary=head.rotary, causal=True, value_map=head.value_map(), tolerance=0.05,
+                         max_rank=head.d_head, random_state=0).fit(head.features(), head.Y)
+    Yh = held.Y.reshape(-1, held.Y.shape[-1])
+    excess = np.sum((held.Y - est.predict(held.features(), rank=head.d_head)) ** 2) / np.sum((Yh - Yh.mean(0)) ** 2)
+    assert excess < 0.01
 
 
 def test_rotary_layers_are_fitted_in_the_rotary_class_and_others_are_refused_with_the_reason(ids):

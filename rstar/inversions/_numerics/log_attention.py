@@ -70,7 +70,8 @@ def attention_from_outputs(X, Y, value_map, *, calibration=DEFAULT_CALIBRATION):
     # of Numerical Algorithms, ch. 20); on planted heads the errors of S at true weights below 1e-25 were 3 (median)
     # to 16 (max) times eps cond(Z_i), so eps cond T (T = 8 there) bounds them
     cond = np.sqrt(lam[:, -1] / np.min(np.where(keep, lam, np.inf), axis=1))
-    rounding = (np.finfo(float).eps * cond * T) ** 2
+    eps = np.finfo(G.dtype if np.issubdtype(G.dtype, np.floating) else float).eps   # the solve's own precision
+    rounding = (eps * cond * T) ** 2
     per_column = noise_variance * diag_inv + rounding[:, None]
     variance = np.broadcast_to(np.where(unresolved, np.inf, per_column)[:, None, :], (n, T, T)).copy()
     return S, variance, noise_variance
