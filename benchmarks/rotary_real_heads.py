@@ -101,21 +101,36 @@ def summary(rows):
     truncation to that width within eps there), whose fit's own model at that rank is, and whose r*(eps) is within
     the truncation rank; the warned heads."""
     lines = ["| ε | heads | sufficient (held-out truncation ≤ ε) | fit's model sufficient | within the truncation "
-             "rank | sufficient and within | r*(ε) min / median / max | truncation rank min / median / max |",
-             "|---|---|---|---|---|---|---|---|"]
+             "rank | sufficient and within | within ±2 of the truncation rank | not both, interval covers the "
+             "truncation rank (of them warned) | interval misses the truncation rank | r*(ε) min / median / max | truncation rank min / median / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, e in enumerate(TOLERANCES):
         ok = [r["held_out_truncation_excess"][i] <= e for r in rows]
         model_ok = [r["held_out_excess"][i] <= e for r in rows]
         within = [r["ranks"][i] <= r["truncation"][i] for r in rows]
+        near = [abs(r["ranks"][i] - r["truncation"][i]) <= 2 for r in rows]
         ranks, trunc = [r["ranks"][i] for r in rows], [r["truncation"][i] for r in rows]
-        lines.append(f"| {e:g} | {len(rows)} | {sum(ok)} | {sum(model_ok)} | {sum(within)} | "
-                     f"{sum(a and b for a, b in zip(ok, within))} | {min(ranks)} / {np.median(ranks):g} / "
+        both = [a and b for a, b in zip(ok, within)]
+        intervals = [r["intervals"][i] if "intervals" in r else r["interval"] for r in rows]
+        covered = [not b and lo <= t <= hi for b, (lo, hi), t in zip(both, intervals, trunc)]
+        warned = sum(c and bool(r["warnings"]) for c, r in zip(covered, rows))
+        silent = sum(not b and not c for b, c in zip(both, covered))
+        lines.append(f"| {e:g} | {len(rows)} | {sum(ok)} | {sum(model_ok)} | {sum(within)} | {sum(both)} | "
+                     f"{sum(near)} | {sum(covered)} ({warned}) | {silent} | {min(ranks)} / {np.median(ranks):g} / "
                      f"{max(ranks)} | {min(trunc)} / {np.median(trunc):g} / {max(trunc)} |")
     warned = sum(bool(r["warnings"]) for r in rows)
     seconds = [r["seconds"] for r in rows]
     lines.append(f"\n{warned} of {len(rows)} heads warned; a fit took {min(seconds):.0f}–{max(seconds):.0f} s "
                  f"(median {np.median(seconds):.0f} s).")
     return "\n".join(lines)
+
+
+def _rows_of(path):
+    """The rows of a finished run (its JSON) or of an unfinished one (its ``.partial.jsonl`` journal)."""
+    text = open(path).read()
+    if path.endswith(".jsonl"):
+        return [entry["value"] for entry in map(json.loads, text.splitlines()) if "key" in entry]
+    return json.loads(text)["rows"]
 
 
 def figure(rows, path):
@@ -156,10 +171,13 @@ def main(argv=None):
     parser.add_argument("--out", default="results/rotary_real_heads.json")
     parser.add_argument("--resume", action="store_true", help="continue the run in OUT.partial.jsonl")
     parser.add_argument("--figure", default=None, help="also draw r*(eps) against the truncation rank here (PNG)")
-    parser.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figure from a finished run")
+    parser.add_argument("--replot", default=None, metavar="JSON",
+                        help="only redraw the figure and print the summary of a run (its JSON, or the "
+                             ".partial.jsonl of one not finished)")
     args = parser.parse_args(argv)
     if args.replot:
-        figure(json.loads(open(args.replot).read())["rows"], args.figure or "rotary_real_heads.png")
+        figure(_rows_of(args.replot), args.figure or "rotary_real_heads.png")
+        print(summary(_rows_of(args.replot)))
         return
     from rstar.heads import collect_attention, text_windows
 
