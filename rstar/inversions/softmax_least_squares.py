@@ -189,10 +189,9 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         rotary = getattr(self, "rotary", None)
         if rotary is None:
             return FACTORED_NAME
-        V = self.value_map
-        d_v = V.shape[1] if V is not None else None
-        d = V.shape[0] if V is not None else None
-        return rotary_inversion_name(rotary.length, d, d_v, V is not None, calibration=self.calibration)[0]
+        d, d_v = (None, None) if self.value_map is None else self.value_map.shape
+        return rotary_inversion_name(rotary.length, d, d_v, self.value_map is not None,
+                                     calibration=self.calibration)[0]
 
     @property
     def produces(self):

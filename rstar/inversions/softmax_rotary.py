@@ -36,8 +36,8 @@ from .softmax_exact import exact_softmax_well_conditioned
 from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, split_half_counts
 from .softmax_factored import _residual_dof, _segment_cost, _samples_for_dof
 
-__all__ = ["ROTARY_NAME", "ROTARY_LOG_NAME", "ROTARY_NAMES", "rotary_inversion_name", "rotary_fit_blocker", "rotary_statistic", "rotary_rank_residuals",
-           "rotary_half_disagreement", "rotary_output_distances", "rotary_operator", "RotarySoftmaxOperator"]
+__all__ = ["ROTARY_NAME", "ROTARY_LOG_NAME", "ROTARY_NAMES", "rotary_inversion_name", "rotary_fit_blocker",
+           "rotary_statistic", "rotary_rank_residuals", "rotary_half_disagreement", "rotary_output_distances", "rotary_operator", "RotarySoftmaxOperator"]
 
 #: The name of this inversion (``inversion_``), fitted on the outputs.
 ROTARY_NAME = "softmax_rotary_least_squares"
@@ -249,7 +249,9 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     rss = sum(f.rss for f in fits)
     dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
     sigma2 = rss / max(dof, 1)
-    iterations = {"log_attention_iterations": first_iterations} if name == ROTARY_LOG_NAME else {}
+    # the log-attention phase runs on numpy whatever ops is (its refinement runs on ops): said here
+    iterations = ({"log_attention_iterations": first_iterations, "log_attention_backend": "numpy"}
+                  if name == ROTARY_LOG_NAME else {})
     findings = [Finding("factored_fit", {**iterations, "settled": bool(stable), "iterations": int(fits[0].n_iter),
                                          "fitted_rank": int(q), "budget_ran_out": state.get("outcome") == "budget",
                                          "count": count, "capped": False, "features": int(d)})]

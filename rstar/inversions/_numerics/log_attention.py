@@ -25,6 +25,7 @@ rows the window does not tell apart (a token repeated in one window: its rows of
 import numpy as np
 
 from .rotary import rotate, rotate_adjoint
+from .softmax_factored import _chunks
 from ...calibration import DEFAULT_CALIBRATION
 
 __all__ = ["attention_from_outputs", "log_attention_targets", "log_attention_loss", "LogAttentionHalfLoss"]
@@ -99,11 +100,6 @@ def log_attention_targets(S, variance, mask=None, *, calibration=DEFAULT_CALIBRA
     return np.where(positive, np.log(Sp), 0.0), W, U, C
 
 
-def _chunks(n, T, d, calibration):
-    step = max(1, calibration.chunk_entries // max(T * T, T * d))
-    return [slice(s, s + step) for s in range(0, n, step)]
-
-
 def log_attention_loss_terms(X, L, W, U, C, A, B, rotary=None):
     """A chunk's log-attention loss and its gradients in the factors.
 
@@ -156,14 +152,9 @@ class LogAttentionHalfLoss:
     with; it is not fitted)."""
 
     def __init__(self, X, Y, value_map, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
-        S, variance, self.noise_variance = attention_from_outputs(X, Y, value_map, calibration=calibration)
+        S, variance, _ = attention_from_outputs(X, Y, value_map, calibration=calibration)
         self.targets = log_attention_targets(S, variance, mask, calibration=calibration)
         self.X, self.calibration, self.rotary = X, calibration, rotary
-
-    @property
-    def entries(self):
-        """The entries that carry weight (the loss's observations)."""
-        return int(np.count_nonzero(self.targets[1]))
 
     def __call__(self, A, B, V=None, value_grad=False):
         if value_grad:
