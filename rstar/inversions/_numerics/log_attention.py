@@ -9,7 +9,8 @@ not by how much it moves the output. On a real head's windows that is the differ
 squares, whose small attention weights barely constrain their logits (a fit reproduces its own windows and
 misses held-out ones), and a fit that generalises: SmolLM2 layer 3 head 3 (n = 250 windows of 32 tokens,
 d = 577) held out 36 % of Var(Y) after 1100 iterations of the output least squares and 0.5 % after 600 of this
-one (``benchmarks/rotary_real_heads.py``).
+one on 300 other windows (a one-off diagnostic of one half's fit, not kept in ``benchmarks/``; the whole estimator
+on that head is in ``benchmarks/rotary_real_heads.py --heads diagonal``).
 
 Weights (the delta method with a floor): ``Var(S_its) = sigma^2 [(Z_i Z_i^T)^{-1}]_ss`` with ``sigma^2`` the
 output noise (the part of Y outside the row space of Z, ``d_v - T`` degrees of freedom a row), so
