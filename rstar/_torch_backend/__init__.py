@@ -7,6 +7,7 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from .factored import FactoredHalfLoss
+from .log_attention import LogAttentionHalfLoss
 
 __all__ = ["TorchOps", "resolve_torch_device"]
 
@@ -59,6 +60,11 @@ class TorchOps:
         """One half's factored loss on this device, in :attr:`fit_dtype`
         (:class:`rstar._torch_backend.factored.FactoredHalfLoss`; rotary heads with ``rotary``)."""
         return FactoredHalfLoss(X, Y, mask, self.device, self.fit_dtype, chunk_entries, rotary=rotary)
+
+    def log_attention_half_loss(self, X, targets, chunk_entries, rotary=None):
+        """One half's log-attention loss on this device, in :attr:`fit_dtype`
+        (:class:`rstar._torch_backend.log_attention.LogAttentionHalfLoss`)."""
+        return LogAttentionHalfLoss(X, targets, self.device, self.fit_dtype, chunk_entries, rotary=rotary)
 
     def asarray(self, a):
         return torch.as_tensor(np.asarray(a, dtype=float), dtype=torch.float64, device=self.device)

@@ -16,7 +16,16 @@ attention, ``R_i = P_i X_i V - Y_i``, ``dL_i = (dP_i - rowsum(dP_i * P_i)) * P_i
 import numpy as np
 import torch
 
-__all__ = ["FactoredHalfLoss"]
+__all__ = ["FactoredHalfLoss", "rotate_tensor"]
+
+
+def rotate_tensor(U, rot, sign=1.0):
+    """``U cos + sign rotate_half(U) sin`` for ``rot = (cos, sin)`` (sign -1: the adjoint rotation), U of shape
+    (m, T, 2P): :func:`rstar.inversions._numerics.rotary.rotate` on torch."""
+    cos, sin = rot
+    P = U.shape[-1] // 2
+    half = torch.cat([-U[..., P:], U[..., :P]], dim=-1)
+    return U * cos + (sign * half) * sin
 
 
 class FactoredHalfLoss:
@@ -57,13 +66,6 @@ class FactoredHalfLoss:
         self.parts = [slice(s, min(s + step, n)) for s in range(0, n, step)]
         self._path = (None, None)
 
-    def _rotate(self, U, sign):
-        """``U cos + sign rotate_half(U) sin`` (sign -1: the adjoint), U of shape (m, T, 2P)."""
-        cos, sin = self.rot
-        P = U.shape[-1] // 2
-        half = torch.cat([-U[..., P:], U[..., :P]], dim=-1)
-        return U * cos + (sign * half) * sin
-
     def _tensor(self, a):
         return torch.as_tensor(np.asarray(a, dtype=float), device=self.device).to(self.dtype)
 
@@ -95,7 +97,7 @@ class FactoredHalfLoss:
             XAB = Xf @ AB
             XA, XB = XAB[:, :q].reshape(m, T, q), XAB[:, q:].reshape(m, T, q)
             if self.rot is not None:
-                XA, XB = self._rotate(XA, 1.0), self._rotate(XB, 1.0)
+                XA, XB = rotate_tensor(XA, self.rot), rotate_tensor(XB, self.rot)
             L = XA @ XB.transpose(1, 2)
             if self.mask is not None:
                 L = L.masked_fill(~self.mask, float("-inf"))
@@ -106,7 +108,7 @@ class FactoredHalfLoss:
             dL = (dP - (dP * P).sum(dim=-1, keepdim=True)) * P
             dA, dB = dL @ XB, dL.transpose(1, 2) @ XA
             if self.rot is not None:
-                dA, dB = self._rotate(dA, -1.0), self._rotate(dB, -1.0)   # the adjoint rotation
+                dA, dB = rotate_tensor(dA, self.rot, -1.0), rotate_tensor(dB, self.rot, -1.0)   # the adjoint
             back = torch.cat([dA, dB], dim=2).reshape(-1, 2 * q)
             g += (Xf.T @ back).to(torch.float64)
             if value_grad:

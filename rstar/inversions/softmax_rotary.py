@@ -25,7 +25,7 @@ half-sum's, for ``predict``).
 import numpy as np
 
 from ._numerics import softmax_factored as sf
-from ._numerics.log_attention import LogAttentionHalfLoss
+from ._numerics.log_attention import log_attention_half_losses
 from ._numerics.rotary import (RotaryPositions, family_svd, pair_rotations, projected_head, rotary_directions,
                               truncated_rotary_head)
 from .._backend import NUMPY
@@ -191,9 +191,8 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     pre = (metric[1], metric[0])
     pairs = pair_rotations(rotary, mask)
     if name == ROTARY_LOG_NAME:
-        # numpy: the targets and weights are per-sample arrays read once; the loss has no softmax to evaluate
-        losses = [LogAttentionHalfLoss(X, Y, value_map, mask, calibration=calibration, rotary=rotary)
-                  for X, Y in halves]
+        # the targets and weights read once on numpy; the loss evaluated where the output loss would be
+        losses = log_attention_half_losses(halves, value_map, mask, ops, calibration=calibration, rotary=rotary)
     else:
         losses = sf.half_losses(halves, mask, ops, calibration=calibration, rotary=rotary)
     rng = np.random.default_rng(seed)
@@ -249,8 +248,7 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     rss = sum(f.rss for f in fits)
     dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
     sigma2 = rss / max(dof, 1)
-    # the log-attention phase runs on numpy whatever ops is (its refinement runs on ops): said here
-    iterations = ({"log_attention_iterations": first_iterations, "log_attention_backend": "numpy"}
+    iterations = ({"log_attention_iterations": first_iterations, "log_attention_backend": ops.name}
                   if name == ROTARY_LOG_NAME else {})
     findings = [Finding("factored_fit", {**iterations, "settled": bool(stable), "iterations": int(fits[0].n_iter),
                                          "fitted_rank": int(q), "budget_ran_out": state.get("outcome") == "budget",

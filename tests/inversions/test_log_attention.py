@@ -10,7 +10,8 @@ from rstar import RotaryPositions, RStarEstimator
 from rstar.inversions import choose_inversion
 from rstar.inversions._numerics import softmax_factored as sf
 from rstar.inversions._numerics.log_attention import (LogAttentionHalfLoss, attention_from_outputs,
-                                                      log_attention_loss, log_attention_targets)
+                                                      log_attention_half_losses, log_attention_loss,
+                                                      log_attention_targets)
 from rstar.inversions.softmax_rotary import ROTARY_LOG_NAME, ROTARY_NAME
 
 T, D, P, DV = 8, 16, 4, 16
@@ -100,7 +101,55 @@ def test_log_attention_gradients_match_finite_differences():
     S = sf._attention(X, A0, B0, MASK, POS)
     assert log_attention_loss(X, log_attention_targets(S, np.zeros_like(S), MASK), A0, B0, rotary=POS)[0] < 1e-18
     with pytest.raises(ValueError, match="fits no V"):
-        LogAttentionHalfLoss(X, S @ (X @ np.eye(D)), np.eye(D), MASK, rotary=POS)(A, B, np.eye(D), value_grad=True)
+        LogAttentionHalfLoss(X, targets, rotary=POS)(A, B, np.eye(D), value_grad=True)
+
+
+def _random_targets(n, seed=0):
+    """Targets with every term at work: weights in (0, 1), bounds the model crosses, a row with no known entry
+    (sample 0, row 3) and a row whose entries are all buried (sample 1, row 4: W = 0, C > 0)."""
+    rng = np.random.default_rng(seed)
+    L = rng.standard_normal((n, T, T))
+    W = rng.uniform(size=(n, T, T)) * MASK
+    U = rng.standard_normal((n, T, T)) - 1.0
+    C = rng.uniform(size=(n, T, T)) * MASK
+    W[0, 3], C[0, 3], W[1, 4] = 0.0, 0.0, 0.0
+    return L, W, U, C
+
+
+def test_torch_log_attention_loss_agrees_with_numpy():
+    torch = pytest.importorskip("torch")
+    from rstar._torch_backend.log_attention import LogAttentionHalfLoss as TorchLoss
+
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((11, T, D))
+    targets = _random_targets(11)
+    A, B = rng.standard_normal((D, 2 * P)) * 0.5, rng.standard_normal((D, 2 * P)) * 0.5
+    f, gA, gB = log_attention_loss(X, targets, A, B, rotary=POS)
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        # chunks of 3 (float64) or 6 (float32) samples: the sums over chunks are checked too
+        loss = TorchLoss(X, targets, torch.device("cpu"), dtype, chunk_entries=3 * T * D, rotary=POS)
+        assert len(loss.parts) > 1
+        ft, tA, tB, tV = loss(A, B, np.eye(D))
+        assert tV is None and ft == pytest.approx(f, rel=rtol)
+        np.testing.assert_allclose(tA, gA, rtol=rtol, atol=rtol * np.abs(gA).max())
+        np.testing.assert_allclose(tB, gB, rtol=rtol, atol=rtol * np.abs(gB).max())
+    with pytest.raises(ValueError, match="fits no V"):
+        loss(A, B, np.eye(D), value_grad=True)
+
+
+def test_the_half_losses_are_made_on_the_back_end_asked_for():
+    torch = pytest.importorskip("torch")
+    from rstar._backend import NUMPY, resolve_backend
+
+    A, B = _head((0, 2))
+    X, Y, V = _task(A, B, n=40)
+    halves = ((X[::2], Y[::2]), (X[1::2], Y[1::2]))
+    ref = log_attention_half_losses(halves, V, MASK, NUMPY, rotary=POS)
+    dev = log_attention_half_losses(halves, V, MASK, resolve_backend(torch.device("cpu")), rotary=POS)
+    assert type(ref[0]).__module__ != type(dev[0]).__module__
+    A1, B1 = 0.9 * A, 1.1 * B
+    for r, t in zip(ref, dev):
+        np.testing.assert_allclose(t(A1, B1, V)[0], r(A1, B1, V)[0], rtol=1e-4)
 
 
 def test_the_choice_reads_the_attention_back_only_where_it_can():
@@ -132,3 +181,21 @@ def test_planted_widths_are_read_on_the_log_attention(planes, width, noise):
     assert (est.rank_, est.rank_interval_) == (width, (width, width))
     if width:
         assert est.risk_curve_[width] < 0.01 < est.risk_curve_[width - 1]
+
+
+@pytest.mark.parametrize("planes, width, noise", [((0, 3), 4, 0.0), ((0, 1), 4, 0.05)])
+def test_planted_widths_on_torch_read_what_numpy_reads(planes, width, noise):
+    """The log-attention phase runs on the estimator's device in float32 and reads the numpy fit's width."""
+    torch = pytest.importorskip("torch")
+    A, B = _head(planes)
+    X, Y, V = _task(A, B, noise=noise)
+    kw = dict(rotary=POS, causal=True, value_map=V, tolerance=0.01, random_state=0)
+    ref = RStarEstimator(**kw).fit(X, Y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = RStarEstimator(device=torch.device("cpu"), **kw).fit(X, Y)
+    assert est.inversion_ == ref.inversion_ == ROTARY_LOG_NAME
+    fit = [f.values for f in est._whitened[1].findings if f.kind == "factored_fit"][0]
+    assert fit["log_attention_backend"] == "torch" and fit["log_attention_iterations"] > 0
+    assert (est.rank_, est.rank_interval_) == (ref.rank_, ref.rank_interval_) == (width, (width, width))
+    np.testing.assert_allclose(est.spectrum_[:width], ref.spectrum_[:width], rtol=0.02)

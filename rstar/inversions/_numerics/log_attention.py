@@ -28,8 +28,10 @@ import numpy as np
 from .rotary import rotate, rotate_adjoint
 from .softmax_factored import _chunks
 from ...calibration import DEFAULT_CALIBRATION
+from ..._backend import NUMPY
 
-__all__ = ["attention_from_outputs", "log_attention_targets", "log_attention_loss", "LogAttentionHalfLoss"]
+__all__ = ["attention_from_outputs", "log_attention_targets", "log_attention_loss", "LogAttentionHalfLoss",
+           "log_attention_half_losses"]
 
 
 def attention_from_outputs(X, Y, value_map, *, calibration=DEFAULT_CALIBRATION):
@@ -148,17 +150,30 @@ def log_attention_loss(X, targets, A, B, *, calibration=DEFAULT_CALIBRATION, rot
 
 
 class LogAttentionHalfLoss:
-    """One half's log-attention loss with the factored losses' signature:
+    """One half's log-attention loss on numpy float64, with the factored losses' signature:
     ``loss(A, B, V, value_grad=False) -> (f, grad_A, grad_B, None)`` (V is the known one the targets were read
-    with; it is not fitted)."""
+    with; it is not fitted). The torch back-end's :class:`rstar._torch_backend.log_attention.LogAttentionHalfLoss`
+    computes the same on a device."""
 
-    def __init__(self, X, Y, value_map, mask=None, *, calibration=DEFAULT_CALIBRATION, rotary=None):
-        S, variance, _ = attention_from_outputs(X, Y, value_map, calibration=calibration)
-        self.targets = log_attention_targets(S, variance, mask, calibration=calibration)
-        self.X, self.calibration, self.rotary = X, calibration, rotary
+    def __init__(self, X, targets, *, calibration=DEFAULT_CALIBRATION, rotary=None):
+        self.X, self.targets, self.calibration, self.rotary = X, targets, calibration, rotary
 
     def __call__(self, A, B, V=None, value_grad=False):
         if value_grad:
             raise ValueError("the log-attention loss reads the attention with a known value map; it fits no V.")
         return (*log_attention_loss(self.X, self.targets, A, B, calibration=self.calibration,
                                     rotary=self.rotary), None)
+
+
+def log_attention_half_losses(halves, value_map, mask=None, ops=NUMPY, *, calibration=DEFAULT_CALIBRATION,
+                              rotary=None):
+    """Each half's log-attention loss: the targets read on numpy in float64 (:func:`attention_from_outputs`,
+    :func:`log_attention_targets`), the loss evaluated on numpy (:class:`LogAttentionHalfLoss`) or on ``ops``'s
+    device in its ``fit_dtype`` (:class:`rstar._torch_backend.log_attention.LogAttentionHalfLoss`)."""
+    losses = []
+    for X, Y in halves:
+        S, variance, _ = attention_from_outputs(X, Y, value_map, calibration=calibration)
+        targets = log_attention_targets(S, variance, mask, calibration=calibration)
+        losses.append(LogAttentionHalfLoss(X, targets, calibration=calibration, rotary=rotary) if ops.name == "numpy"
+                      else ops.log_attention_half_loss(X, targets, calibration.chunk_entries, rotary=rotary))
+    return losses
