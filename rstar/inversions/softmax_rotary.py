@@ -26,7 +26,7 @@ import numpy as np
 
 from ._numerics import softmax_factored as sf
 from ._numerics.log_attention import log_attention_half_losses
-from ._numerics.rotary import (RotaryPositions, family_svd, pair_rotations, projected_head, rotary_directions,
+from ._numerics.rotary import (RotaryPositions, family_svd, pair_rotations, projected_head, rotary_directions, rotate,
                               truncated_rotary_head)
 from .._backend import NUMPY
 from ..budgets import DEFAULT_BUDGET
@@ -265,6 +265,38 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
 # -- the risk curve, its resolution and the operator -----------------------------------------------------------
 
 
+class _ProjectedTokens:
+    """Tokens' coordinates on a rotary head's directions, computed once for every width r:
+    ``X P_q A = (X M_q^{-1/2} U_q)[..., :r] (U_q[:, :r]^T M_q^{1/2} A)`` (and the key side likewise), so a width-r
+    head's query and key coordinates cost ``n T r (2P)`` multiply-adds, not ``n T d (2P)``
+    (:func:`rstar.inversions._numerics.rotary.projected_head` is the same head as factors)."""
+
+    def __init__(self, X, metric, directions, r_max):
+        Mq, Mq_inv, Mk, Mk_inv = metric
+        Uq, Uk = (U[:, :max(0, int(r_max))] for U in directions)
+        self.metric, self.Uq, self.Uk = metric, Uq, Uk
+        self.XUq, self.XUk = X @ (Mq_inv @ Uq), X @ (Mk_inv @ Uk)
+        self.d = X.shape[2]
+
+    def sample_rss(self, A, B, r, Z, Y, mask, rotary, calibration):
+        """Each sample's residual sum of squares of the head ``(A, B)`` cut to width r (r at most ``r_max``),
+        shape (n,): :func:`rstar.inversions._numerics.softmax_factored.factored_sample_rss` of the cut head."""
+        Mq, _, Mk, _ = self.metric
+        r = max(0, int(r))
+        Cq, Ck = self.Uq[:, :r].T @ (Mq @ A), self.Uk[:, :r].T @ (Mk @ B)
+        n, T, _ = self.XUq.shape
+        out = np.empty(n)
+        for part in sf._chunks(n, T, self.d, calibration):
+            XA, XB = rotate(self.XUq[part, :, :r] @ Cq, rotary), rotate(self.XUk[part, :, :r] @ Ck, rotary)
+            R = sf.attention_from_coordinates(XA, XB, mask, self.d) @ Z[part] - Y[part]
+            out[part] = np.einsum("ntv,ntv->n", R, R)
+        return out
+
+
+def _top_width(ranks, full):
+    return max([full if r is None else min(int(r), full) for r in ranks] + [0])
+
+
 def rotary_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False, *,
                           calibration=DEFAULT_CALIBRATION):
     """Cross-fitted residual sums of squares of each half's head truncated to width r (its factors projected on
@@ -272,17 +304,26 @@ def rotary_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=Fa
     half, measured on the other half
     (:func:`rstar.inversions.softmax_factored.factored_rank_residuals` for rotary heads)."""
     null = ws.null
-    pairs = pair_rotations(null.rotary, mask)
+    rot = null.rotary
+    pairs = pair_rotations(rot, mask)
     directions = [rotary_directions(null.metric, pairs, A_h, B_h) for A_h, B_h in null.half_kernels]
+    top = _top_width(ranks, rot.width)
+    # the other half's tokens on each half's directions, and its value path where V is known: once for every r
+    projected = [_ProjectedTokens(Xo, null.metric, dirs, top) for (Xo, _), dirs in zip(halves[::-1], directions)]
+    paths = [None if value_map is None else Xo @ value_map for Xo, _ in halves[::-1]]
     out = []
     for r in ranks:
         parts = []
-        for (A_h, B_h), (Xf, Yf), (Xo, Yo), dirs in zip(null.half_kernels, halves, halves[::-1], directions):
-            A, B = (A_h, B_h) if r is None else truncated_rotary_head(null.metric, pairs, A_h, B_h, r, dirs)
-            rot = null.rotary
-            V = (value_map if value_map is not None
-                 else sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration, rotary=rot))
-            parts.append(sf.factored_sample_rss(Xo, Xo @ V, Yo, A, B, mask, calibration=calibration, rotary=rot))
+        for (A_h, B_h), (Xf, Yf), (Xo, Yo), dirs, proj, Zo in zip(null.half_kernels, halves, halves[::-1],
+                                                                   directions, projected, paths):
+            if value_map is None or r is None:
+                A, B = (A_h, B_h) if r is None else truncated_rotary_head(null.metric, pairs, A_h, B_h, r, dirs)
+                V = (value_map if value_map is not None
+                     else sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration, rotary=rot))
+                parts.append(sf.factored_sample_rss(Xo, Xo @ V if Zo is None else Zo, Yo, A, B, mask,
+                                                    calibration=calibration, rotary=rot))
+            else:
+                parts.append(proj.sample_rss(A_h, B_h, min(int(r), rot.width), Zo, Yo, mask, rot, calibration))
         out.append(np.concatenate(parts) if per_sample else float(sum(np.sum(p) for p in parts)))
     return out
 
@@ -316,11 +357,17 @@ def rotary_output_distances(ws, samples, value_map, ranks, mask=None, *, calibra
     top = ws.null.rotary.width
     A, B, V, rot = _truncated_model(ws, samples, value_map, top, mask, calibration)
     full = sf.factored_outputs(X, X @ V, A, B, mask, calibration=calibration, rotary=rot)
-    out = []
-    for r in ranks:
-        A, B, V, rot = _truncated_model(ws, samples, value_map, min(int(r), top), mask, calibration)
-        out.append(sf.factored_sample_rss(X, X @ V, full, A, B, mask, calibration=calibration, rotary=rot))
-    return out
+    if value_map is None:
+        # V refitted at each width: the cut factors are needed for it
+        out = []
+        for r in ranks:
+            A, B, V, rot = _truncated_model(ws, samples, value_map, min(int(r), top), mask, calibration)
+            out.append(sf.factored_sample_rss(X, X @ V, full, A, B, mask, calibration=calibration, rotary=rot))
+        return out
+    A, B, rot = _stacked(ws.null.half_kernels, ws.null.rotary)
+    Z = X @ value_map
+    proj = _ProjectedTokens(X, ws.null.metric, ws.null.singular_vectors, _top_width(ranks, top))
+    return [proj.sample_rss(A, B, min(int(r), top), Z, full, mask, rot, calibration) for r in ranks]
 
 
 class RotarySoftmaxOperator:

@@ -151,3 +151,34 @@ def test_rotation_changes_the_task():
     X = np.random.default_rng(0).standard_normal((3, T, D))
     rotated = rotate(X @ A, POS) @ rotate(X @ B, POS).transpose(0, 2, 1)
     assert np.max(np.abs(rotated - (X @ A) @ (X @ B).transpose(0, 2, 1))) > 1.0
+
+
+def test_cut_heads_on_projected_tokens_match_their_factors():
+    """The risk curve's residuals and output distances, computed on the tokens' coordinates along each head's
+    directions (once for every width), equal those of the cut factors themselves."""
+    from rstar.inversions._numerics.rotary import pair_rotations, rotary_directions, truncated_rotary_head
+    from rstar.inversions.softmax_rotary import _truncated_model, rotary_output_distances, rotary_rank_residuals
+
+    A, B = _head(rank=3)
+    X, Y, V = _task(A, B, n=300)
+    est = RStarEstimator(rotary=POS, causal=True, value_map=V, random_state=0).fit(X, Y)
+    ws, halves, Vi = est._whitened[1], est._inv._halves(est._stats), est._inv.value_map
+    ranks = [0, 1, 3, 5, 2 * P, 3 * P, None]
+    got = rotary_rank_residuals(ws, halves, Vi, ranks, MASK, per_sample=True)
+    pairs = pair_rotations(POS, MASK)
+    for r, g in zip(ranks, got):
+        want = []
+        for (A_h, B_h), (Xo, Yo) in zip(ws.null.half_kernels, halves[::-1]):
+            dirs = rotary_directions(ws.null.metric, pairs, A_h, B_h)
+            Ar, Br = (A_h, B_h) if r is None else truncated_rotary_head(ws.null.metric, pairs, A_h, B_h, r, dirs)
+            want.append(sf.factored_sample_rss(Xo, Xo @ Vi, Yo, Ar, Br, MASK, rotary=POS))
+        np.testing.assert_allclose(g, np.concatenate(want), rtol=1e-9, atol=1e-12)
+    ranks = ranks[:-1]
+    got = rotary_output_distances(ws, halves[0], Vi, ranks, MASK)
+    X0 = halves[0][0]
+    Af, Bf, _, rot = _truncated_model(ws, halves[0], Vi, 2 * P, MASK, est._inv.calibration)
+    full = sf.factored_outputs(X0, X0 @ Vi, Af, Bf, MASK, rotary=rot)
+    for r, g in zip(ranks, got):
+        Ar, Br, _, rot = _truncated_model(ws, halves[0], Vi, min(r, 2 * P), MASK, est._inv.calibration)
+        np.testing.assert_allclose(g, sf.factored_sample_rss(X0, X0 @ Vi, full, Ar, Br, MASK, rotary=rot),
+                                   rtol=1e-9, atol=1e-12)
