@@ -327,7 +327,9 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
             setattr(self, name, getattr(reading, name.rstrip("_")))
         self._risk_curve_full_rank = reading.full_rank
         # what the gates read, kept so that rank_at_tolerance reads another tolerance through them
-        self._tolerance_gates = dict(dim=int(ws.dim), inversion=ws.inversion, identified=bool(identified),
+        # every rank the class allows: max_rank where given (r*(eps) <= r* <= the class's bound), else the dimension
+        dim = int(ws.dim) if self.max_rank is None else min(int(ws.dim), int(self.max_rank))
+        self._tolerance_gates = dict(dim=dim, inversion=ws.inversion, identified=bool(identified),
                                      disagreement=reading.risk_curve_resolution,
                                      noise_upper=int(res.rank_interval[1]))
         gates = identifiability.tolerance_verdicts(tolerance=self.tolerance, rank=reading.rank, calibration=cal,

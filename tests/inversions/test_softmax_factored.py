@@ -151,6 +151,19 @@ def test_factors_capped_by_the_budget_are_warned_with_an_interval_to_d():
     assert est.rank_interval_[1] == 96
 
 
+def test_a_curve_against_an_unsettled_fit_reaches_the_class_bound_not_d():
+    """max_rank is the class's bound on r* (a head's d_head): r*(tolerance) read off a curve measured against a
+    fit that did not settle is warned with an interval up to that bound, as the noise-floor count's is."""
+    X, Y, teacher = _task(10, n=800)
+    cal = DEFAULT_CALIBRATION.replace(factored_max_iter=20)
+    est = RStarEstimator(value_map=teacher.value_map, max_rank=12, tolerance=0.05, calibration=cal)
+    with pytest.warns(UnidentifiableRankWarning) as caught:
+        est.fit(X, Y)
+    assert_warned(caught, "curve_against_unidentified_fit", bounds=(None, 12), category=UnidentifiableRankWarning)
+    assert est.rank_interval_[1] == 12 and est.rank_interval_[0] <= est.rank_ <= 12
+    assert est.rank_at_tolerance(0.01, return_interval=True)[1][1] == 12
+
+
 def test_tolerance_curve_and_predict_survive_pickle():
     X, Y, teacher = _task(3, seed=2)
     est = RStarEstimator(value_map=teacher.value_map, tolerance=0.05).fit(X, Y)
