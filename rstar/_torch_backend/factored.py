@@ -16,7 +16,7 @@ attention, ``R_i = P_i X_i V - Y_i``, ``dL_i = (dP_i - rowsum(dP_i * P_i)) * P_i
 import numpy as np
 import torch
 
-__all__ = ["FactoredHalfLoss", "rotate_tensor"]
+__all__ = ["FactoredHalfLoss", "rotate_tensor", "sample_chunks", "query_key_tensors", "factor_gradients"]
 
 
 def rotate_tensor(U, rot, sign=1.0):
@@ -26,6 +26,36 @@ def rotate_tensor(U, rot, sign=1.0):
     P = U.shape[-1] // 2
     half = torch.cat([-U[..., P:], U[..., :P]], dim=-1)
     return U * cos + (sign * half) * sin
+
+
+def sample_chunks(n, T, d, dtype, chunk_entries):
+    """The samples of each chunk of a loss evaluation: the numpy path's bound on a chunk's largest temporary
+    (``chunk T^2`` or ``chunk T d`` float64 entries), twice as many entries in float32 (the same bytes)."""
+    entries = int(chunk_entries) * (2 if dtype == torch.float32 else 1)
+    step = max(1, entries // max(T * T, T * d))
+    return [slice(s, min(s + step, n)) for s in range(0, n, step)]
+
+
+def query_key_tensors(X, AB, rot=None):
+    """``(X_flat, X A, X B)`` of a chunk X (m, T, d) for the side-by-side factors ``AB = [A, B]`` (d x 2q), the
+    coordinates rotated to their positions where ``rot = (cos, sin)`` is given."""
+    m, T, d = X.shape
+    q = AB.shape[1] // 2
+    Xf = X.reshape(-1, d)
+    XAB = Xf @ AB
+    XA, XB = XAB[:, :q].reshape(m, T, q), XAB[:, q:].reshape(m, T, q)
+    if rot is not None:
+        XA, XB = rotate_tensor(XA, rot), rotate_tensor(XB, rot)
+    return Xf, XA, XB
+
+
+def factor_gradients(Xf, dA, dB, rot=None):
+    """The gradient in ``[A, B]`` (d x 2q, float64) from the gradients in the (rotated) coordinates dA, dB
+    (m, T, q): back through the adjoint rotation and ``X^T``."""
+    if rot is not None:
+        dA, dB = rotate_tensor(dA, rot, -1.0), rotate_tensor(dB, rot, -1.0)
+    q = dA.shape[2]
+    return (Xf.T @ torch.cat([dA, dB], dim=2).reshape(-1, 2 * q)).to(torch.float64)
 
 
 class FactoredHalfLoss:
@@ -61,9 +91,7 @@ class FactoredHalfLoss:
         self.X = torch.as_tensor(np.ascontiguousarray(X), device=device).to(dtype)
         self.Y = torch.as_tensor(np.ascontiguousarray(Y), device=device).to(dtype)
         self.mask = None if mask is None else torch.as_tensor(np.asarray(mask, dtype=bool), device=device)
-        entries = int(chunk_entries) * (2 if dtype == torch.float32 else 1)
-        step = max(1, entries // max(T * T, T * d))
-        self.parts = [slice(s, min(s + step, n)) for s in range(0, n, step)]
+        self.parts = sample_chunks(n, T, d, dtype, chunk_entries)
         self._path = (None, None)
 
     def _tensor(self, a):
@@ -81,7 +109,7 @@ class FactoredHalfLoss:
 
     def __call__(self, A, B, V, value_grad=False):
         """``(f, grad_A, grad_B, grad_V)`` (grad_V None unless ``value_grad``), as numpy float64."""
-        n, T, d, d_v = self.shape
+        _, _, d, d_v = self.shape
         q = A.shape[1]
         c = 1.0 / np.sqrt(d)
         AB = self._tensor(np.hstack([np.asarray(A, dtype=float) * c, np.asarray(B, dtype=float)]))
@@ -92,12 +120,7 @@ class FactoredHalfLoss:
         gV = torch.zeros((d, d_v), dtype=torch.float64, device=self.device) if value_grad else None
         for part in self.parts:
             X, Zp, Y = self.X[part], Z[part], self.Y[part]
-            m = X.shape[0]
-            Xf = X.reshape(-1, d)
-            XAB = Xf @ AB
-            XA, XB = XAB[:, :q].reshape(m, T, q), XAB[:, q:].reshape(m, T, q)
-            if self.rot is not None:
-                XA, XB = rotate_tensor(XA, self.rot), rotate_tensor(XB, self.rot)
+            Xf, XA, XB = query_key_tensors(X, AB, self.rot)
             L = XA @ XB.transpose(1, 2)
             if self.mask is not None:
                 L = L.masked_fill(~self.mask, float("-inf"))
@@ -106,11 +129,7 @@ class FactoredHalfLoss:
             f += (R * R).sum().to(torch.float64)
             dP = 2.0 * (R @ Zp.transpose(1, 2))
             dL = (dP - (dP * P).sum(dim=-1, keepdim=True)) * P
-            dA, dB = dL @ XB, dL.transpose(1, 2) @ XA
-            if self.rot is not None:
-                dA, dB = rotate_tensor(dA, self.rot, -1.0), rotate_tensor(dB, self.rot, -1.0)   # the adjoint
-            back = torch.cat([dA, dB], dim=2).reshape(-1, 2 * q)
-            g += (Xf.T @ back).to(torch.float64)
+            g += factor_gradients(Xf, dL @ XB, dL.transpose(1, 2) @ XA, self.rot)
             if value_grad:
                 gV += (2.0 * (Xf.T @ (P.transpose(1, 2) @ R).reshape(-1, d_v))).to(torch.float64)
         g = g.cpu().numpy()

@@ -15,7 +15,7 @@ and ``h = max(0, l - ebar - U)`` on rows with a known entry: ``f = sum W (e - eb
 import numpy as np
 import torch
 
-from .factored import rotate_tensor
+from .factored import factor_gradients, query_key_tensors, sample_chunks
 
 __all__ = ["LogAttentionHalfLoss"]
 
@@ -55,31 +55,22 @@ class LogAttentionHalfLoss:
         self.has = (mass > 0).to(dtype)                                  # rows with a known entry
         self.inv_mass = torch.where(mass > 0, 1.0 / torch.where(mass > 0, mass, torch.ones_like(mass)),
                                     torch.zeros_like(mass))
-        entries = int(chunk_entries) * (2 if dtype == torch.float32 else 1)
-        step = max(1, entries // max(T * T, T * d))
-        self.parts = [slice(s, min(s + step, n)) for s in range(0, n, step)]
+        self.parts = sample_chunks(n, T, d, dtype, chunk_entries)
 
     def __call__(self, A, B, V=None, value_grad=False):
         """``(f, grad_A, grad_B, None)`` as numpy float64 (V, the known value map the targets were read with, is
         not fitted)."""
         if value_grad:
             raise ValueError("the log-attention loss reads the attention with a known value map; it fits no V.")
-        n, T, d = self.shape
-        q = A.shape[1]
+        d, q = self.shape[2], A.shape[1]
         c = 1.0 / np.sqrt(d)
         AB = torch.as_tensor(np.hstack([np.asarray(A, dtype=float) * c, np.asarray(B, dtype=float)]),
                              device=self.device).to(self.dtype)
         f = torch.zeros((), dtype=torch.float64, device=self.device)
         g = torch.zeros((d, 2 * q), dtype=torch.float64, device=self.device)
         for part in self.parts:
-            X = self.X[part]
             W, U, C, has, inv_mass = self.W[part], self.U[part], self.C[part], self.has[part], self.inv_mass[part]
-            m = X.shape[0]
-            Xf = X.reshape(-1, d)
-            XAB = Xf @ AB
-            XA, XB = XAB[:, :q].reshape(m, T, q), XAB[:, q:].reshape(m, T, q)
-            if self.rot is not None:
-                XA, XB = rotate_tensor(XA, self.rot), rotate_tensor(XB, self.rot)
+            Xf, XA, XB = query_key_tensors(self.X[part], AB, self.rot)
             G = XA @ XB.transpose(1, 2)
             E = G - self.L[part]
             ebar = (W * E).sum(dim=2, keepdim=True) * inv_mass
@@ -88,9 +79,6 @@ class LogAttentionHalfLoss:
             WE, CH = W * E, C * H
             f += ((WE * E).sum() + (CH * H).sum()).to(torch.float64)
             dG = 2.0 * (WE + CH - W * (CH.sum(dim=2, keepdim=True) * inv_mass))
-            dA, dB = dG @ XB, dG.transpose(1, 2) @ XA
-            if self.rot is not None:
-                dA, dB = rotate_tensor(dA, self.rot, -1.0), rotate_tensor(dB, self.rot, -1.0)   # the adjoint
-            g += (Xf.T @ torch.cat([dA, dB], dim=2).reshape(-1, 2 * q)).to(torch.float64)
+            g += factor_gradients(Xf, dG @ XB, dG.transpose(1, 2) @ XA, self.rot)
         g = g.cpu().numpy()
         return float(f), g[:, :q] * c, g[:, q:].copy(), None

@@ -307,23 +307,24 @@ def rotary_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=Fa
     rot = null.rotary
     pairs = pair_rotations(rot, mask)
     directions = [rotary_directions(null.metric, pairs, A_h, B_h) for A_h, B_h in null.half_kernels]
-    top = _top_width(ranks, rot.width)
-    # the other half's tokens on each half's directions, and its value path where V is known: once for every r
-    projected = [_ProjectedTokens(Xo, null.metric, dirs, top) for (Xo, _), dirs in zip(halves[::-1], directions)]
-    paths = [None if value_map is None else Xo @ value_map for Xo, _ in halves[::-1]]
+    known = value_map is not None
+    # with V known, the other half's value path and its tokens on each half's directions: once for every r
+    paths = [Xo @ value_map if known else None for Xo, _ in halves[::-1]]
+    projected = ([_ProjectedTokens(Xo, null.metric, dirs, _top_width(ranks, rot.width))
+                  for (Xo, _), dirs in zip(halves[::-1], directions)] if known else [None, None])
     out = []
     for r in ranks:
         parts = []
         for (A_h, B_h), (Xf, Yf), (Xo, Yo), dirs, proj, Zo in zip(null.half_kernels, halves, halves[::-1],
                                                                    directions, projected, paths):
-            if value_map is None or r is None:
-                A, B = (A_h, B_h) if r is None else truncated_rotary_head(null.metric, pairs, A_h, B_h, r, dirs)
-                V = (value_map if value_map is not None
-                     else sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration, rotary=rot))
-                parts.append(sf.factored_sample_rss(Xo, Xo @ V if Zo is None else Zo, Yo, A, B, mask,
-                                                    calibration=calibration, rotary=rot))
-            else:
+            if known and r is not None:
                 parts.append(proj.sample_rss(A_h, B_h, min(int(r), rot.width), Zo, Yo, mask, rot, calibration))
+                continue
+            # the full head, or V refitted on this half for the cut factors
+            A, B = (A_h, B_h) if r is None else truncated_rotary_head(null.metric, pairs, A_h, B_h, r, dirs)
+            if not known:
+                Zo = Xo @ sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration, rotary=rot)
+            parts.append(sf.factored_sample_rss(Xo, Zo, Yo, A, B, mask, calibration=calibration, rotary=rot))
         out.append(np.concatenate(parts) if per_sample else float(sum(np.sum(p) for p in parts)))
     return out
 
@@ -356,7 +357,8 @@ def rotary_output_distances(ws, samples, value_map, ranks, mask=None, *, calibra
     X = samples[0]
     top = ws.null.rotary.width
     A, B, V, rot = _truncated_model(ws, samples, value_map, top, mask, calibration)
-    full = sf.factored_outputs(X, X @ V, A, B, mask, calibration=calibration, rotary=rot)
+    Z = X @ V
+    full = sf.factored_outputs(X, Z, A, B, mask, calibration=calibration, rotary=rot)
     if value_map is None:
         # V refitted at each width: the cut factors are needed for it
         out = []
@@ -364,8 +366,8 @@ def rotary_output_distances(ws, samples, value_map, ranks, mask=None, *, calibra
             A, B, V, rot = _truncated_model(ws, samples, value_map, min(int(r), top), mask, calibration)
             out.append(sf.factored_sample_rss(X, X @ V, full, A, B, mask, calibration=calibration, rotary=rot))
         return out
+    # V known: the whole half-sum's value path serves every width; the widths cut it on projected tokens
     A, B, rot = _stacked(ws.null.half_kernels, ws.null.rotary)
-    Z = X @ value_map
     proj = _ProjectedTokens(X, ws.null.metric, ws.null.singular_vectors, _top_width(ranks, top))
     return [proj.sample_rss(A, B, min(int(r), top), Z, full, mask, rot, calibration) for r in ranks]
 

@@ -173,6 +173,15 @@ def test_cut_heads_on_projected_tokens_match_their_factors():
             Ar, Br = (A_h, B_h) if r is None else truncated_rotary_head(ws.null.metric, pairs, A_h, B_h, r, dirs)
             want.append(sf.factored_sample_rss(Xo, Xo @ Vi, Yo, Ar, Br, MASK, rotary=POS))
         np.testing.assert_allclose(g, np.concatenate(want), rtol=1e-9, atol=1e-12)
+    # V refitted on each half for its cut factors (no projected tokens there)
+    got = rotary_rank_residuals(ws, halves, None, [2, None], MASK, per_sample=True)
+    for r, g in zip([2, None], got):
+        want = []
+        for (A_h, B_h), (Xf, Yf), (Xo, Yo) in zip(ws.null.half_kernels, halves, halves[::-1]):
+            Ar, Br = (A_h, B_h) if r is None else truncated_rotary_head(ws.null.metric, pairs, A_h, B_h, r)
+            Vr = sf.value_map_given_kernel(Xf, Yf, Ar, Br, MASK, rotary=POS)
+            want.append(sf.factored_sample_rss(Xo, Xo @ Vr, Yo, Ar, Br, MASK, rotary=POS))
+        np.testing.assert_allclose(g, np.concatenate(want), rtol=1e-9, atol=1e-12)
     ranks = ranks[:-1]
     got = rotary_output_distances(ws, halves[0], Vi, ranks, MASK)
     X0 = halves[0][0]
