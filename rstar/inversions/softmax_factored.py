@@ -26,6 +26,7 @@ import numpy as np
 from .._backend import NUMPY
 from ._numerics import softmax_factored as sf
 from ._numerics.linalg import factored_svd
+from ._numerics.rotary import rotate
 from ..budgets import DEFAULT_BUDGET, largest_count
 from ..calibration import DEFAULT_CALIBRATION
 from ..risk import centred_sums, total_sum_of_squares
@@ -322,6 +323,50 @@ def truncated_kernel(ws, r):
     return Mq_inv @ (U[:, :r] * s[:r]), Mk_inv @ W[:, :r]
 
 
+class _ProjectedTokens:
+    """Tokens' coordinates on a head's directions, computed once for every width r:
+    ``X P_q A = (X M_q^{-1/2} U_q)[..., :r] (U_q[:, :r]^T M_q^{1/2} A)`` (and the key side likewise), so a rank-r
+    (or width-r rotary) head's query and key coordinates cost ``n T r q`` multiply-adds, not ``n T d q``.
+
+    With ``(U_q, U_k)`` the singular vectors of ``M_q^{1/2} A B^T M_k^{1/2}`` this is the kernel's rank-r
+    truncation in the token metric (:func:`_truncation`: ``U_r U_r^T`` on either side keeps the same r
+    directions); with a rotary head's family directions, its width-r cut
+    (:func:`rstar.inversions._numerics.rotary.projected_head` is the same head as factors)."""
+
+    def __init__(self, X, metric, directions, r_max):
+        Mq, Mq_inv, Mk, Mk_inv = metric
+        Uq, Uk = (U[:, :max(0, int(r_max))] for U in directions)
+        self.metric, self.Uq, self.Uk = metric, Uq, Uk
+        self.XUq, self.XUk = X @ (Mq_inv @ Uq), X @ (Mk_inv @ Uk)
+        self.d = X.shape[2]
+
+    def sample_rss(self, A, B, r, Z, Y, mask, rotary, calibration):
+        """Each sample's residual sum of squares of the head ``(A, B)`` cut to rank (width) r, r at most
+        ``r_max``, shape (n,): :func:`rstar.inversions._numerics.softmax_factored.factored_sample_rss` of the cut
+        head (``rotary`` None: no rotation)."""
+        Mq, _, Mk, _ = self.metric
+        r = max(0, int(r))
+        Cq, Ck = self.Uq[:, :r].T @ (Mq @ A), self.Uk[:, :r].T @ (Mk @ B)
+        if rotary is None:
+            # no rotation between the sides: the logits need only the r x r core, on r coordinates a side
+            Cq, Ck = Cq @ Ck.T, None
+        n, T, _ = self.XUq.shape
+        out = np.empty(n)
+        for part in sf._chunks(n, T, self.d, calibration):
+            if rotary is None:
+                XA, XB = self.XUq[part, :, :r] @ Cq, self.XUk[part, :, :r]
+            else:
+                XA, XB = rotate(self.XUq[part, :, :r] @ Cq, rotary), rotate(self.XUk[part, :, :r] @ Ck, rotary)
+            R = sf.attention_from_coordinates(XA, XB, mask, self.d) @ Z[part] - Y[part]
+            out[part] = np.einsum("ntv,ntv->n", R, R)
+        return out
+
+
+def _top_width(ranks, full):
+    """The largest of ``ranks`` (None: ``full``), at most ``full``: the directions the projected tokens need."""
+    return max([full if r is None else min(int(r), full) for r in ranks] + [0])
+
+
 def factored_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False, *,
                             calibration=DEFAULT_CALIBRATION):
     """Cross-fitted residual sums of squares of the rank-r models for r in ``ranks`` (None: the fitted kernels
@@ -345,14 +390,27 @@ def factored_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=
         the first half's model, then the first half's under the second's) instead of their total.
     """
     metric = ws.null.metric
+    known = value_map is not None
+    # with V known, the other half's value path and its tokens on each half's singular directions: once for every r
+    paths = [Xo @ value_map if known else None for Xo, _ in halves[::-1]]
+    projected = [None, None]
+    if known:
+        Mq, _, Mk, _ = metric
+        q = ws.null.half_kernels[0][0].shape[1]
+        projected = [_ProjectedTokens(Xo, metric, factored_svd(Mq @ A_h, Mk @ B_h)[::2], _top_width(ranks, q))
+                     for (A_h, B_h), (Xo, _) in zip(ws.null.half_kernels, halves[::-1])]
     out = []
     for r in ranks:
         parts = []
-        for (A_h, B_h), (Xf, Yf), (Xo, Yo) in zip(ws.null.half_kernels, halves, halves[::-1]):
+        for (A_h, B_h), (Xf, Yf), (Xo, Yo), proj, Zo in zip(ws.null.half_kernels, halves, halves[::-1], projected,
+                                                             paths):
+            if known and r is not None:
+                parts.append(proj.sample_rss(A_h, B_h, r, Zo, Yo, mask, None, calibration))
+                continue
             A, B = (A_h, B_h) if r is None else _truncation(metric, A_h, B_h, r)
-            V = (value_map if value_map is not None
-                 else sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration))
-            parts.append(sf.factored_sample_rss(Xo, Xo @ V, Yo, A, B, mask, calibration=calibration))
+            if not known:
+                Zo = Xo @ sf.value_map_given_kernel(Xf, Yf, A, B, mask, calibration=calibration)
+            parts.append(sf.factored_sample_rss(Xo, Zo, Yo, A, B, mask, calibration=calibration))
         out.append(np.concatenate(parts) if per_sample else float(sum(np.sum(p) for p in parts)))
     return out
 
@@ -402,9 +460,17 @@ def factored_output_distances(ws, samples, value_map, ranks, mask=None, *, calib
         A, B, V = _truncated_model(ws, samples, value_map, min(top, r), mask, calibration)
         return (X @ V if Z_known is None else Z_known), A, B
 
-    full = sf.factored_outputs(X, *model(top), mask, calibration=calibration)
+    Z, A, B = model(top)
+    full = sf.factored_outputs(X, Z, A, B, mask, calibration=calibration)
     # each rank's model measured against the full model's outputs (computed once)
-    return [sf.factored_sample_rss(X, Z, full, A, B, mask, calibration=calibration) for Z, A, B in map(model, ranks)]
+    if Z_known is None:
+        # V refitted at each rank: the truncated factors are needed for it
+        return [sf.factored_sample_rss(X, Z, full, A, B, mask, calibration=calibration)
+                for Z, A, B in map(model, ranks)]
+    # V known: the truncations on the tokens projected on the half-sum's directions
+    U, _, W = ws.null.singular_vectors
+    proj = _ProjectedTokens(X, ws.null.metric, (U, W), _top_width(ranks, top))
+    return [proj.sample_rss(A, B, min(int(r), top), Z_known, full, mask, None, calibration) for r in ranks]
 
 
 def _truncated_model(ws, samples, value_map, rank, mask=None, calibration=DEFAULT_CALIBRATION):

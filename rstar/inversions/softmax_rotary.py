@@ -26,7 +26,7 @@ import numpy as np
 
 from ._numerics import softmax_factored as sf
 from ._numerics.log_attention import log_attention_half_losses
-from ._numerics.rotary import (RotaryPositions, family_svd, pair_rotations, projected_head, rotary_directions, rotate,
+from ._numerics.rotary import (RotaryPositions, family_svd, pair_rotations, projected_head, rotary_directions,
                               truncated_rotary_head)
 from .._backend import NUMPY
 from ..budgets import DEFAULT_BUDGET
@@ -34,7 +34,7 @@ from ..calibration import DEFAULT_CALIBRATION
 from ..risk import centred_sums, total_sum_of_squares
 from .softmax_exact import exact_softmax_well_conditioned
 from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, split_half_counts
-from .softmax_factored import _residual_dof, _segment_cost, _samples_for_dof
+from .softmax_factored import _ProjectedTokens, _residual_dof, _segment_cost, _samples_for_dof, _top_width
 
 __all__ = ["ROTARY_NAME", "ROTARY_LOG_NAME", "ROTARY_NAMES", "rotary_inversion_name", "rotary_fit_blocker",
            "rotary_statistic", "rotary_rank_residuals", "rotary_half_disagreement", "rotary_output_distances", "rotary_operator", "RotarySoftmaxOperator"]
@@ -263,38 +263,6 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
 
 
 # -- the risk curve, its resolution and the operator -----------------------------------------------------------
-
-
-class _ProjectedTokens:
-    """Tokens' coordinates on a rotary head's directions, computed once for every width r:
-    ``X P_q A = (X M_q^{-1/2} U_q)[..., :r] (U_q[:, :r]^T M_q^{1/2} A)`` (and the key side likewise), so a width-r
-    head's query and key coordinates cost ``n T r (2P)`` multiply-adds, not ``n T d (2P)``
-    (:func:`rstar.inversions._numerics.rotary.projected_head` is the same head as factors)."""
-
-    def __init__(self, X, metric, directions, r_max):
-        Mq, Mq_inv, Mk, Mk_inv = metric
-        Uq, Uk = (U[:, :max(0, int(r_max))] for U in directions)
-        self.metric, self.Uq, self.Uk = metric, Uq, Uk
-        self.XUq, self.XUk = X @ (Mq_inv @ Uq), X @ (Mk_inv @ Uk)
-        self.d = X.shape[2]
-
-    def sample_rss(self, A, B, r, Z, Y, mask, rotary, calibration):
-        """Each sample's residual sum of squares of the head ``(A, B)`` cut to width r (r at most ``r_max``),
-        shape (n,): :func:`rstar.inversions._numerics.softmax_factored.factored_sample_rss` of the cut head."""
-        Mq, _, Mk, _ = self.metric
-        r = max(0, int(r))
-        Cq, Ck = self.Uq[:, :r].T @ (Mq @ A), self.Uk[:, :r].T @ (Mk @ B)
-        n, T, _ = self.XUq.shape
-        out = np.empty(n)
-        for part in sf._chunks(n, T, self.d, calibration):
-            XA, XB = rotate(self.XUq[part, :, :r] @ Cq, rotary), rotate(self.XUk[part, :, :r] @ Ck, rotary)
-            R = sf.attention_from_coordinates(XA, XB, mask, self.d) @ Z[part] - Y[part]
-            out[part] = np.einsum("ntv,ntv->n", R, R)
-        return out
-
-
-def _top_width(ranks, full):
-    return max([full if r is None else min(int(r), full) for r in ranks] + [0])
 
 
 def rotary_rank_residuals(ws, halves, value_map, ranks, mask=None, per_sample=False, *,

@@ -434,6 +434,34 @@ def test_truncation_through_thin_qr_is_the_truncated_svd_in_the_token_metric(r):
     np.testing.assert_allclose(A_r @ B_r.T, expected, rtol=0, atol=1e-10 * np.abs(expected).max())
 
 
+def test_truncations_on_projected_tokens_match_their_factors():
+    """With V known the risk curve's residuals and output distances are computed on the tokens' coordinates along
+    each kernel's singular directions (once for every rank): they equal those of the truncated factors."""
+    from rstar.inversions.softmax_factored import (_truncated_model, _truncation, factored_output_distances,
+                                                   factored_rank_residuals)
+
+    X, Y, teacher = _task(3, n=300)
+    est = RStarEstimator(value_map=teacher.value_map, causal=True).fit(X, Y)
+    ws, halves, Vi = est._whitened[1], est._inv._halves(est._stats), est._inv.value_map
+    mask, q = sf.causal_mask(X.shape[1]), ws.null.half_kernels[0][0].shape[1]
+    ranks = [0, 1, 3, q, q + 2, None]
+    got = factored_rank_residuals(ws, halves, Vi, ranks, mask, per_sample=True)
+    for r, g in zip(ranks, got):
+        want = []
+        for (A_h, B_h), (Xo, Yo) in zip(ws.null.half_kernels, halves[::-1]):
+            Ar, Br = (A_h, B_h) if r is None else _truncation(ws.null.metric, A_h, B_h, r)
+            want.append(sf.factored_sample_rss(Xo, Xo @ Vi, Yo, Ar, Br, mask))
+        np.testing.assert_allclose(g, np.concatenate(want), rtol=1e-9, atol=1e-12)
+    ranks, top = ranks[:-1], len(ws.null.singular_vectors[1])
+    got = factored_output_distances(ws, halves[0], Vi, ranks, mask)
+    X0 = halves[0][0]
+    full = sf.factored_outputs(X0, X0 @ Vi, *_truncated_model(ws, halves[0], Vi, top, mask)[:2], mask)
+    for r, g in zip(ranks, got):
+        Ar, Br, _ = _truncated_model(ws, halves[0], Vi, min(r, top), mask)
+        np.testing.assert_allclose(g, sf.factored_sample_rss(X0, X0 @ Vi, full, Ar, Br, mask), rtol=1e-9,
+                                   atol=1e-12)
+
+
 @pytest.mark.parametrize("known", [True, False])
 def test_factored_fit_on_torch_reads_what_numpy_reads(known):
     torch = pytest.importorskip("torch")
