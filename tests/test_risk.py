@@ -80,6 +80,9 @@ def test_tiny_tolerance_warns_beyond_the_noise():
     assert_warned(caught, "tolerance_below_noise", category=UnidentifiableRankWarning)
     assert "tolerance_below_noise" in [v.reason for v in est.verdicts_]
     assert est.rank_ > est.noise_floor_rank_
+    # the curve beyond the noise floor does not place r*(eps): the interval runs from the noise floor's lower end
+    # to every rank
+    assert est.rank_interval_ == (est.noise_floor_interval_[0], est.statistic_.dim)
 
 
 def test_another_tolerance_is_read_through_the_fit_s_gates():

@@ -95,7 +95,8 @@ REASONS = {
     # the risk curve
     "curve_against_unidentified_fit": "the risk curve is measured against a fit that did not identify r*",
     "curve_resolution": "the halves' fits disagree by more than the tolerance allows",
-    "tolerance_below_noise": "the rank read at the tolerance exceeds the noise-floor estimate's upper end",
+    "tolerance_below_noise": "the rank read at the tolerance exceeds the noise-floor estimate's upper end "
+                             "(the interval runs from the noise floor's lower end to d)",
 }
 
 
@@ -474,9 +475,11 @@ def rule_verdict(reason, **f):
 # -- the risk curve ------------------------------------------------------------------------------------------------
 
 
-def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreement, noise_upper, calibration):
+def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreement, noise_lower, noise_upper,
+                       calibration):
     """The gates on r*(tolerance) read off a risk curve: a curve measured against a fit that did not identify
-    its statistic, a curve that does not resolve the tolerance, and a tolerance finer than the noise."""
+    its statistic, a curve that does not resolve the tolerance, and a tolerance finer than the noise
+    (``noise_lower``, ``noise_upper``: the noise-floor estimate's interval)."""
     tol = float(tolerance)
     out = []
     if not identified:
@@ -504,9 +507,16 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
             # either way: halves that disagree have not found the model, so neither end of the reading holds
             (0, int(dim))))
     if rank > noise_upper:
+        # the directions the reading counts beyond the noise floor are not told from noise: fitted from these
+        # samples they carry noise, so the curve along them neither bounds r*(tolerance) from above (better
+        # directions could be needed, more of them) nor places it above the noise floor (SmolLM2 layer 7 head 7:
+        # read 29 (26, 30) at 1% beside a noise-floor upper end below 29; its truncation needs 32, and the fit's
+        # own rank-29 model held out 1.12%)
         out.append(Verdict(
             "tolerance_below_noise", UnidentifiableRankWarning,
             f"tolerance={tol:g} is finer than the noise resolves: the rank it reads ({rank}) exceeds the "
-            f"noise-floor estimate's upper end ({noise_upper}), so the ranks beyond that fit the noise "
-            "of these samples, not the task. More samples, or a larger tolerance, would help."))
+            f"noise-floor estimate's upper end ({noise_upper}), so the directions it counts beyond that are not "
+            "told from the noise of these samples, and the curve along them does not place r*(tolerance): it may "
+            f"need fewer, or more and better directions; rank_interval_ is widened to ({int(noise_lower)}, "
+            f"{int(dim)}). More samples, or a larger tolerance, would help.", (int(noise_lower), int(dim))))
     return out

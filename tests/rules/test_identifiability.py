@@ -105,8 +105,8 @@ def test_fallback_verdicts_carry_the_reason_as_data():
 
 
 def test_tolerance_gates():
-    kw = dict(tolerance=0.05, rank=3, dim=16, inversion="x", identified=True, disagreement=None, noise_upper=4,
-              calibration=DEFAULT_CALIBRATION)
+    kw = dict(tolerance=0.05, rank=3, dim=16, inversion="x", identified=True, disagreement=None, noise_lower=2,
+              noise_upper=4, calibration=DEFAULT_CALIBRATION)
     assert idf.tolerance_verdicts(**kw) == []
     assert [v.reason for v in idf.tolerance_verdicts(**dict(kw, identified=False))] == [
         "curve_against_unidentified_fit"]
@@ -114,8 +114,10 @@ def test_tolerance_gates():
     assert idf.tolerance_verdicts(**dict(kw, disagreement=fraction * 0.05 * 0.99)) == []
     assert [v.reason for v in idf.tolerance_verdicts(**dict(kw, disagreement=fraction * 0.05 * 1.01))] == [
         "curve_resolution"]
+    # beyond the noise floor the curve does not place r*(eps): from the noise floor's lower end to every rank
     below = idf.tolerance_verdicts(**dict(kw, rank=5))
-    assert [v.reason for v in below] == ["tolerance_below_noise"] and below[0].bounds is None
+    assert [v.reason for v in below] == ["tolerance_below_noise"] and below[0].bounds == (2, 16)
+    assert idf.covering((5, 6), below) == (2, 16)
 
 
 def test_estimator_gates_on_the_samples():
