@@ -21,11 +21,16 @@ __all__ = ["FactoredHalfLoss", "rotate_tensor", "sample_chunks", "query_key_tens
 
 def rotate_tensor(U, rot, sign=1.0):
     """``U cos + sign rotate_half(U) sin`` for ``rot = (cos, sin)`` (sign -1: the adjoint rotation), U of shape
-    (m, T, 2P): :func:`rstar.inversions._numerics.rotary.rotate` on torch."""
+    (m, T, 2P): :func:`rstar.inversions._numerics.rotary.rotate` on torch.
+
+    One new tensor, the sine terms added into its halves in place: building ``rotate_half(U)`` and two products
+    took 2.8 ms for a chunk of 250 SmolLM2 windows (T = 32, 2P = 64, float32, one thread) where this takes 0.4."""
     cos, sin = rot
     P = U.shape[-1] // 2
-    half = torch.cat([-U[..., P:], U[..., :P]], dim=-1)
-    return U * cos + (sign * half) * sin
+    out = U * cos
+    out[..., :P].addcmul_(U[..., P:], sin[..., :P], value=-sign)
+    out[..., P:].addcmul_(U[..., :P], sin[..., P:], value=sign)
+    return out
 
 
 def sample_chunks(n, T, d, dtype, chunk_entries):

@@ -66,6 +66,24 @@ def test_rotary_loss_gradients_match_finite_differences_and_torch():
         np.testing.assert_allclose(theirs, mine, rtol=1e-10, atol=1e-10)
 
 
+def test_torch_rotation_and_its_adjoint_match_numpy():
+    """The torch rotation (its sine terms added into the halves in place) is numpy's, and its adjoint is the
+    transpose: <R u, g> = <u, R^T g>, at positions whose tables differ between the halves' columns."""
+    torch = pytest.importorskip("torch")
+    from rstar._torch_backend.factored import rotate_tensor
+    from rstar.inversions._numerics.rotary import rotate_adjoint
+
+    rng = np.random.default_rng(0)
+    pos = RotaryPositions(rng.uniform(-3, 3, (T, P)))
+    U, G = rng.standard_normal((2, 5, T, 2 * P))
+    rot = tuple(torch.as_tensor(np.asarray(t, dtype=float)) for t in (pos.cos, pos.sin))
+    got = rotate_tensor(torch.as_tensor(U), rot).numpy()
+    np.testing.assert_allclose(got, rotate(U, pos), rtol=1e-12, atol=1e-12)
+    back = rotate_tensor(torch.as_tensor(G), rot, -1.0).numpy()
+    np.testing.assert_allclose(back, rotate_adjoint(G, pos), rtol=1e-12, atol=1e-12)
+    assert np.sum(got * G) == pytest.approx(np.sum(U * back), rel=1e-12)
+
+
 @pytest.mark.parametrize("planes, width", [((0, 1), 4), ((0, 3), 4), ((3,), 2)])
 @pytest.mark.parametrize("known", [True, False])
 def test_planted_planes_are_read_whatever_their_frequency(planes, width, known):
