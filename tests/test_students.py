@@ -342,3 +342,23 @@ def test_training_out_of_memory_is_a_one_line_error(torch, small_qk, monkeypatch
     with pytest.raises(ValueError, match="training ran out of memory on cpu with batches of 300 samples .* lower "
                                          "batch_size"):
         AttentionStudent(device="cpu").fit(X, Y)
+
+
+@pytest.mark.parametrize("kind, rank", [("linear_qk", 3), ("linear_qk", None), ("linear_qk_full", None),
+                                        ("softmax", 3), ("softmax", None), ("block", 3), ("block", None)])
+def test_query_key_students_run_on_factored_logits(kind, rank):
+    """The query-key students' forward pass forms the logits from the factors, (X L)(X R)^T, never the d x d
+    kernel: the same outputs and gradients as through the kernel."""
+    torch = pytest.importorskip("torch")
+    from rstar.students._modules import build_module
+
+    module = build_module(kind, seq_len=6, n_features=9, value_dim=4, rank=rank, init_scale=0.3,
+                          generator=torch.Generator().manual_seed(0))
+    X = torch.randn(5, 6, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = module(X)
+    ref = module.forward_with_operator(X, module.operator())
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.sum(), list(module.parameters()), allow_unused=True)
+    ref_grads = torch.autograd.grad(ref.sum(), list(module.parameters()), allow_unused=True)
+    for g, h in zip(grads, ref_grads):
+        torch.testing.assert_close(g, h, rtol=1e-10, atol=1e-12)

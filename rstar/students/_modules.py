@@ -53,6 +53,13 @@ class _Factored(_Student):
     def operator(self):
         return self.K if self.full else self.L @ self.R.T
 
+    def query_key_logits(self, X):
+        """``logit_scale * X K X^T`` without forming K: ``(X L)(X R)^T`` for factors of width r costs
+        ``n T d r`` multiply-adds, not the ``n T d^2`` of ``X K`` (a rank-20 student at MiniLM's d = 385)."""
+        if self.full:
+            return self.logits(X, self.K)
+        return ((X @ self.L) @ (X @ self.R).transpose(-1, -2)) * self.logit_scale
+
 
 class LinearProxy(_Factored):
     """B0, token mixing ``Y = A X V`` with ``A = P Q^T`` (T x T, rank <= r).
@@ -107,6 +114,9 @@ class LinearQK(_Factored):
     def forward_with_operator(self, X, K):
         return self.forward_with_logits(X, self.logits(X, K))
 
+    def forward(self, X):
+        return self.forward_with_logits(X, self.query_key_logits(X))
+
 
 class LinearQKFull(LinearQK):
     """B1c, the control: B1 with an unconstrained full-rank d x d kernel."""
@@ -133,6 +143,9 @@ class SoftmaxAttention(_Factored):
 
     def forward_with_operator(self, X, K):
         return self.forward_with_logits(X, self.logits(X, K))
+
+    def forward(self, X):
+        return self.forward_with_logits(X, self.query_key_logits(X))
 
 
 class AttentionBlock(SoftmaxAttention):
