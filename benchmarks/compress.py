@@ -26,9 +26,16 @@ directions) and ``SVD-LLM (own)`` (uniform ranks, each of W_Q and W_K truncated 
 tokens); Eigen Attention also at its own error budgets (its own widths). The anchors' calibration is the first
 ``--n-calib`` windows the fits read.
 
+With ``--students``, each tolerance plan is also put back with trained students in the fits' place: for each head
+a rank-r*(ε) softmax student (:class:`rstar.students.AttentionStudent`, ``kind="softmax"``, torch, on a GPU when
+one is present) trained on the head's own (X, Y) — the windows the fits read — whose query–key map goes into the
+model (``rstar tolerance ε (students)``; the students learn their own value map, which is not put back: the
+model keeps its W_V). Each student is one step of the journal, its factors saved under ``OUT/students/``: the
+mission's check of a data-only rank against trained students, at the scale of a real model.
+
 For each tolerance plan: each head's predicted excess at r*(ε) (its risk curve: the upper bound the plan reads,
 and the point estimate with its standard error) against the realised excess of its truncated kernel (and of the
-fit's own rank-r model) on the held-out windows, the head alone (its layer truncated, the layers before it intact)
+fit's own rank-r model, and of the student) on the held-out windows, the head alone (its layer truncated, the layers before it intact)
 and inside the whole truncated model (the layers before it truncated too), with the realised excess's standard
 error over windows.
 
@@ -36,6 +43,7 @@ Usage::
 
     rstar heads --model minilm --seq-len 32 --n-samples 500 --save-factors --out runs/minilm   # about 30 min
     python benchmarks/compress.py --table runs/minilm/heads.json                   # about 10 min on 2 cores
+    python benchmarks/compress.py --table runs/minilm/heads.json --students        # + a student per head and ε
 
 Writes ``compress.json``, ``compress.md`` and ``compress_pareto.png``, ``compress_predicted.png`` under ``--out``;
 each step as it finishes to ``compress.partial.jsonl`` there, with the steps done and the time left printed, so an
@@ -45,6 +53,7 @@ interrupted run continues with ``--resume`` (same options).
 import argparse
 import json
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -74,8 +83,9 @@ def _head_errors(full, trunc):
     return out
 
 
-def _realised(model, plan, layers, held, collect_attention, truncated_heads, factors=None):
-    """Per head (layer, head): realised excess and its standard error, alone and inside the truncated model."""
+def _realised(model, plan, layers, held, collect_attention, truncated_heads, factors=None, floor=True):
+    """Per head (layer, head): realised excess and its standard error, alone and inside the truncated model (and,
+    with ``factors`` and ``floor``, the excess of their widest model alone)."""
     by_layer = {}
     for p in records(plan):
         by_layer.setdefault(int(p["layer"]), []).append(p)
@@ -88,19 +98,39 @@ def _realised(model, plan, layers, held, collect_attention, truncated_heads, fac
         with truncated_heads(model, plan, layers, factors=factors):
             inside = collect_attention(model, held, layers=[index])[0]
         held_heads = list(range(full.n_heads)) if full.head_indices is None else list(full.head_indices)
-        floor = None
-        if factors is not None:
+        widest_errors = None
+        if factors is not None and floor:
             # the fit's widest model: its own floor (what a head's fit could not reproduce at any rank)
             widest = [dict(layer=index, head=int(p["head"]), rank=int(p["d_head"])) for p in rows]
             with truncated_heads(model, widest, layers, factors=factors):
-                floor = _head_errors(full, collect_attention(model, held, layers=[index])[0])
+                widest_errors = _head_errors(full, collect_attention(model, held, layers=[index])[0])
         for k, ((e_a, tss), (e_i, _), h) in enumerate(zip(_head_errors(full, alone), _head_errors(full, inside),
                                                           held_heads)):
             n = e_a.size
             out[(index, h)] = dict(alone=float(e_a.sum() / tss), alone_se=float(np.sqrt(n) * e_a.std() / tss),
                                    inside=float(e_i.sum() / tss), inside_se=float(np.sqrt(n) * e_i.std() / tss),
-                                   floor=None if floor is None else float(floor[k][0].sum() / tss))
+                                   floor=None if widest_errors is None else float(widest_errors[k][0].sum() / tss))
     return out
+
+
+def _student_factors(head, rank, epochs, seed):
+    """A rank-``rank`` softmax student trained on the head's (X, Y): its query–key factors ``(A, B)`` in rstar's
+    convention (logits ``x~ A B^T x~'^T / sqrt(d~)``, the student's own) and what its training reports."""
+    from rstar.students import AttentionStudent
+
+    X, Y = head.features(), head.Y
+    t = time.perf_counter()
+    student = AttentionStudent(kind="softmax", rank=int(rank), device="auto", max_epochs=int(epochs),
+                               random_state=seed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        student.fit(X, Y)
+    U, sv, Wt = np.linalg.svd(student.kernel_)
+    A, B = U[:, :rank] * sv[:rank], Wt[:rank].T
+    info = dict(seconds=time.perf_counter() - t, fit_seconds=float(student.fit_time_), epochs=int(student.n_iter_),
+                train_r2=float(student.score(X, Y)), student_rank=int(student.rank_), device=student.device_,
+                warnings=sorted({f"{w.category.__name__}: {w.message}"[:200] for w in caught}))
+    return A, B, info
 
 
 def main(argv=None):
@@ -115,6 +145,9 @@ def main(argv=None):
                    help="total widths as fractions of the full width, beside the tolerance plans' widths")
     p.add_argument("--error-budgets", default="0.02,0.05,0.1,0.2,0.4",
                    help="Eigen Attention's layer-output error budgets, at its own widths")
+    p.add_argument("--students", action="store_true",
+                   help="also put back rank-r*(eps) softmax students trained on each head's (X, Y) (rstar.students)")
+    p.add_argument("--student-epochs", type=int, default=3000, help="the students' max_epochs")
     p.add_argument("--out", default="benchmarks/out/compress")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --out (its compress.partial.jsonl) instead of starting over")
@@ -157,8 +190,13 @@ def main(argv=None):
     models = 2 if fitted else 1
     n_steps = (2 + sum(models * sum(sum(p["rank"] for p in plan) == W for plan in tol_plans.values())
                        + models + 7 for W in widths) + len(budgets) + models * len(tol_plans))
+    if args.students:
+        # per tolerance plan: one student per head of rank > 0, the plan put back with them, their realised excess
+        n_steps += sum(sum(int(p["rank"]) > 0 for p in plan) + 2 for plan in tol_plans.values())
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
                   fractions=args.fractions, error_budgets=args.error_budgets, fitted=bool(fitted))
+    if args.students:   # (a run without students keeps its record, so that it resumes as before)
+        record.update(students=True, student_epochs=args.student_epochs)
     journal = Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume, n_steps)
 
     model, tok = load_minilm()
@@ -235,16 +273,49 @@ def main(argv=None):
         evaluate(f"Eigen Attention (own) at error {e:g}", plan_ranks(plan, keys), "activations", None,
                  dict(error_budget=e))
 
+    # students in the fits' place: one trained per head at the plan's rank, its factors saved as it finishes
+    students, student_runs = {}, []
+    if args.students:
+        heads_by_key = {(layer.index, t.head): t for layer in layers for t in layer.heads()}
+        folder_s = Path(args.out) / "students"
+        folder_s.mkdir(parents=True, exist_ok=True)
+        for tol, plan in tol_plans.items():
+            factors = {}
+            for p in plan:
+                key, rank = (int(p["layer"]), int(p["head"])), int(p["rank"])
+                head = heads_by_key[key]
+                if rank == 0:   # nothing to train: the head attends uniformly
+                    factors[key] = (np.zeros((head.features().shape[-1], 0)),) * 2
+                    continue
+                path = folder_s / f"tol{tol:g}_layer{key[0]}_head{key[1]}.npz"
+
+                def train(head=head, rank=rank, path=path, key=key):
+                    A, B, info = _student_factors(head, rank, args.student_epochs, seed=0)
+                    np.savez(path, A=A, B=B)
+                    return dict(info, layer=key[0], head=key[1], rank=rank, tolerance=tol, path=str(path))
+
+                info = journal.step(f"student|{tol:g}|{key[0]},{key[1]}", train)
+                student_runs.append(info)
+                with np.load(info["path"]) as f:
+                    factors[key] = (f["A"], f["B"])
+                print(f"  student layer {key[0]} head {key[1]} at rank {rank}: {info['seconds']:.0f} s, "
+                      f"{info['epochs']} epochs, training R^2 {info['train_r2']:.4f}", flush=True)
+            students[tol] = factors
+            W = sum(int(p["rank"]) for p in plan)
+            total = dict(predicted_total=float(sum(p["predicted_excess"] for p in plan)))
+            evaluate(f"rstar tolerance {tol:g} (students)", plan_ranks(plan, keys), "tokens", W, total, factors)
+
     # predicted against realised, per head, for each tolerance plan
     heads_cmp = []
     by_key = {(int(r["layer"]), int(r["head"])): r for r in rows}
     for tol, plan in tol_plans.items():
-        for what, factors in (("head's kernel", None), ("fit's model", fitted)):
-            if what == "fit's model" and not fitted:
+        for what, factors in (("head's kernel", None), ("fit's model", fitted), ("student", students.get(tol))):
+            if what != "head's kernel" and not factors:
                 continue
             real = journal.step(f"realised|{tol:g}|{what}", lambda: {
                 f"{k[0]},{k[1]}": v for k, v in _realised(model, plan, layers, held, collect_attention,
-                                                         truncated_heads, factors).items()})
+                                                         truncated_heads, factors,
+                                                         floor=what == "fit's model").items()})
             for p in plan:
                 key = (int(p["layer"]), int(p["head"]))
                 r, row = real[f"{key[0]},{key[1]}"], by_key[key]
@@ -265,7 +336,8 @@ def main(argv=None):
     (out / "compress.json").write_text(json.dumps(dict(results=results, heads=heads_cmp, table=str(args.table),
                                                        n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
                                                        seconds=elapsed, fisher_seconds=t_fisher,
-                                                       sweep_seconds=t_sweep, fisher_loss=fisher_loss), indent=1))
+                                                       sweep_seconds=t_sweep, fisher_loss=fisher_loss,
+                                                       students=student_runs), indent=1))
     lines = [f"Fidelity of MiniLM's sentence embeddings ({args.n_eval} held-out windows of {T} tokens), "
              f"{len(rows)} heads, full query–key width {full_width}.", "",
              "| W asked | allocation | truncation | width | 1 − mean cosine | min cosine | rstar predicted Σ excess |",
@@ -279,7 +351,7 @@ def main(argv=None):
               "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for tol in tol_plans:
-        for what in ("head's kernel", "fit's model"):
+        for what in ("head's kernel", "fit's model", "student"):
             hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
             if not hs:
                 continue
@@ -293,6 +365,11 @@ def main(argv=None):
                          + (f" {_within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |"))
     lines.append(f"\n{elapsed:.0f} s in all (Fisher scores {t_fisher:.0f} s, their loss the {fisher_loss}; "
                  f"Eigen Attention's sweep {t_sweep:.0f} s).")
+    if student_runs:
+        secs = [r["seconds"] for r in student_runs]
+        lines.append(f"{len(student_runs)} students trained ({student_runs[0]['device']}): {sum(secs):.0f} s in all, "
+                     f"{min(secs):.0f}–{max(secs):.0f} s each (median {np.median(secs):.0f}); training R^2 median "
+                     f"{np.median([r['train_r2'] for r in student_runs]):.4f}.")
     (out / "compress.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _figures(results, heads_cmp, full_width, out)
