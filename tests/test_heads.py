@@ -112,6 +112,7 @@ def test_gpt2_style_is_causal_and_fitted_with_its_mask(ids):
     row = table.iloc[0] if hasattr(table, "iloc") else table[0]
     assert row["inversion"] == "softmax_factored_least_squares"
     assert row["rank_at_0.05"] <= row["truncation_rank_at_0.05"]
+    assert row["seconds"] > 0   # each head's own time, for budgeting a whole model
 
 
 def test_a_module_that_differs_is_refused(ids):

@@ -30,6 +30,7 @@ Examples
 [4, 4]
 """
 
+import time
 import warnings
 
 import numpy as np
@@ -246,7 +247,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         ``risk_curve`` (a list, None without tolerances) is the head's predicted relative excess at ranks
         0 ... d_head, the upper bound ``rank_at_<ε>`` is read from (``risk_curve_upper_``), which
         :func:`rank_plan` splits a total width by; ``risk_curve_point`` and ``risk_curve_se`` are the curve's
-        point estimate and standard error (``risk_curve_``, ``risk_curve_se_``; None where not measured).
+        point estimate and standard error (``risk_curve_``, ``risk_curve_se_``; None where not measured);
+        ``seconds`` is the head's wall-clock time (its fit, readings and truncation columns).
     """
     tolerances = tuple(float(t) for t in tolerances)
     probe = RStarEstimator() if estimator is None else estimator
@@ -262,8 +264,10 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     bar = _progress_bar(len(todo)) if progress else None
     try:
         for layer, head in todo:
+            started = time.perf_counter()
             row = _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators,
                             rank_bound, keep_factors)
+            row["seconds"] = round(time.perf_counter() - started, 3)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
