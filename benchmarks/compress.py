@@ -41,7 +41,7 @@ error over windows.
 
 Usage::
 
-    rstar heads --model minilm --seq-len 32 --n-samples 500 --save-factors --out runs/minilm   # about 30 min
+    rstar heads --model minilm --seq-len 32 --n-samples 500 --save-factors --out runs/minilm   # about 15 min
     python benchmarks/compress.py --table runs/minilm/heads.json                   # about 10 min on 2 cores
     python benchmarks/compress.py --table runs/minilm/heads.json --students        # + a student per head and ε
 
