@@ -35,9 +35,9 @@ mission's check of a data-only rank against trained students, at the scale of a 
 
 For each tolerance plan: each head's predicted excess at r*(ε) (its risk curve: the upper bound the plan reads,
 and the point estimate with its standard error) against the realised excess of its truncated kernel (and of the
-fit's own rank-r model, and of the student) on the held-out windows, the head alone (its layer truncated, the layers before it intact)
-and inside the whole truncated model (the layers before it truncated too), with the realised excess's standard
-error over windows.
+fit's own rank-r model, and of the student) on the held-out windows, the head alone (its layer truncated, the
+layers before it intact) and inside the whole truncated model (the layers before it truncated too), with the
+realised excess's standard error over windows.
 
 Usage::
 

@@ -53,13 +53,6 @@ class _Factored(_Student):
     def operator(self):
         return self.K if self.full else self.L @ self.R.T
 
-    def query_key_logits(self, X):
-        """``logit_scale * X K X^T`` without forming K: ``(X L)(X R)^T`` for factors of width r costs
-        ``n T d r`` multiply-adds, not the ``n T d^2`` of ``X K`` (a rank-20 student at MiniLM's d = 385)."""
-        if self.full:
-            return self.logits(X, self.K)
-        return ((X @ self.L) @ (X @ self.R).transpose(-1, -2)) * self.logit_scale
-
 
 class LinearProxy(_Factored):
     """B0, token mixing ``Y = A X V`` with ``A = P Q^T`` (T x T, rank <= r).
@@ -87,7 +80,29 @@ class LinearProxy(_Factored):
         return A @ (X @ self.V)
 
 
-class LinearQK(_Factored):
+class _QueryKey(_Factored):
+    """A query–key student: its kernel enters only through the logits ``logit_scale * X K X^T`` (row t feeds
+    token t only); subclasses set ``logit_scale`` and ``forward_with_logits``."""
+
+    def logits(self, X, K):
+        """``logit_scale * X K X^T``, shape (n, T, T), for a given kernel K (the Fisher information's path)."""
+        return (X @ K @ X.transpose(-1, -2)) * self.logit_scale
+
+    def query_key_logits(self, X):
+        """The same logits without forming K: ``(X L)(X R)^T`` for factors of width r costs ``n T d r``
+        multiply-adds, not the ``n T d^2`` of ``X K`` (a rank-20 student at MiniLM's d = 385)."""
+        if self.full:
+            return self.logits(X, self.K)
+        return ((X @ self.L) @ (X @ self.R).transpose(-1, -2)) * self.logit_scale
+
+    def forward_with_operator(self, X, K):
+        return self.forward_with_logits(X, self.logits(X, K))
+
+    def forward(self, X):
+        return self.forward_with_logits(X, self.query_key_logits(X))
+
+
+class LinearQK(_QueryKey):
     """B1, linear query–key attention ``Y = (X W_Q)(X W_K)^T X V / c``.
 
     ``c`` is a fixed normaliser (``sqrt(T d)`` with the T seen in ``fit``,
@@ -104,18 +119,8 @@ class LinearQK(_Factored):
     #: the logits are ``logit_scale * X K X^T``
     logit_scale = 1.0
 
-    def logits(self, X, K):
-        """``logit_scale * X K X^T``, shape (n, T, T): the only way the kernel enters (row t feeds token t only)."""
-        return (X @ K @ X.transpose(-1, -2)) * self.logit_scale
-
     def forward_with_logits(self, X, S):
         return S @ (X @ self.V) / self.normalizer
-
-    def forward_with_operator(self, X, K):
-        return self.forward_with_logits(X, self.logits(X, K))
-
-    def forward(self, X):
-        return self.forward_with_logits(X, self.query_key_logits(X))
 
 
 class LinearQKFull(LinearQK):
@@ -125,27 +130,17 @@ class LinearQKFull(LinearQK):
         super().__init__(n_features, value_dim, None, init_scale, generator, normalizer, full=True)
 
 
-class SoftmaxAttention(_Factored):
+class SoftmaxAttention(_QueryKey):
     """B2, ``Y = softmax(X W_Q W_K^T X^T / sqrt(d)) X V`` (row softmax)."""
 
     def __init__(self, n_features, value_dim, rank, init_scale, generator):
         super().__init__()
         self._init_operator(n_features, n_features, rank, init_scale, generator)
         self.V = _normal((n_features, value_dim), 1.0 / math.sqrt(n_features), generator)
-        self.logit_scale = 1.0 / math.sqrt(n_features)
-
-    def logits(self, X, K):
-        """``X K X^T / sqrt(d)``, shape (n, T, T): the only way the kernel enters (row t feeds token t only)."""
-        return (X @ K @ X.transpose(-1, -2)) * self.logit_scale
+        self.logit_scale = 1.0 / math.sqrt(n_features)   # the logits X K X^T / sqrt(d)
 
     def forward_with_logits(self, X, S):
         return torch.softmax(S, dim=-1) @ (X @ self.V)
-
-    def forward_with_operator(self, X, K):
-        return self.forward_with_logits(X, self.logits(X, K))
-
-    def forward(self, X):
-        return self.forward_with_logits(X, self.query_key_logits(X))
 
 
 class AttentionBlock(SoftmaxAttention):
