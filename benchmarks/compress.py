@@ -29,8 +29,10 @@ tokens); Eigen Attention also at its own error budgets (its own widths). The anc
 With ``--students``, each tolerance plan is also put back with trained students in the fits' place: for each head
 a rank-r*(ε) softmax student (:class:`rstar.students.AttentionStudent`, ``kind="softmax"``, torch, on a GPU when
 one is present) trained on the head's own (X, Y) — the windows the fits read — whose query–key map goes into the
-model (``rstar tolerance ε (students)``; the students learn their own value map, which is not put back: the
-model keeps its W_V). Each student is one step of the journal, its factors saved under ``OUT/students/``: the
+model (``rstar tolerance ε (students)``). The students are trained with the head's value map W_V held fixed
+(``AttentionStudent(value_map=...)``), the task the V-known fits read, since the model keeps its W_V: a student
+that learns its own value map learns a query–key map paired with it, which beside W_V can be far off (at
+ε = 5% one such layer-0 student, training R² 0.93, left 122% of its head's variance with W_V). Each student is one step of the journal, its factors saved under ``OUT/students/``: the
 mission's check of a data-only rank against trained students, at the scale of a real model.
 
 For each tolerance plan: each head's predicted excess at r*(ε) (its risk curve: the upper bound the plan reads,
@@ -114,14 +116,15 @@ def _realised(model, plan, layers, held, collect_attention, truncated_heads, fac
 
 
 def _student_factors(head, rank, epochs, seed):
-    """A rank-``rank`` softmax student trained on the head's (X, Y): its query–key factors ``(A, B)`` in rstar's
-    convention (logits ``x~ A B^T x~'^T / sqrt(d~)``, the student's own) and what its training reports."""
+    """A rank-``rank`` softmax student trained on the head's (X, Y) with the head's value map held fixed (the task the
+    V-known fits read; the model keeps that W_V): its query–key factors ``(A, B)`` in rstar's convention (logits
+    ``x~ A B^T x~'^T / sqrt(d~)``, the student's own) and what its training reports."""
     from rstar.students import AttentionStudent
 
     X, Y = head.features(), head.Y
     t = time.perf_counter()
     student = AttentionStudent(kind="softmax", rank=int(rank), device="auto", max_epochs=int(epochs),
-                               random_state=seed)
+                               random_state=seed, value_map=head.value_map())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         student.fit(X, Y)
@@ -196,7 +199,7 @@ def main(argv=None):
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
                   fractions=args.fractions, error_budgets=args.error_budgets, fitted=bool(fitted))
     if args.students:   # (a run without students keeps its record, so that it resumes as before)
-        record.update(students=True, student_epochs=args.student_epochs)
+        record.update(students=True, student_epochs=args.student_epochs, student_value_map="known")
     journal = Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume, n_steps)
 
     model, tok = load_minilm()

@@ -168,6 +168,9 @@ def test_clone_and_params(torch):
     (dict(fisher="fast"), "fisher must be 'auto', 'exact' or 'kronecker'"),
     (dict(kind="linear_proxy", fisher="kronecker"), "fisher='kronecker' needs a query-key student"),
     (dict(memory_budget=0), "memory_budget must be"),
+    (dict(value_map=np.ones((6, 5))), "value_map must have shape \\(d, d_v\\) = \\(6, 6\\)"),
+    (dict(value_map=np.full((6, 6), np.nan)), "value_map contains NaN"),
+    (dict(kind="block", value_map=np.eye(6)), "a block student's is d x d inside the block"),
     (dict(memory_budget=2**12), "a training batch of 20 samples .* lower batch_size or raise memory_budget"),
     (dict(fisher="exact", memory_budget=2**14, batch_size=1), "fisher='exact': the 6\\^2 x 6\\^2 Fisher"),
 ])
@@ -247,6 +250,30 @@ def test_softmax_recovery_energy_rank(torch):
     assert st.rank_ == 2
     assert 1.9 <= st.effective_rank_ <= 2.05
     assert st.train_risk_ < 1.03 * teacher.noise_floor
+
+
+def test_known_value_map_is_held_fixed(torch):
+    # the student learns only its kernel, on the task RStarEstimator(value_map=V) reads: V stays the given one
+    # (a buffer, not trained), the kernel is still recovered, and it predicts with that V after a pickle
+    X, Y, teacher = make_attention_task(400, kind="softmax", seq_len=8, n_features=6, rank=2, random_state=2,
+                                        return_teacher=True)
+    V = teacher.value_map
+    st = AttentionStudent(kind="softmax", rank=2, value_map=V, random_state=0).fit(X, Y)
+    np.testing.assert_array_equal(st.module_.V.detach().double().numpy(), V.astype(np.float32))
+    assert "V" not in dict(st.module_.named_parameters())
+    assert st.rank_ == 2 and st.train_risk_ < 1.05 * teacher.noise_floor
+    K = st.kernel_
+    assert np.linalg.norm(K - teacher.kernel) < 0.1 * np.linalg.norm(teacher.kernel)
+    loaded = pickle.loads(pickle.dumps(st))
+    np.testing.assert_array_equal(loaded.predict(X), st.predict(X))
+    # the other weights start from the same draws as with V learned
+    from rstar.students._modules import build_module
+
+    args = dict(seq_len=8, n_features=6, value_dim=6, rank=2, init_scale=0.01)
+    free = build_module("softmax", **args, generator=torch.Generator().manual_seed(3))
+    fixed = build_module("softmax", **args, generator=torch.Generator().manual_seed(3), value_map=V)
+    for name in ("L", "R"):
+        torch.testing.assert_close(getattr(free, name), getattr(fixed, name))
 
 
 def test_linear_proxy_rank_sweep(torch):

@@ -170,7 +170,7 @@ class AttentionBlock(SoftmaxAttention):
         return self.ln2(H + F) @ self.W_out + self.b_out
 
 
-def build_module(kind, *, seq_len, n_features, value_dim, rank, init_scale, generator):
+def build_module(kind, *, seq_len, n_features, value_dim, rank, init_scale, generator, value_map=None):
     """Construct the module of a student class (float64, on the CPU).
 
     Parameters
@@ -181,20 +181,30 @@ def build_module(kind, *, seq_len, n_features, value_dim, rank, init_scale, gene
     rank : int or None
     init_scale : float
     generator : torch.Generator
+    value_map : array-like of shape (n_features, value_dim) or None
+        A known value map: ``V`` is then this fixed buffer, not a trained parameter (not for ``"block"``, whose
+        value map is d x d inside the block). The initial draws of the other weights are the same either way.
 
     Returns
     -------
     torch.nn.Module
     """
     if kind == "linear_proxy":
-        return LinearProxy(seq_len, n_features, value_dim, rank, init_scale, generator)
-    normalizer = math.sqrt(seq_len * n_features)
-    if kind == "linear_qk":
-        return LinearQK(n_features, value_dim, rank, init_scale, generator, normalizer)
-    if kind == "linear_qk_full":
-        return LinearQKFull(n_features, value_dim, init_scale, generator, normalizer)
-    if kind == "softmax":
-        return SoftmaxAttention(n_features, value_dim, rank, init_scale, generator)
-    if kind == "block":
+        module = LinearProxy(seq_len, n_features, value_dim, rank, init_scale, generator)
+    elif kind == "block":
+        if value_map is not None:
+            raise ValueError("a block student's value map is d x d inside the block: it cannot be fixed.")
         return AttentionBlock(n_features, value_dim, rank, init_scale, generator)
-    raise ValueError(f"unknown student kind {kind!r}")
+    elif kind == "linear_qk":
+        module = LinearQK(n_features, value_dim, rank, init_scale, generator, math.sqrt(seq_len * n_features))
+    elif kind == "linear_qk_full":
+        module = LinearQKFull(n_features, value_dim, init_scale, generator, math.sqrt(seq_len * n_features))
+    elif kind == "softmax":
+        module = SoftmaxAttention(n_features, value_dim, rank, init_scale, generator)
+    else:
+        raise ValueError(f"unknown student kind {kind!r}")
+    if value_map is not None:
+        # drawn as usual (the other weights' draws unchanged), then replaced by the known map, held fixed
+        del module.V
+        module.register_buffer("V", torch.as_tensor(value_map, dtype=torch.float64).clone())
+    return module

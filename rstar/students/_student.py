@@ -8,7 +8,8 @@ import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
-from .._validation import check_int, check_positive, check_random_state, check_tokens, check_X_Y_and_y_ndim
+from .._validation import (check_int, check_positive, check_random_state, check_tokens, check_value_map,
+                           check_X_Y_and_y_ndim)
 from ..calibration import DEFAULT_CALIBRATION
 from ..metrics import token_r2_score
 from ..budgets import CostBudget
@@ -117,6 +118,10 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     fisher : {"auto", "exact", "kronecker"}, default="auto"
         How the operator's Fisher information is computed (see Notes). ``"exact"`` beyond the memory budget is
         refused; ``"kronecker"`` needs a query-key student (not B0).
+    value_map : array-like of shape (d, d_v) or None, default=None
+        A known value map ``V``, held fixed while the rest trains (as :class:`rstar.RStarEstimator`'s
+        ``value_map``): the student then learns only its operator, on the same task the estimator's V-known fit
+        reads. None learns V with the rest. Not for ``"block"`` (its value map is d x d inside the block).
 
     Attributes
     ----------
@@ -198,7 +203,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     def __init__(self, kind="linear_qk", rank=None, max_epochs=3000, lr=1e-2, init_scale=1e-2, batch_size=None,
                  device="auto", random_state=None, verbose=0, tol=1e-4, patience=100, max_lr_drops=3,
                  weight_decay=0.0, alpha=0.01, dtype="float32", calibration=None, memory_budget=None,
-                 fisher="auto"):
+                 fisher="auto", value_map=None):
         self.kind = kind
         self.rank = rank
         self.max_epochs = max_epochs
@@ -217,6 +222,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         self.calibration = calibration
         self.memory_budget = memory_budget
         self.fisher = fisher
+        self.value_map = value_map
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, T, d):
@@ -266,6 +272,10 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         n, T, d = X.shape
         d_v = Y.shape[2]
         rank = self._check_params(T, d)
+        value_map = check_value_map(self.value_map, d, d_v)
+        if value_map is not None and self.kind == "block":
+            raise ValueError("value_map fixes the value map of a linear_proxy, linear_qk, linear_qk_full or softmax "
+                             "student; a block student's is d x d inside the block: use value_map=None.")
         budget = self._budget()
         batch = n if self.batch_size is None else min(int(self.batch_size), n)
         activations = _activation_bytes(self.kind, batch, T, d, d_v, self.dtype)
@@ -283,7 +293,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         gen = torch.Generator().manual_seed(seed)
 
         self._module_args_ = dict(kind=self.kind, seq_len=T, n_features=d, value_dim=d_v, rank=rank)
-        module = build_module(**self._module_args_, init_scale=self.init_scale, generator=gen)
+        self._fixed_value_map = value_map is not None
+        module = build_module(**self._module_args_, init_scale=self.init_scale, generator=gen, value_map=value_map)
         module = module.to(device=device, dtype=dtype)
         Xt = torch.as_tensor(X, dtype=dtype, device=device)
         Yt = torch.as_tensor(Y, dtype=dtype, device=device)
@@ -570,7 +581,12 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         if module_state is not None:
             torch = _import_torch()
             from ._modules import build_module
-            module = build_module(**self._module_args_, init_scale=1.0, generator=torch.Generator().manual_seed(0))
+            args = self._module_args_
+            # a fixed value map is a buffer of the state: a placeholder of its shape, then loaded
+            placeholder = (np.zeros((args["n_features"], args["value_dim"]))
+                           if getattr(self, "_fixed_value_map", False) else None)
+            module = build_module(**args, init_scale=1.0, generator=torch.Generator().manual_seed(0),
+                                  value_map=placeholder)
             module = module.to(getattr(torch, dtype))
             module.load_state_dict({k: torch.as_tensor(v) for k, v in module_state.items()})
             self.module_ = module
