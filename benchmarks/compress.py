@@ -407,11 +407,13 @@ def _figures(results, heads_cmp, full_width, out):
         ax.plot(*zip(*pts), color="C2", marker="x", linestyle="none", label="Eigen Attention at its error budgets")
     for r in results:
         if r["allocation"].startswith("rstar tolerance"):
-            own = r["allocation"].endswith("(fit's models)")
-            ax.plot(r["width"], r["loss"], "*", color="C3", markersize=14, markerfacecolor="none" if own else "C3")
+            own, student = r["allocation"].endswith("(fit's models)"), r["allocation"].endswith("(students)")
+            ax.plot(r["width"], r["loss"], "P" if student else "*", color="k" if student else "C3",
+                    markersize=11 if student else 14, markerfacecolor="none" if own else None)
             if not own:
-                ax.annotate(f"r*({float(r['allocation'].split()[2]):.0%})", (r["width"], r["loss"]),
-                            textcoords="offset points", xytext=(6, 6))
+                what = ", students" if student else ""
+                ax.annotate(f"r*({float(r['allocation'].split()[2]):.0%}){what}", (r["width"], r["loss"]),
+                            textcoords="offset points", xytext=(6, -12 if student else 6))
     ax.set_yscale("log")
     ax.set_xlabel(f"total query–key width (sum of the heads' ranks; full = {full_width})")
     ax.set_ylabel("1 − mean cosine to the full model's embeddings")
