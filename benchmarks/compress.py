@@ -32,8 +32,9 @@ one is present) trained on the head's own (X, Y) — the windows the fits read �
 model (``rstar tolerance ε (students)``). The students are trained with the head's value map W_V held fixed
 (``AttentionStudent(value_map=...)``), the task the V-known fits read, since the model keeps its W_V: a student
 that learns its own value map learns a query–key map paired with it, which beside W_V can be far off (at
-ε = 5% one such layer-0 student, training R² 0.93, left 122% of its head's variance with W_V). Each student is one step of the journal, its factors saved under ``OUT/students/``: the
-mission's check of a data-only rank against trained students, at the scale of a real model.
+ε = 5% one such layer-0 student, training R² 0.93, left 122% of its head's variance with W_V). Each student is
+one step of the journal, its factors saved under ``OUT/students/``: the mission's check of a data-only rank
+against trained students, at the scale of a real model.
 
 For each tolerance plan: each head's predicted excess at r*(ε) (its risk curve: the upper bound the plan reads,
 and the point estimate with its standard error) against the realised excess of its truncated kernel (and of the
