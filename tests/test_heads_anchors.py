@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rstar.heads import (activation_basis_factors, activation_singular_values, collect_attention,  # noqa: E402
-                         eigen_attention_plan, eigen_attention_sweep, eva_plan, fisher_share_plan,
+                         eigen_attention_head_curve, eigen_attention_head_rank, eigen_attention_plan, eigen_attention_sweep, eva_plan, fisher_share_plan,
                          head_fisher_scores, truncated_heads, uniform_plan, weight_energy_plan, whitened_factors)
 
 
@@ -191,6 +191,34 @@ def test_eigen_attention_sweep_and_plans(bert):
         eigen_attention_plan(sweep, layers)
     with pytest.raises(ValueError, match="descending"):
         eigen_attention_sweep(model, layers, ids, thresholds=[0.5, 0.9])
+
+
+def test_eigen_attention_per_head_is_its_truncation_and_its_threshold_search(bert):
+    """Without rotation the per-head curve is the head with activation_basis_factors' maps at each rank; the search
+    lowers the threshold until the excess first exceeds the tolerance and keeps the rank before (not the smallest
+    rank below the tolerance)."""
+    _, _, layers = bert
+    head = layers[1].head(1)
+    spectrum, curve = eigen_attention_head_curve(head)
+    gram = np.einsum("ntp,ntq->pq", head.features(), head.features())
+    rows = head._rows()   # the maps' rows on the features (the bias row only where the layer has biases)
+    np.testing.assert_allclose(spectrum, activation_singular_values(head.query[rows], head.key[rows], gram),
+                               rtol=1e-8)
+    tss = np.sum((head.Y - head.Y.reshape(-1, head.d_head).mean(axis=0)) ** 2)
+    for r in range(head.d_head + 1):
+        q, k = head.query.copy(), head.key.copy()
+        q[rows], k[rows] = activation_basis_factors(head.query[rows], head.key[rows], gram, r)
+        Yr = dataclasses.replace(head, query=q, key=k).output()
+        np.testing.assert_allclose(curve[r], np.sum((head.Y - Yr) ** 2) / tss, rtol=1e-7, atol=1e-12)
+    # four equal directions: thresholds 1.0 -> rank 4, 0.98 ... 0.76 -> 3, 0.74 ... 0.52 -> 2, 0.5 ... 0.3 -> 1
+    flat = np.full(4, 0.25)
+    falling = [0.5, 0.2, 0.04, 0.005, 0.0]
+    assert eigen_attention_head_rank(flat, falling, 0.01) == 3
+    assert eigen_attention_head_rank(flat, falling, 0.05) == 2
+    assert eigen_attention_head_rank(flat, falling, 0.6) == 1   # the thresholds stop at 0.3: never rank 0
+    assert eigen_attention_head_rank(flat, [0.0, 0.2, 0.0, 0.5, 0.0], 0.1) == 4   # stops at the first excess
+    with pytest.raises(ValueError, match="d_head \\+ 1 = 5 entries"):
+        eigen_attention_head_rank(flat, falling[:4], 0.01)
 
 
 def test_the_anchors_truncations_inside_the_model(bert):

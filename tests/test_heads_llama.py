@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rstar import RotaryPositions, RStarEstimator  # noqa: E402
-from rstar.heads import (collect_attention, estimate_heads, kernel_truncation_curve,  # noqa: E402
-                         plane_truncation_curve, truncation_rank)
+from rstar.heads import (collect_attention, eigen_attention_head_curve, estimate_heads,  # noqa: E402
+                         kernel_truncation_curve, plane_truncation_curve, truncation_rank)
 from rstar.inversions._numerics.rotary import (family_svd, pair_rotations, plane_strengths, rotate,  # noqa: E402
                                                rotate_adjoint)
 
@@ -182,6 +182,40 @@ def test_rotary_truncation_projects_on_the_logit_family_and_planes_are_kept_whol
     assert planes[4] < 1e-12 and planes[2] > 1e-5 and planes[3] == planes[2] and planes[5] == planes[4]
     sv = head.kernel_singular_values()
     assert np.all(sv[4:] < 1e-12 * sv[0]) and sv[3] > 1e-3 * sv[0]
+
+
+def test_eigen_attention_projects_a_rotary_head_s_rotated_queries_and_keys(ids):
+    """Eigen Attention's per-head truncation of a rotary head, formed by hand from the module's own rotated queries
+    and keys: the basis is the stacked activations' top right-singular directions on the calibration windows, the
+    projection acts after the rotation, and the curve is measured on other windows against the head there."""
+    model = _model("llama", num_key_value_heads=4)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():   # strong enough logits that the truncation shows
+        attn.q_proj.weight *= 4.0
+        attn.k_proj.weight *= 4.0
+    other = np.random.default_rng(5).integers(0, 50, size=(20, 9))
+    head = collect_attention(model, ids, layers=[0])[0].head(2)
+    held = collect_attention(model, other, layers=[0])[0].head(2)
+    spectrum, curve = eigen_attention_head_curve(head, held.X, held.Y)
+
+    def rotated(X):
+        Xt, rows = head.features(X), head._rows()
+        return rotate(Xt @ head.query[rows], head.rotary), rotate(Xt @ head.key[rows], head.rotary)
+
+    q, k = rotated(head.X)
+    _, s, Wt = np.linalg.svd(np.vstack([k.reshape(-1, 8), q.reshape(-1, 8)]), full_matrices=False)
+    np.testing.assert_allclose(spectrum, s / s.sum(), rtol=1e-9)
+    qh, kh = rotated(held.X)
+    values = head.features(held.X) @ head.value_map()
+    tss = np.sum((held.Y - held.Y.reshape(-1, 8).mean(axis=0)) ** 2)
+    for r in (0, 3, 8):
+        P = Wt[:r].T @ Wt[:r]
+        logits = (qh @ P) @ (kh @ P).transpose(0, 2, 1) / np.sqrt(8)
+        logits[:, ~np.tril(np.ones((9, 9), dtype=bool))] = -np.inf
+        S = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        Yr = (S / S.sum(axis=-1, keepdims=True)) @ values
+        np.testing.assert_allclose(curve[r], np.sum((held.Y - Yr) ** 2) / tss, rtol=1e-7, atol=1e-12)
+    assert curve[8] < 1e-9 < curve[3] < curve[0]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

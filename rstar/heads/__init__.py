@@ -38,7 +38,8 @@ from sklearn.base import clone
 
 from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
-from ._anchors import (EIGEN_ATTENTION_THRESHOLDS, eigen_attention_plan, eigen_attention_sweep, eva_plan,
+from ._anchors import (EIGEN_ATTENTION_THRESHOLDS, eigen_attention_head_curve, eigen_attention_head_rank,
+                       eigen_attention_plan, eigen_attention_sweep, eva_plan,
                        fisher_share_plan, head_fisher_scores, uniform_plan, weight_energy_plan)
 from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike_count
 from ..inversions._numerics.softmax_factored import token_metric_roots
@@ -51,7 +52,8 @@ from ._plan import _rows, _table, allocate_ranks, rank_pattern, rank_plan
 from ._text import stdlib_text, text_windows, token_windows
 
 __all__ = ["AttentionLayer", "EIGEN_ATTENTION_THRESHOLDS", "HeadTask", "activation_basis_factors",
-           "activation_singular_values", "activation_svd_rank", "attention_mask", "eigen_attention_plan",
+           "activation_singular_values", "activation_svd_rank", "attention_mask", "eigen_attention_head_curve",
+           "eigen_attention_head_rank", "eigen_attention_plan",
            "eigen_attention_sweep", "eva_plan", "fisher_share_plan", "head_fisher_scores", "uniform_plan",
            "weight_energy_plan", "whitened_factors",
            "allocate_ranks", "attention_modules", "attention_rows", "collect_attention", "estimate_heads",

@@ -17,10 +17,12 @@ algorithms (no code copied); where a port departs from them it says so.
 
 import numpy as np
 
+from ._collect import attention_rows
 from ._compress import activation_singular_values, truncated_heads
 from ._plan import _check_budget, _rows, _table, allocate_ranks
 
-__all__ = ["EIGEN_ATTENTION_THRESHOLDS", "eigen_attention_plan", "eigen_attention_sweep", "eva_plan",
+__all__ = ["EIGEN_ATTENTION_THRESHOLDS", "eigen_attention_head_curve", "eigen_attention_head_rank",
+           "eigen_attention_plan", "eigen_attention_sweep", "eva_plan",
            "fisher_share_plan", "head_fisher_scores", "uniform_plan", "weight_energy_plan"]
 
 
@@ -384,6 +386,103 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
                 errors[rank] = float((full - low).norm()) / norm if norm > 0 else 0.0
             out.append(dict(layer=int(layer.index), threshold=t, rank=rank, error=errors[rank]))
     return _table(out)
+
+
+def _head_activations(head, Xt):
+    """A head's queries and keys on features ``Xt`` (n, T, d~), after the rotation where it has one: what a KV
+    cache holds and what Eigen Attention's projection acts on."""
+    from ..inversions._numerics.rotary import rotate
+
+    rows = slice(None) if head.has_bias else slice(0, -1)
+    q, k = Xt @ head.query[rows], Xt @ head.key[rows]
+    if head.rotary is not None:
+        q, k = rotate(q, head.rotary), rotate(k, head.rotary)
+    return q, k
+
+
+def eigen_attention_head_curve(head, X=None, Y=None):
+    """Eigen Attention's truncation of one head, rank by rank: its queries and keys (after the rotation, for a
+    rotary head) projected on the top r right-singular directions of their stacked activations on the head's own
+    windows (its calibration), and the relative excess of the head's output on ``X``.
+
+    ``curve[r] = ||Y - Y_r||^2 / TSS`` as in :func:`rstar.heads.kernel_truncation_curve` (TSS about the column
+    means), ``Y_r`` the head with logits ``(q U_r)(k U_r)^T / sqrt(d_head)`` and everything else unchanged. For a
+    head without rotation this is :func:`rstar.heads.activation_basis_factors`' truncation; for a rotary head the
+    projection acts after the rotation (it cannot be folded into ``W_Q`` and ``W_K``), as a cache of projected keys
+    would hold them.
+
+    Parameters
+    ----------
+    head : HeadTask
+        Its ``X`` is the calibration the basis is read from.
+    X : ndarray of shape (n, T, d) or None
+        Inputs to measure on (None: the head's own).
+    Y : ndarray of shape (n, T, d_head) or None
+        Reference outputs (None: the head's output on ``X``).
+
+    Returns
+    -------
+    spectrum : ndarray of shape (d_head,)
+        The normalised singular values of the stacked calibration activations ``[k; q]`` (descending, sum 1), as
+        Eigen Attention's thresholds read them.
+    curve : ndarray of shape (d_head + 1,)
+    """
+    q, k = _head_activations(head, head.features())
+    stacked = np.concatenate([k.reshape(-1, k.shape[-1]), q.reshape(-1, q.shape[-1])])
+    w, U = np.linalg.eigh(stacked.T @ stacked)
+    w, U = np.clip(w[::-1], 0.0, None), U[:, ::-1]
+    s = np.sqrt(w)
+    spectrum = s / s.sum() if s.sum() > 0 else s
+    Xt = head.features(head.X if X is None else X)
+    Y = head.output(X) if Y is None else Y
+    Yf = Y.reshape(-1, Y.shape[-1])
+    tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+    q, k = _head_activations(head, Xt)
+    qc, kc = (q @ U) / np.sqrt(head.d_head), k @ U
+    values, mask = Xt @ head.value_map(), head.mask()
+    logits = np.zeros(Xt.shape[:2] + (Xt.shape[1],))
+    curve = np.empty(head.d_head + 1)
+    for r in range(head.d_head + 1):
+        if r:   # the rank-r logits are the rank-(r-1) ones plus direction r's outer product
+            logits += qc[:, :, r - 1, None] * kc[:, None, :, r - 1]
+        S = attention_rows(logits.copy(), mask=mask)
+        curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
+    return spectrum, curve
+
+
+def eigen_attention_head_rank(spectrum, curve, tolerance, thresholds=EIGEN_ATTENTION_THRESHOLDS):
+    """Eigen Attention's search for one head at a tolerance: its threshold lowered step by step (``thresholds``,
+    descending from 1) until the truncated head's excess (``curve``, :func:`eigen_attention_head_curve`) exceeds
+    ``tolerance``, and the rank of the last threshold before that kept.
+
+    A threshold t keeps the directions whose running sum of ``spectrum`` stays below t (as
+    :func:`eigen_attention_sweep`). The authors search per layer, on the block's output error, and give every
+    head of a layer one rank; this is their search run on one head with rstar's measure (relative excess of the
+    head's output), so that it stands beside r*(ε) head by head.
+
+    Returns
+    -------
+    rank : int
+
+    Examples
+    --------
+    Four equal directions: thresholds 0.98 ... 0.76 keep 3 of them, 0.74 ... 0.52 keep 2.
+
+    >>> eigen_attention_head_rank([0.25] * 4, [0.5, 0.2, 0.04, 0.005, 0.0], tolerance=0.05)
+    2
+    """
+    spectrum, curve = np.asarray(spectrum, dtype=float), np.asarray(curve, dtype=float)
+    d_head = spectrum.size
+    if curve.size != d_head + 1:
+        raise ValueError(f"curve must have d_head + 1 = {d_head + 1} entries (ranks 0 ... d_head), got {curve.size}.")
+    running = np.cumsum(spectrum)
+    keep = d_head
+    for t in (float(t) for t in thresholds):
+        rank = d_head if t >= 1.0 else min(d_head, int(np.sum(running < t - 1e-12)))
+        if curve[rank] > tolerance:
+            break
+        keep = min(keep, rank)
+    return int(keep)
 
 
 def eigen_attention_plan(sweep, layers, *, error_budget=None, budget=None):
