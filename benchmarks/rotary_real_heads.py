@@ -11,7 +11,12 @@ noise-free: the whole head reproduces itself. Beside them, from the real weights
 the fitted windows (the head's query and key projections on the top directions of its logit family; r*(eps) is
 *within* it where no larger), MHA2MLA's view
 (whole planes kept, strongest first, :func:`rstar.heads.plane_truncation_curve`), and EVA's explained-variance rank of
-the layer's inputs (90%).
+the layer's inputs (90%). With ``--anchors``, Eigen Attention's choice for each head instead
+(:func:`rstar.heads.eigen_attention_head_rank`: its thresholds on the normalised singular values of the head's
+rotated queries and keys stacked, lowered until the head's excess on the fitted windows passes eps; the projection
+after the rotation, as a cache of projected keys holds them), with its held-out excess (the basis from the fitted
+windows), journalled apart (``OUT.anchors.partial.jsonl``, seconds a head): the summary then sets the anchors'
+widths beside rstar's.
 
 Each head's row is appended to ``OUT.partial.jsonl`` as it finishes, with the heads done and the time left printed;
 an interrupted run continues with ``--resume`` (same options). The layers are read one at a time (a layer's inputs
@@ -30,6 +35,7 @@ group); ``all`` the 270 heads.
 
 import argparse
 import json
+import os
 import time
 import warnings
 
@@ -84,6 +90,55 @@ def _fit_row(head, held, args):
                    for key, attr in (("risk_curve", "risk_curve_upper_"), ("risk_curve_point", "risk_curve_"),
                                      ("risk_curve_se", "risk_curve_se_"))},
                 warnings=sorted({str(w.message) for w in caught}))
+
+
+def _anchor_row(head, held):
+    """Eigen Attention's per-head choice at each tolerance, read on the fitted windows, and its excess on the
+    held-out ones (the basis from the fitted windows)."""
+    from rstar.heads import eigen_attention_head_curve, eigen_attention_head_rank
+
+    t0 = time.perf_counter()
+    spectrum, curve = eigen_attention_head_curve(head)
+    ranks = [eigen_attention_head_rank(spectrum, curve, e) for e in TOLERANCES]
+    held_curve = eigen_attention_head_curve(head, held.X, held.Y)[1]
+    return dict(layer=int(head.layer), head=int(head.head), eigen_attention=ranks,
+                eigen_attention_held_out_excess=[float(held_curve[r]) for r in ranks],
+                seconds=time.perf_counter() - t0)
+
+
+def anchors_summary(rows, anchors):
+    """Each choice's widths over the heads both runs hold, per tolerance: rstar's r*(eps), the heads' truncation
+    ranks, Eigen Attention's per-head search, MHA2MLA's whole planes; with the heads held out within eps where the
+    run measured it."""
+    by = {(a["layer"], a["head"]): a for a in anchors}
+    rows = [r for r in rows if (r["layer"], r["head"]) in by]
+    if not rows:
+        return ""
+    lines = [f"Widths of the {len(rows)} heads both runs hold (sum, median; sufficient: a head of that width within "
+             "ε on the held-out windows):", "",
+             "| ε | rstar r*(ε) | sufficient | truncation rank | Eigen Attention per head | sufficient | "
+             "MHA2MLA planes | Eigen Attention ≤ r*(ε) and sufficient |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, e in enumerate(TOLERANCES):
+        ours = [r["ranks"][i] for r in rows]
+        ok = sum(min(r["held_out_truncation_excess"][i], r["held_out_excess"][i]) <= e for r in rows)
+        ea = [by[(r["layer"], r["head"])]["eigen_attention"][i] for r in rows]
+        ea_ok = [by[(r["layer"], r["head"])]["eigen_attention_held_out_excess"][i] <= e for r in rows]
+        trunc, planes = [r["truncation"][i] for r in rows], [r["planes"][i] for r in rows]
+        smaller = sum(a <= o and k for a, o, k in zip(ea, ours, ea_ok))
+
+        def w(v):
+            return f"{sum(v)} ({np.median(v):g})"
+
+        lines.append(f"| {e:g} | {w(ours)} | {ok} | {w(trunc)} | {w(ea)} | {sum(ea_ok)} | {w(planes)} | "
+                     f"{smaller} |")
+    return "\n".join(lines)
+
+
+def _anchors_path(path):
+    """Where the anchors' journal of a run (its JSON or its .partial.jsonl) is."""
+    base = path[:-len(".partial.jsonl")] if path.endswith(".partial.jsonl") else path
+    return base + ".anchors.partial.jsonl"
 
 
 def _print_row(row):
@@ -164,6 +219,42 @@ def figure(rows, path):
     print(f"wrote {path}")
 
 
+def _layer_reader(model, windows, args):
+    """``heads(layer, h)``: the head on the fitted and on the held-out windows; a layer's heads read once, when the
+    first of its heads not in the journal is computed (inside that step, so its time counts)."""
+    from rstar.heads import collect_attention
+
+    read = {}
+
+    def heads(layer_index, h):
+        if read.get("index") != layer_index:
+            read.clear()
+            read.update(index=layer_index,
+                        fit=collect_attention(model, windows[:args.n_samples], layers=[layer_index])[0],
+                        held=collect_attention(model, windows[args.n_samples:], layers=[layer_index])[0])
+        return read["fit"].head(h), read["held"].head(h)
+
+    return heads
+
+
+def _run_anchors(args, model, pairs, journal, windows):
+    heads = _layer_reader(model, windows, args)
+    anchors = []
+    for layer_index, h in sorted(pairs):
+        fresh = f"{layer_index},{h}" not in journal.done
+        row = journal.step(f"{layer_index},{h}", lambda: _anchor_row(*heads(layer_index, h)))
+        anchors.append(row)
+        if fresh:
+            print(f"layer {layer_index} head {h}: Eigen Attention {row['eigen_attention']} (held out "
+                  f"{', '.join(f'{v:.4f}' for v in row['eigen_attention_held_out_excess'])}), "
+                  f"{row['seconds']:.1f} s", flush=True)
+    fits = args.out + ".partial.jsonl"
+    fits = args.out if os.path.exists(args.out) else fits
+    if os.path.exists(fits):
+        print()
+        print(anchors_summary(_rows_of(fits), anchors))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default="0:0,0:4,10:2,15:0,20:6,29:8",
@@ -176,6 +267,9 @@ def main(argv=None):
     parser.add_argument("--out", default="results/rotary_real_heads.json")
     parser.add_argument("--resume", action="store_true", help="continue the run in OUT.partial.jsonl")
     parser.add_argument("--figure", default=None, help="also draw r*(eps) against the truncation rank here (PNG)")
+    parser.add_argument("--anchors", action="store_true",
+                        help="compute Eigen Attention's per-head choices (journal OUT.anchors.partial.jsonl) instead "
+                             "of the fits")
     parser.add_argument("--replot", default=None, metavar="JSON",
                         help="only redraw the figure and print the summary of a run (its JSON, or the "
                              ".partial.jsonl of one not finished)")
@@ -183,32 +277,31 @@ def main(argv=None):
     if args.replot:
         figure(_rows_of(args.replot), args.figure or "rotary_real_heads.png")
         print(summary(_rows_of(args.replot)))
+        anchors = _anchors_path(args.replot)
+        if os.path.exists(anchors):
+            print()
+            print(anchors_summary(_rows_of(args.replot), _rows_of(anchors)))
         return
-    from rstar.heads import collect_attention, text_windows
+    from rstar.heads import text_windows
 
     model, tok = load_smollm2()
     config = model.config
     pairs = _pairs(args.heads, config.num_hidden_layers, config.num_attention_heads)
-    record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device", "figure")}
-    journal = Journal(args.out + ".partial.jsonl", record, args.resume, len(pairs))
+    record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device", "figure", "anchors")}
+    if args.anchors:
+        journal = Journal(_anchors_path(args.out), record, args.resume, len(pairs))
+    else:
+        journal = Journal(args.out + ".partial.jsonl", record, args.resume, len(pairs))
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
+    if args.anchors:
+        return _run_anchors(args, model, pairs, journal, windows)
     print("| layer | head | kv | r*(1%) | interval | r*(5%) | held-out: truncation at r*(1%) / r*(5%) | "
           "held-out: fit's model at r*(1%) / r*(5%) | trunc. 1% / 5% | "
           "planes 1% / 5% | EVA 90% | time (s) | warnings |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in journal.done.values():
         _print_row(row)
-    read = {}
-
-    def heads(layer_index, h):
-        # a layer's heads read once, when the first of its heads not in the journal is fitted (inside that step,
-        # so its time counts)
-        if read.get("index") != layer_index:
-            read.clear()
-            read.update(index=layer_index,
-                        fit=collect_attention(model, windows[:args.n_samples], layers=[layer_index])[0],
-                        held=collect_attention(model, windows[args.n_samples:], layers=[layer_index])[0])
-        return read["fit"].head(h), read["held"].head(h)
+    heads = _layer_reader(model, windows, args)
 
     done = {}
     for layer_index, h in sorted(pairs):
