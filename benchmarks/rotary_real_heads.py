@@ -192,6 +192,36 @@ def _rows_of(path):
     return json.loads(text)["rows"]
 
 
+def anchors_figure(rows, anchors, path):
+    """Each layer's summed width under each choice (rstar's r*(eps), the truncation ranks, Eigen Attention's
+    per-head search, MHA2MLA's planes), at both tolerances, over the heads both runs hold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(a["layer"], a["head"]): a for a in anchors}
+    rows = [r for r in rows if (r["layer"], r["head"]) in by]
+    layers = sorted({r["layer"] for r in rows})
+    fig, axes = plt.subplots(1, len(TOLERANCES), figsize=(5.6 * len(TOLERANCES), 4.4), sharey=True)
+    for i, (ax, e) in enumerate(zip(np.atleast_1d(axes), TOLERANCES)):
+        for label, get, style in (
+                ("rstar r*(ε)", lambda r: r["ranks"][i], dict(color="tab:red", marker="o")),
+                ("truncation rank", lambda r: r["truncation"][i], dict(color="k", ls="--")),
+                ("Eigen Attention per head", lambda r: by[(r["layer"], r["head"])]["eigen_attention"][i],
+                 dict(color="tab:green", marker="v")),
+                ("MHA2MLA planes", lambda r: r["planes"][i], dict(color="tab:purple", marker="s"))):
+            ax.plot(layers, [sum(get(r) for r in rows if r["layer"] == lay) for lay in layers], ms=4, lw=1.2,
+                    label=label, **style)
+        ax.set(xlabel="layer", title=f"ε = {e:g}")
+    np.atleast_1d(axes)[0].set_ylabel("query–key width, summed over the layer's heads")
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M, {len(rows)} rotary heads: each choice's width per layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def figure(rows, path):
     """r*(eps) against the truncation rank per head, each reading with its interval, at both tolerances."""
     import matplotlib
@@ -281,6 +311,8 @@ def main(argv=None):
         if os.path.exists(anchors):
             print()
             print(anchors_summary(_rows_of(args.replot), _rows_of(anchors)))
+            anchors_figure(_rows_of(args.replot), _rows_of(anchors),
+                           os.path.splitext(args.figure or "rotary_real_heads.png")[0] + "_anchors.png")
         return
     from rstar.heads import text_windows
 
