@@ -184,6 +184,20 @@ def test_rotary_truncation_projects_on_the_logit_family_and_planes_are_kept_whol
     assert np.all(sv[4:] < 1e-12 * sv[0]) and sv[3] > 1e-3 * sv[0]
 
 
+def test_a_llama_rank_pattern_names_q_proj_and_k_proj_and_a_shared_key_head_serves_its_group(ids):
+    """PEFT's target modules of a Llama-family layer are q_proj and k_proj; with two query heads per key head
+    (d_head 8), k_proj needs each key head's group's ranks summed, at most d_head."""
+    from rstar.heads import rank_pattern
+
+    model = _model("llama")
+    layers = collect_attention(model, ids)
+    plan = [dict(layer=0, head=h, rank=r) for h, r in enumerate((3, 7, 2, 1))] + [dict(layer=1, head=2, rank=5)]
+    pattern = rank_pattern(plan, layers)
+    name0, name1 = layers[0].name, layers[1].name
+    assert pattern == {f"{name0}.q_proj": 13, f"{name0}.k_proj": 8 + 3, f"{name1}.q_proj": 5, f"{name1}.k_proj": 5}
+    assert set(pattern) <= set(dict(model.named_modules()))
+
+
 def test_eigen_attention_projects_a_rotary_head_s_rotated_queries_and_keys(ids):
     """Eigen Attention's per-head truncation of a rotary head, formed by hand from the module's own rotated queries
     and keys: the basis is the stacked activations' top right-singular directions on the calibration windows, the

@@ -164,7 +164,23 @@ def _query_key_modules(layer):
         return [f"{layer.name}.query", f"{layer.name}.key"]
     if layer.style == "gpt2":
         return [f"{layer.name}.c_attn"]
+    if layer.style == "llama":
+        return [f"{layer.name}.q_proj", f"{layer.name}.k_proj"]
     return [layer.name]
+
+
+def _key_side_width(layer, ranks):
+    """The width a Llama-family layer's ``k_proj`` needs for the query heads' ``ranks`` (head index to rank): a key
+    head shared by a group of query heads serves each of them, so it needs the union of their key-side
+    directions, at most the sum of their ranks and at most ``d_head``."""
+    held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
+    groups = {}
+    for pos, h in enumerate(held):
+        if h in ranks:
+            g = h if layer.kv_groups is None else int(layer.kv_groups[pos])
+            groups[g] = groups.get(g, 0) + ranks[h]
+    d_head = int(layer.query.shape[2])
+    return sum(min(w, d_head) for w in groups.values())
 
 
 def rank_pattern(plan, layers):
@@ -173,7 +189,9 @@ def rank_pattern(plan, layers):
     A plan's ranks are per head; a projection module serves every head of its layer, so its rank is the sum of its
     heads' ranks (the width of the layer's block-diagonal rank-r query–key map). Module names are those of
     ``model.named_modules()`` (BERT-style ``<attention>.query`` and ``.key``, GPT-2-style ``<attention>.c_attn``,
-    ``torch.nn.MultiheadAttention`` the module itself).
+    Llama-family ``<attention>.q_proj`` and ``.k_proj``, ``torch.nn.MultiheadAttention`` the module itself). In a
+    Llama-family layer whose key/value heads are shared by groups of query heads, ``k_proj``'s rank is summed over
+    its key heads, each needing at most the sum of its group's ranks and at most ``d_head``.
 
     Parameters
     ----------
@@ -186,11 +204,19 @@ def rank_pattern(plan, layers):
     -------
     dict of str to int
     """
-    widths = {}
-    for row in _rows(plan, ("layer", "rank")):
+    widths, ranks = {}, {}
+    for row in _rows(plan, ("layer", "head", "rank")):
         widths[int(row["layer"])] = widths.get(int(row["layer"]), 0) + int(row["rank"])
+        ranks.setdefault(int(row["layer"]), {})[int(row["head"])] = int(row["rank"])
     by_index = {layer.index: layer for layer in layers}
     missing = sorted(set(widths) - set(by_index))
     if missing:
         raise ValueError(f"the plan has heads of layer {missing[0]}, which is not among the layers given.")
-    return {name: widths[i] for i in sorted(widths) for name in _query_key_modules(by_index[i])}
+    pattern = {}
+    for i in sorted(widths):
+        layer = by_index[i]
+        names = _query_key_modules(layer)
+        pattern.update({name: widths[i] for name in names})
+        if layer.style == "llama":
+            pattern[names[1]] = _key_side_width(layer, ranks[i])
+    return pattern
