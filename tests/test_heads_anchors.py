@@ -219,6 +219,8 @@ def test_eigen_attention_per_head_is_its_truncation_and_its_threshold_search(ber
     assert eigen_attention_head_rank(flat, [0.0, 0.2, 0.0, 0.5, 0.0], 0.1) == 4   # stops at the first excess
     with pytest.raises(ValueError, match="d_head \\+ 1 = 5 entries"):
         eigen_attention_head_rank(flat, falling[:4], 0.01)
+    with pytest.raises(ValueError, match="tolerance must be"):
+        eigen_attention_head_rank(flat, falling, float("nan"))
 
 
 def test_the_anchors_truncations_inside_the_model(bert):

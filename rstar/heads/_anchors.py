@@ -393,8 +393,7 @@ def _head_activations(head, Xt):
     cache holds and what Eigen Attention's projection acts on."""
     from ..inversions._numerics.rotary import rotate
 
-    rows = slice(None) if head.has_bias else slice(0, -1)
-    q, k = Xt @ head.query[rows], Xt @ head.key[rows]
+    q, k = Xt @ head.query[head._rows()], Xt @ head.key[head._rows()]
     if head.rotary is not None:
         q, k = rotate(q, head.rotary), rotate(k, head.rotary)
     return q, k
@@ -460,6 +459,17 @@ def eigen_attention_head_rank(spectrum, curve, tolerance, thresholds=EIGEN_ATTEN
     head of a layer one rank; this is their search run on one head with rstar's measure (relative excess of the
     head's output), so that it stands beside r*(ε) head by head.
 
+    Parameters
+    ----------
+    spectrum : array-like of shape (d_head,)
+        Normalised singular values, descending (:func:`eigen_attention_head_curve`'s first value).
+    curve : array-like of shape (d_head + 1,)
+        The truncated head's relative excess at ranks 0 ... d_head.
+    tolerance : float
+        The excess the search may reach (rstar's ε).
+    thresholds : sequence of float, default=EIGEN_ATTENTION_THRESHOLDS
+        Descending, the first 1 (every direction kept).
+
     Returns
     -------
     rank : int
@@ -475,6 +485,8 @@ def eigen_attention_head_rank(spectrum, curve, tolerance, thresholds=EIGEN_ATTEN
     d_head = spectrum.size
     if curve.size != d_head + 1:
         raise ValueError(f"curve must have d_head + 1 = {d_head + 1} entries (ranks 0 ... d_head), got {curve.size}.")
+    if not (np.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}.")
     running = np.cumsum(spectrum)
     keep = d_head
     for t in (float(t) for t in thresholds):
