@@ -193,8 +193,9 @@ def _rows_of(path):
 
 
 def anchors_figure(rows, anchors, path):
-    """Each layer's summed width under each choice (rstar's r*(eps), the truncation ranks, Eigen Attention's
-    per-head search, MHA2MLA's planes), at both tolerances, over the heads both runs hold."""
+    """Each layer's mean width per head under each choice (rstar's r*(eps), the truncation ranks, Eigen Attention's
+    per-head search, MHA2MLA's planes), at both tolerances, over the heads both runs hold (a mean, so that a layer
+    only partly run compares)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,10 +212,10 @@ def anchors_figure(rows, anchors, path):
                 ("Eigen Attention per head", lambda r: by[(r["layer"], r["head"])]["eigen_attention"][i],
                  dict(color="tab:green", marker="v")),
                 ("MHA2MLA planes", lambda r: r["planes"][i], dict(color="tab:purple", marker="s"))):
-            ax.plot(layers, [sum(get(r) for r in rows if r["layer"] == lay) for lay in layers], ms=4, lw=1.2,
+            ax.plot(layers, [np.mean([get(r) for r in rows if r["layer"] == lay]) for lay in layers], ms=4, lw=1.2,
                     label=label, **style)
         ax.set(xlabel="layer", title=f"ε = {e:g}")
-    np.atleast_1d(axes)[0].set_ylabel("query–key width, summed over the layer's heads")
+    np.atleast_1d(axes)[0].set_ylabel("query–key width, mean over the layer's heads run")
     np.atleast_1d(axes)[0].legend(fontsize=8)
     fig.suptitle(f"SmolLM2-135M, {len(rows)} rotary heads: each choice's width per layer")
     fig.tight_layout()
