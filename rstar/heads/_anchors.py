@@ -17,6 +17,7 @@ algorithms (no code copied); where a port departs from them it says so.
 
 import numpy as np
 
+from ..inversions._numerics.rotary import rotate
 from ._collect import attention_rows
 from ._compress import activation_singular_values, truncated_heads
 from ._plan import _check_budget, _rows, _table, allocate_ranks
@@ -391,8 +392,6 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
 def _head_activations(head, Xt):
     """A head's queries and keys on features ``Xt`` (n, T, d~), after the rotation where it has one: what a KV
     cache holds and what Eigen Attention's projection acts on."""
-    from ..inversions._numerics.rotary import rotate
-
     q, k = Xt @ head.query[head._rows()], Xt @ head.key[head._rows()]
     if head.rotary is not None:
         q, k = rotate(q, head.rotary), rotate(k, head.rotary)
