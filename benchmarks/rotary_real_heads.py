@@ -110,8 +110,7 @@ def anchors_summary(rows, anchors):
     """Each choice's widths over the heads both runs hold, per tolerance: rstar's r*(eps), the heads' truncation
     ranks, Eigen Attention's per-head search, MHA2MLA's whole planes; with the heads held out within eps where the
     run measured it."""
-    by = {(a["layer"], a["head"]): a for a in anchors}
-    rows = [r for r in rows if (r["layer"], r["head"]) in by]
+    rows, by = _paired(rows, anchors)
     if not rows:
         return ""
     lines = [f"Widths of the {len(rows)} heads both runs hold (sum, median; sufficient: a head of that width within "
@@ -133,6 +132,12 @@ def anchors_summary(rows, anchors):
         lines.append(f"| {e:g} | {w(ours)} | {ok} | {w(trunc)} | {w(ea)} | {sum(ea_ok)} | {w(planes)} | "
                      f"{smaller} |")
     return "\n".join(lines)
+
+
+def _paired(rows, anchors):
+    """The fits' rows of the heads the anchors' run holds, and the anchors' rows by (layer, head)."""
+    by = {(a["layer"], a["head"]): a for a in anchors}
+    return [r for r in rows if (r["layer"], r["head"]) in by], by
 
 
 def _anchors_path(path):
@@ -201,8 +206,7 @@ def anchors_figure(rows, anchors, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by = {(a["layer"], a["head"]): a for a in anchors}
-    rows = [r for r in rows if (r["layer"], r["head"]) in by]
+    rows, by = _paired(rows, anchors)
     layers = sorted({r["layer"] for r in rows})
     fig, axes = plt.subplots(1, len(TOLERANCES), figsize=(5.6 * len(TOLERANCES), 4.4), sharey=True)
     for i, (ax, e) in enumerate(zip(np.atleast_1d(axes), TOLERANCES)):
@@ -279,8 +283,7 @@ def _run_anchors(args, model, pairs, journal, windows):
             print(f"layer {layer_index} head {h}: Eigen Attention {row['eigen_attention']} (held out "
                   f"{', '.join(f'{v:.4f}' for v in row['eigen_attention_held_out_excess'])}), "
                   f"{row['seconds']:.1f} s", flush=True)
-    fits = args.out + ".partial.jsonl"
-    fits = args.out if os.path.exists(args.out) else fits
+    fits = args.out if os.path.exists(args.out) else args.out + ".partial.jsonl"
     if os.path.exists(fits):
         print()
         print(anchors_summary(_rows_of(fits), anchors))

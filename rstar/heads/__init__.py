@@ -45,7 +45,8 @@ from ._baselines import activation_svd_rank, kernel_energy_rank, weight_mp_spike
 from ..inversions._numerics.softmax_factored import token_metric_roots
 from ..inversions._numerics.rotary import (RotaryPositions, pair_rotations, plane_strengths, rotary_directions,
                                           truncated_rotary_head)
-from ._collect import AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows, collect_attention
+from ._collect import (AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows,
+                       centred_sum_of_squares, collect_attention)
 from ._compress import (activation_basis_factors, activation_singular_values, rotary_query_projection,
                         truncated_head_factors, truncated_heads, whitened_factors)
 from ._plan import _rows, _table, allocate_ranks, rank_pattern, rank_plan
@@ -119,8 +120,7 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     """
     Xt = head.features(head.X if X is None else X)
     Y = head.output(X) if Y is None else Y
-    Yf = Y.reshape(-1, Y.shape[-1])
-    tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+    tss = centred_sum_of_squares(Y)
     values = Xt @ head.value_map()
     top = head.d_head if max_rank is None else int(max_rank)
     curve = np.empty(top + 1)
@@ -163,8 +163,7 @@ def plane_truncation_curve(head, X=None, Y=None):
         raise ValueError(f"layer {head.layer} head {head.head} has no rotary planes.")
     Xt = head.features(head.X if X is None else X)
     Y = head.output(X) if Y is None else Y
-    Yf = Y.reshape(-1, Y.shape[-1])
-    tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+    tss = centred_sum_of_squares(Y)
     values = Xt @ head.value_map()
     A, B = head.factors()
     roots = _metric_roots(Xt)

@@ -18,8 +18,9 @@ algorithms (no code copied); where a port departs from them it says so.
 import numpy as np
 
 from ..inversions._numerics.rotary import rotate
-from ._collect import attention_rows
-from ._compress import activation_singular_values, truncated_heads
+from ._collect import attention_rows, centred_sum_of_squares
+from ._compress import (_descending_eigen, _normalised_singular_values, activation_singular_values,
+                        truncated_heads)
 from ._plan import _check_budget, _rows, _table, allocate_ranks
 
 __all__ = ["EIGEN_ATTENTION_THRESHOLDS", "eigen_attention_head_curve", "eigen_attention_head_rank",
@@ -32,8 +33,7 @@ def _heads_of(layers):
     """``(layer, position, head index, d_head)`` for every head held, in the layers' order."""
     out = []
     for layer in layers:
-        held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
-        out += [(layer, pos, h, int(layer.query.shape[2])) for pos, h in enumerate(held)]
+        out += [(layer, pos, h, int(layer.query.shape[2])) for pos, h in enumerate(layer.held_heads)]
     if not out:
         raise ValueError("no heads: give the layers of rstar.heads.collect_attention.")
     return out
@@ -284,7 +284,7 @@ def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, rand
     for layer, pos, h, dh in heads:
         q, kk = rms[layer.index]
         # a key head shared by a group of query heads (grouped-query attention) scores each of them
-        g = h if layer.kv_groups is None else int(layer.kv_groups[pos])
+        g = layer.kv_group(pos)
         out.append(dict(layer=int(layer.index), head=int(h), d_head=dh,
                         fisher=float((q[h * dh:(h + 1) * dh].mean() + kk[g * dh:(g + 1) * dh].mean()) / 2),
                         fisher_loss=used))
@@ -374,7 +374,7 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
         block = _block(model, layer.name)
         full = _block_outputs(model, block, windows, batch_size)
         norm = float(full.norm())
-        held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
+        held = layer.held_heads
         d_head = int(layer.query.shape[2])
         errors = {d_head: 0.0}
         for t in thresholds:
@@ -425,16 +425,12 @@ def eigen_attention_head_curve(head, X=None, Y=None):
         Eigen Attention's thresholds read them.
     curve : ndarray of shape (d_head + 1,)
     """
-    q, k = _head_activations(head, head.features())
-    stacked = np.concatenate([k.reshape(-1, k.shape[-1]), q.reshape(-1, q.shape[-1])])
-    w, U = np.linalg.eigh(stacked.T @ stacked)
-    w, U = np.clip(w[::-1], 0.0, None), U[:, ::-1]
-    s = np.sqrt(w)
-    spectrum = s / s.sum() if s.sum() > 0 else s
+    q, k = (a.reshape(-1, a.shape[-1]) for a in _head_activations(head, head.features()))
+    w, U = _descending_eigen(k.T @ k + q.T @ q)   # the stacked activations [k; q]: their Gram, never stacked
+    spectrum = _normalised_singular_values(w)
     Xt = head.features(head.X if X is None else X)
     Y = head.output(X) if Y is None else Y
-    Yf = Y.reshape(-1, Y.shape[-1])
-    tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+    tss = centred_sum_of_squares(Y)
     q, k = _head_activations(head, Xt)
     qc, kc = (q @ U) / np.sqrt(head.d_head), k @ U
     values, mask = Xt @ head.value_map(), head.mask()

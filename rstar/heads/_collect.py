@@ -149,6 +149,13 @@ def attention_mask(T, causal=False, window=None):
     return keep
 
 
+def centred_sum_of_squares(Y):
+    """``sum ||y - mean||^2`` over the tokens of outputs ``Y`` (n, T, d_v), about each column's mean: the total
+    sum of squares a head's relative excess is measured against."""
+    Yf = Y.reshape(-1, Y.shape[-1])
+    return float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+
+
 def attention_rows(logits, causal=False, mask=None):
     """Row-wise softmax of ``logits`` (n, T, T), in place; with ``causal`` row i attends to keys ``j <= i`` only,
     with ``mask`` (T, T) to the keys it keeps."""
@@ -205,10 +212,19 @@ class AttentionLayer:
     def n_heads(self):
         return self.Y.shape[2]
 
+    @property
+    def held_heads(self):
+        """The indices in the layer of the heads held, in order (all of them unless :meth:`select_heads` chose)."""
+        return list(range(self.n_heads)) if self.head_indices is None else list(self.head_indices)
+
+    def kv_group(self, h):
+        """The key/value head the ``h``-th head held reads (its own index where every head has its own)."""
+        return self.held_heads[h] if self.kv_groups is None else int(self.kv_groups[h])
+
     def head(self, h):
         """The :class:`HeadTask` of the ``h``-th head held (its index in the layer: ``head_indices[h]``)."""
         index = h if self.head_indices is None else self.head_indices[h]
-        group = index if self.kv_groups is None else int(self.kv_groups[h])
+        group = self.kv_group(h)
         return HeadTask(self.index, index, self.X, np.ascontiguousarray(self.Y[:, :, h]), self.query[h], self.key[h],
                         self.value[h], self.causal, self.has_bias, self.rotary, self.window, group)
 
@@ -218,7 +234,7 @@ class AttentionLayer:
     def select_heads(self, heads):
         """This layer with only the heads ``heads`` (indices in the layer), which keep their indices."""
         heads = [int(h) for h in heads]
-        have = list(range(self.n_heads)) if self.head_indices is None else list(self.head_indices)
+        have = self.held_heads
         missing = [h for h in heads if h not in have]
         if missing:
             raise ValueError(f"layer {self.index} has no head {missing[0]} (it holds heads {have}).")

@@ -13,21 +13,31 @@ __all__ = ["activation_basis_factors", "activation_singular_values", "rotary_que
            "truncated_head_factors", "truncated_heads", "whitened_factors"]
 
 
-def _stacked_activations(query, key, gram):
-    """Eigenvalues (descending) and eigenvectors of ``[Z key; Z query]^T [Z key; Z query]`` (``gram = Z^T Z``): the
-    squared singular values and right-singular directions of a head's stacked key and query activations."""
-    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
-    C = key.T @ gram @ key + query.T @ gram @ query
+def _descending_eigen(C):
+    """Eigenvalues (descending, clipped at 0) and eigenvectors of a Gram matrix ``C = A^T A``: the squared singular
+    values and right-singular directions of A."""
     w, V = np.linalg.eigh((C + C.T) / 2)
     return np.clip(w[::-1], 0.0, None), V[:, ::-1]
+
+
+def _stacked_activations(query, key, gram):
+    """:func:`_descending_eigen` of ``[Z key; Z query]^T [Z key; Z query]`` (``gram = Z^T Z``): the squared singular
+    values and right-singular directions of a head's stacked key and query activations."""
+    query, key = np.asarray(query, dtype=float), np.asarray(key, dtype=float)
+    return _descending_eigen(key.T @ gram @ key + query.T @ gram @ query)
+
+
+def _normalised_singular_values(squared):
+    """Singular values from their squares, normalised to sum 1 (as Eigen Attention's threshold reads them)."""
+    s = np.sqrt(squared)
+    return s / s.sum() if s.sum() > 0 else s
 
 
 def activation_singular_values(query, key, gram):
     """Eigen Attention's spectrum of a head: the singular values of its key and query activations stacked as rows
     (``[Z key; Z query]``, uncentred, ``gram = Z^T Z``), descending, normalised to sum 1 (singular values, not
     their squares, as the authors' threshold reads them)."""
-    s = np.sqrt(_stacked_activations(query, key, gram)[0])
-    return s / s.sum() if s.sum() > 0 else s
+    return _normalised_singular_values(_stacked_activations(query, key, gram)[0])
 
 
 def activation_basis_factors(query, key, gram, rank):
@@ -224,7 +234,7 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
             raise ValueError(f"layer {index} ({layer.name}) is {layer.style}-style; only BERT-style attention "
                              "(separate query and key projections) and Llama-style (q_proj, k_proj) are rewritten "
                              "so far.")
-        held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
+        held = layer.held_heads
         if head not in held:
             raise ValueError(f"layer {index} holds no head {head} (it holds {held}).")
         pos = held.index(head)

@@ -173,12 +173,10 @@ def _key_side_width(layer, ranks):
     """The width a Llama-family layer's ``k_proj`` needs for the query heads' ``ranks`` (head index to rank): a key
     head shared by a group of query heads serves each of them, so it needs the union of their key-side
     directions, at most the sum of their ranks and at most ``d_head``."""
-    held = list(range(layer.n_heads)) if layer.head_indices is None else list(layer.head_indices)
     groups = {}
-    for pos, h in enumerate(held):
+    for pos, h in enumerate(layer.held_heads):
         if h in ranks:
-            g = h if layer.kv_groups is None else int(layer.kv_groups[pos])
-            groups[g] = groups.get(g, 0) + ranks[h]
+            groups[layer.kv_group(pos)] = groups.get(layer.kv_group(pos), 0) + ranks[h]
     d_head = int(layer.query.shape[2])
     return sum(min(w, d_head) for w in groups.values())
 
@@ -204,19 +202,18 @@ def rank_pattern(plan, layers):
     -------
     dict of str to int
     """
-    widths, ranks = {}, {}
+    ranks = {}   # layer -> head -> rank
     for row in _rows(plan, ("layer", "head", "rank")):
-        widths[int(row["layer"])] = widths.get(int(row["layer"]), 0) + int(row["rank"])
         ranks.setdefault(int(row["layer"]), {})[int(row["head"])] = int(row["rank"])
     by_index = {layer.index: layer for layer in layers}
-    missing = sorted(set(widths) - set(by_index))
+    missing = sorted(set(ranks) - set(by_index))
     if missing:
         raise ValueError(f"the plan has heads of layer {missing[0]}, which is not among the layers given.")
     pattern = {}
-    for i in sorted(widths):
+    for i in sorted(ranks):
         layer = by_index[i]
         names = _query_key_modules(layer)
-        pattern.update({name: widths[i] for name in names})
+        pattern.update({name: sum(ranks[i].values()) for name in names})
         if layer.style == "llama":
             pattern[names[1]] = _key_side_width(layer, ranks[i])
     return pattern
