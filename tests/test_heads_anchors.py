@@ -10,7 +10,8 @@ transformers = pytest.importorskip("transformers")
 
 from rstar.heads import (activation_basis_factors, activation_singular_values, collect_attention,  # noqa: E402
                          eigen_attention_head_curve, eigen_attention_head_rank, eigen_attention_plan,
-                         eigen_attention_sweep, eva_plan, fisher_share_plan, head_fisher_scores, truncated_heads, uniform_plan, weight_energy_plan, whitened_factors)
+                         eigen_attention_sweep, eva_plan, fisher_share_plan, head_fisher_scores, truncated_heads,
+                         uniform_plan, weight_energy_plan, whitened_factors)
 
 
 def _records(t):
