@@ -264,7 +264,9 @@ def test_a_head_that_attends_by_position_fitted_without_its_positions_is_warned(
         _w.simplefilter("error")
         fitted = RStarEstimator(causal=True, value_map=value_map, rotary=positions, random_state=0).fit(X, Y)
     assert fitted.model_check_["rejected"] == [] and fitted.model_check_["misfit_p"] > 0.01
-    assert (fitted.rank_, fitted.rank_interval_) == (1, (1, 1))   # plane 0 on a constant has rank 1 each side
+    # width 2: the constant coordinate (plane 0, turned by the offset: the position pattern) and the content
+    # direction (plane 1), one each on either side
+    assert (fitted.rank_, fitted.rank_interval_) == (2, (2, 2))
 
 
 def test_a_bidirectional_head_fitted_as_causal_is_warned_with_the_mask_to_fix():

@@ -248,7 +248,7 @@ def test_a_rotary_head_is_cut_on_its_query_side_inside_the_model(ids, kind):
     head = layer.head(1)
     A, B = head.factors()
     Z = head.features()
-    metric = token_metric_roots(Z)
+    metric = token_metric_roots(Z, keys_centred=False)     # a rotary head's metric: keys uncentred
     pairs = pair_rotations(layer.rotary, head.mask())
     P = rotary_query_projection(A, B, 3, pairs, metric)
     assert np.linalg.matrix_rank(P, tol=1e-8) == 3

@@ -127,7 +127,7 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     mask = head.mask()
     if head.rotary is not None:
         A, B = head.factors()
-        metric = _metric_roots(Xt)
+        metric = _rotary_metric_roots(Xt)
         pairs = pair_rotations(head.rotary, mask)
         directions = rotary_directions(metric, pairs, A, B)
         for r in range(top + 1):
@@ -144,10 +144,10 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
     return curve
 
 
-def _metric_roots(Xt):
-    """``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})`` of the features (the token metric the fits are compared
-    in)."""
-    return token_metric_roots(Xt)
+def _rotary_metric_roots(Xt):
+    """``(M_q^{1/2}, M_q^{-1/2}, M_k^{1/2}, M_k^{-1/2})`` of the features: the token metric the rotary fits are
+    compared in (keys uncentred: the rotation makes a key component constant within the window move weights)."""
+    return token_metric_roots(Xt, keys_centred=False)
 
 
 def plane_truncation_curve(head, X=None, Y=None):
@@ -166,7 +166,7 @@ def plane_truncation_curve(head, X=None, Y=None):
     tss = centred_sum_of_squares(Y)
     values = Xt @ head.value_map()
     A, B = head.factors()
-    roots = _metric_roots(Xt)
+    roots = _rotary_metric_roots(Xt)
     order = np.argsort(-plane_strengths(A, B, (roots[0], roots[2])), kind="stable")
     P = A.shape[1] // 2
     curve = np.empty(2 * P + 1)

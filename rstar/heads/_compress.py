@@ -303,7 +303,7 @@ def _llama_query_edits(module, layer, pos, head, rank, metric, factors, roots):
     biased = module.q_proj.bias is not None
     rows = slice(None) if biased else slice(0, -1)
     if metric == "tokens" and layer.index not in roots:
-        roots[layer.index] = token_metric_roots(_layer_tokens(layer, biased))
+        roots[layer.index] = token_metric_roots(_layer_tokens(layer, biased), keys_centred=False)
     pairs = pair_rotations(layer.rotary, layer.head(pos).mask())
     P = rotary_query_projection(layer.query[pos][rows], layer.key[pos][rows], rank, pairs,
                                 roots.get(layer.index) if metric == "tokens" else None)

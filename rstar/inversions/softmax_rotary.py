@@ -9,7 +9,8 @@ SVD-LLM reconstruct the keys before the rotation), so r* <= 2P = d_head. The log
 ``K(delta) = A R(delta) B^T``, and the width a head needs is the rank of that family on each side: the statistic is
 the family side by side, ``Z_q = [sqrt(w_delta) K(delta)]`` over the pairs' angle differences (each with its share
 w of the kept pairs) and ``Z_k`` likewise with ``K(delta)^T``, in the token metric, so every dimension is measured
-by its effect on the logits over the window. Planes whose frequencies the window cannot tell apart (low
+by its effect on the logits over the window (on the key side uncentred: a key component constant within the
+window is turned by the key's position, so unlike an unrotated head's it moves attention weights). Planes whose frequencies the window cannot tell apart (low
 frequencies over a short window) need no special treatment: the family sees only their sum.
 
 Each half of the samples (odd and even global index) is fitted with a full rotary head (A, B of shape (d, 2P), the
@@ -185,7 +186,9 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     if max_iter is None:
         max_iter = (calibration.log_attention_max_iter if name == ROTARY_LOG_NAME else
                     calibration.factored_max_iter if known else calibration.factored_max_iter_fitted_v)
-    metric = sf.token_metric_roots(np.concatenate([X1, X2]), calibration=calibration)
+    # keys uncentred: the rotation turns a key component constant within the window by its position, so it moves
+    # attention weights (a head projected in the centred metric would lose its positional pattern)
+    metric = sf.token_metric_roots(np.concatenate([X1, X2]), calibration=calibration, keys_centred=False)
     margin = calibration.split_half_margin if margin is None else float(margin)
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
     pre = (metric[1], metric[0])

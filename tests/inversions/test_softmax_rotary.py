@@ -163,6 +163,58 @@ def test_rotary_estimator_clones_pickles_and_predicts_at_its_positions_only():
                                est.predict(X[:5]), rtol=1e-8, atol=1e-10)
 
 
+def _positional_head(seed=3):
+    """Tokens with a constant feature (as real hidden states carry one) and a width-2 head whose key side reads
+    it: rotated by the key's position, that constant gives a relative-position pattern."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((600, T, D))
+    X[:, :, 0] = 3.0
+    Uk = np.zeros((D, 2))
+    Uk[0, 0], Uk[1:, 1] = 1.0, rng.standard_normal(D - 1) / np.sqrt(D)
+    A = rng.standard_normal((D, 2)) @ rng.standard_normal((2, 2 * P)) * 0.5
+    B = Uk @ rng.standard_normal((2, 2 * P)) * 1.5
+    V = rng.standard_normal((D, DV)) / np.sqrt(D)
+    return X, A, B, V
+
+
+def test_a_rotary_head_is_measured_with_its_keys_uncentred():
+    """A key component constant within the window moves no attention weight in an unrotated head, but a rotary
+    head turns it by the key's position: projected in the tokens' metric with the keys centred, a width-2 head
+    that reads it loses its positional pattern at width 2; with the keys uncentred (the rotary metric) the
+    width-2 projection is the head itself."""
+    from rstar.inversions._numerics.rotary import pair_rotations, truncated_rotary_head
+
+    X, A, B, V = _positional_head()
+    Y = sf.factored_outputs(X, X @ V, A, B, MASK, rotary=POS)
+    tss = float(np.sum((Y - Y.reshape(-1, DV).mean(axis=0)) ** 2))
+    pairs = pair_rotations(POS, MASK)
+
+    def excess(metric):
+        Ar, Br = truncated_rotary_head(metric, pairs, A, B, 2)
+        return float(np.sum((Y - sf.factored_outputs(X, X @ V, Ar, Br, MASK, rotary=POS)) ** 2)) / tss
+
+    assert excess(sf.token_metric_roots(X, keys_centred=False)) < 1e-10
+    assert excess(sf.token_metric_roots(X)) > 0.05
+    Mq, Mk, count = sf.token_metric_sums(X, keys_centred=False)
+    np.testing.assert_array_equal(Mq, Mk)
+
+
+def test_a_positional_rotary_head_is_read_at_its_width():
+    """The estimator on the head above (noise 5 %): width 2 exactly, and its width-2 model reproduces the
+    outputs to the noise on other windows."""
+    X, A, B, V = _positional_head()
+    rng = np.random.default_rng(4)
+    Y = sf.factored_outputs(X, X @ V, A, B, MASK, rotary=POS)
+    Y = Y + 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    est = RStarEstimator(rotary=POS, causal=True, value_map=V, tolerance=0.01, random_state=0).fit(X, Y)
+    assert (est.rank_, est.rank_interval_) == (2, (2, 2))
+    Xh = rng.standard_normal((200, T, D))
+    Xh[:, :, 0] = 3.0
+    Yh = sf.factored_outputs(Xh, Xh @ V, A, B, MASK, rotary=POS)
+    tss = float(np.sum((Yh - Yh.reshape(-1, DV).mean(axis=0)) ** 2))
+    assert float(np.sum((Yh - est.predict(Xh, rank=2)) ** 2)) / tss < 0.01
+
+
 def test_rotation_changes_the_task():
     """The same factors without the rotation give other outputs: the class is not the plain softmax's."""
     A, B = _head(planes=(0, 1))

@@ -22,7 +22,9 @@ direction ``b`` on the key side with ``b^T x_j`` constant within each sequence
 (a key bias, the constant feature of a biased head) moves no attention weight.
 :func:`token_metric_roots` gives the metric in which the fitted kernels are
 compared: the query-side token second moment and the key-side second moment of
-the tokens centred within their sequence.
+the tokens centred within their sequence. A rotary head turns that constant by
+the key's position, so there it does move attention weight (a relative-position
+pattern): its key side is measured uncentred (``keys_centred=False``).
 """
 
 from dataclasses import dataclass
@@ -601,17 +603,19 @@ def token_metric_cost(n, T, d):
     return float(2 * n * T * d * d + 20 * d**3)
 
 
-def token_metric_sums(X, Y=None, calibration=DEFAULT_CALIBRATION):
+def token_metric_sums(X, Y=None, calibration=DEFAULT_CALIBRATION, *, keys_centred=True):
     """A chunk's shares of the token metrics: ``(sum_i X_i^T X_i, sum_i (P X_i)^T P X_i, tokens)``, P the centring
-    within each sequence (``Y`` unused: a :meth:`rstar.streaming.Samples.map_sum` function)."""
+    within each sequence, or the identity where ``keys_centred`` is False (``Y`` unused: a
+    :meth:`rstar.streaming.Samples.map_sum` function)."""
     n, T, d = X.shape
     Mq, Mk = np.zeros((d, d)), np.zeros((d, d))
     for part in _chunks(n, T, d, calibration):
         Xp = X[part].reshape(-1, d)
         Mq += Xp.T @ Xp
-        Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
-        Mk += Xc.T @ Xc
-    return Mq, Mk, n * T
+        if keys_centred:
+            Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
+            Mk += Xc.T @ Xc
+    return Mq, Mk if keys_centred else Mq.copy(), n * T
 
 
 def token_metric_roots_of_sums(sums, ridge=1e-12):
@@ -623,15 +627,18 @@ def token_metric_roots_of_sums(sums, ridge=1e-12):
     return tuple(out)
 
 
-def token_metric_roots(X, ridge=1e-12, *, calibration=DEFAULT_CALIBRATION):
+def token_metric_roots(X, ridge=1e-12, *, calibration=DEFAULT_CALIBRATION, keys_centred=True):
     """Square roots and pseudo-inverse square roots of the query- and key-side token metrics.
 
     ``M_q = sum_i X_i^T X_i / (n T)`` (the tokens) and
     ``M_k = sum_i (X_i - 1 xbar_i^T)^T (X_i - 1 xbar_i^T) / (n T)`` (the tokens centred within their sequence:
     what moves attention weights). The kernel's action on the data is ``M_q^{1/2} K M_k^{1/2}``.
+    ``keys_centred=False`` gives ``M_k = M_q``: a rotary head's metric, where a key component constant within the
+    sequence is turned by the key's position and so moves attention weights (measured centred, it would weigh
+    nothing, and a head projected in that metric would lose it — its positional pattern).
 
     Returns
     -------
     (Mq_half, Mq_inv_half, Mk_half, Mk_inv_half) : tuple of ndarray of shape (d, d)
     """
-    return token_metric_roots_of_sums(token_metric_sums(X, calibration=calibration), ridge)
+    return token_metric_roots_of_sums(token_metric_sums(X, calibration=calibration, keys_centred=keys_centred), ridge)
