@@ -9,8 +9,7 @@ SVD-LLM reconstruct the keys before the rotation), so r* <= 2P = d_head. The log
 ``K(delta) = A R(delta) B^T``, and the width a head needs is the rank of that family on each side: the statistic is
 the family side by side, ``Z_q = [sqrt(w_delta) K(delta)]`` over the pairs' angle differences (each with its share
 w of the kept pairs) and ``Z_k`` likewise with ``K(delta)^T``, in the token metric, so every dimension is measured
-by its effect on the logits over the window (on the key side uncentred: a key component constant within the
-window is turned by the key's position, so unlike an unrotated head's it moves attention weights). Planes whose frequencies the window cannot tell apart (low
+by its effect on the logits over the window. Planes whose frequencies the window cannot tell apart (low
 frequencies over a short window) need no special treatment: the family sees only their sum.
 
 Each half of the samples (odd and even global index) is fitted with a full rotary head (A, B of shape (d, 2P), the
@@ -21,6 +20,17 @@ halves). The whitened half-sum of the families is tested against their half-diff
 half-difference's largest (either side) by the split-half margin. A head truncated to width r projects its query
 and key factors on the top r directions of its own family (each half's own, for the cross-fitted risk curve; the
 half-sum's, for ``predict``).
+
+Two metrics. The fits (their preconditioner and start) and the split-half test use the tokens' metric with the keys
+centred within the window, as the unrotated softmax fits do. The heads cut to width r (the risk curve, ``predict``)
+are cut with the keys uncentred: a key component constant within the window moves no attention weight in an
+unrotated head, but the rotation turns it by the key's position (a relative-position pattern), so a cut that
+weighs it at nothing drops it (on SmolLM2's layer 8 head 0 the fit's width-34 cut stood at 10 % of Var(Y) where the
+head's own needs 1 %). The test does not use that metric: in the planes the window barely turns the same component
+is barely identified, and with it weighed in full the halves' disagreement along it (on layer 2 head 2, 6 times the
+next direction's) raised the split-half noise for every direction, and planted widths on SmolLM2's inputs went
+unsettled. The count therefore does not see a direction constant within the window on both sides (a pure
+position pattern); the risk curve does, and a tolerance reading beyond the count is warned with its interval.
 """
 
 import numpy as np
@@ -186,9 +196,12 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     if max_iter is None:
         max_iter = (calibration.log_attention_max_iter if name == ROTARY_LOG_NAME else
                     calibration.factored_max_iter if known else calibration.factored_max_iter_fitted_v)
-    # keys uncentred: the rotation turns a key component constant within the window by its position, so it moves
-    # attention weights (a head projected in the centred metric would lose its positional pattern)
-    metric = sf.token_metric_roots(np.concatenate([X1, X2]), calibration=calibration, keys_centred=False)
+    Xall = np.concatenate([X1, X2])
+    # the fit and its split-half test in the tokens' metric with the keys centred within the window; the heads cut
+    # to width r (the risk curve, predict) with the keys uncentred (see the module's notes)
+    metric = sf.token_metric_roots(Xall, calibration=calibration)
+    cut_metric = sf.token_metric_roots(Xall, calibration=calibration, keys_centred=False)
+    stat_metric = metric
     margin = calibration.split_half_margin if margin is None else float(margin)
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
     pre = (metric[1], metric[0])
@@ -213,7 +226,7 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     def on_check(current, n_iter):
         nonlocal spent
         spent += _segment_cost(n, T, d, d_v, q, known, calibration)
-        lam, sd, _, _ = family_split_half(metric, [(f.A, f.B) for f in current], pairs, q)
+        lam, sd, _, _ = family_split_half(stat_metric, [(f.A, f.B) for f in current], pairs, q)
         edge = float(sd[0])
         count = stopping_count(lam, edge, margin)
         previous = state.get("previous")
@@ -245,7 +258,11 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
                                     rotary=rotary)
     stable = state.get("outcome") == "settled" or all(f.converged for f in fits)
     halves_factors = tuple((f.A, f.B) for f in fits)
-    s, sd, Uq, Uk = family_split_half(metric, halves_factors, pairs, q)
+    s, sd, Uq, Uk = family_split_half(stat_metric, halves_factors, pairs, q)
+    if cut_metric is not stat_metric:
+        _, _, Uq_cut, Uk_cut = family_split_half(cut_metric, halves_factors, pairs, q)
+    else:
+        Uq_cut, Uk_cut = Uq, Uk
     lam = s**2 / d
     count = stopping_count(s, float(sd[0]), margin)
     rss = sum(f.rss for f in fits)
@@ -259,7 +276,7 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     V = value_map if known else (fits[0].value_map + fits[1].value_map) / 2
     null = SplitHalfNull(null_eigenvalues=sd**2 / d, margin=margin, noise_variance=float(sigma2),
                          noise_dof=float(dof), fitted_rank=int(q), rank_cap=int(max(d, q + 1)), kernel=None,
-                         value_map=V, metric=metric, singular_vectors=(Uq, Uk), half_kernels=halves_factors,
+                         value_map=V, metric=cut_metric, singular_vectors=(Uq_cut, Uk_cut), half_kernels=halves_factors,
                          rotary=rotary)
     return WhitenedStatistic(lam, Uq[:, :q], metric[1], float(n * d_v), null, name, (), [], "logit",
                              findings=findings)
