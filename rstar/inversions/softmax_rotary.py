@@ -27,7 +27,7 @@ are cut with the keys uncentred: a key component constant within the window move
 unrotated head, but the rotation turns it by the key's position (a relative-position pattern), so a cut that
 weighs it at nothing drops it (on SmolLM2's layer 8 head 0 the fit's width-34 cut stood at 10 % of Var(Y) where the
 head's own needs 1 %). The test does not use that metric: in the planes the window barely turns the same component
-is barely identified, and with it weighed in full the halves' disagreement along it (on layer 2 head 2, 6 times the
+is barely identified, and with it weighed in full the halves' disagreement along it (on layer 2 head 2, 6 to 8 times the
 next direction's) raised the split-half noise for every direction, and planted widths on SmolLM2's inputs went
 unsettled. The count therefore does not see a direction constant within the window on both sides (a pure
 position pattern); the risk curve does, and a tolerance reading beyond the count is warned with its interval.
