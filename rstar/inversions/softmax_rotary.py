@@ -196,12 +196,10 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     if max_iter is None:
         max_iter = (calibration.log_attention_max_iter if name == ROTARY_LOG_NAME else
                     calibration.factored_max_iter if known else calibration.factored_max_iter_fitted_v)
-    Xall = np.concatenate([X1, X2])
     # the fit and its split-half test in the tokens' metric with the keys centred within the window; the heads cut
     # to width r (the risk curve, predict) with the keys uncentred (see the module's notes)
-    metric = sf.token_metric_roots(Xall, calibration=calibration)
-    cut_metric = sf.token_metric_roots(Xall, calibration=calibration, keys_centred=False)
-    stat_metric = metric
+    metric = sf.token_metric_roots(np.concatenate([X1, X2]), calibration=calibration)
+    cut_metric = sf.uncentred_key_roots(metric)
     margin = calibration.split_half_margin if margin is None else float(margin)
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
     pre = (metric[1], metric[0])
@@ -226,7 +224,7 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     def on_check(current, n_iter):
         nonlocal spent
         spent += _segment_cost(n, T, d, d_v, q, known, calibration)
-        lam, sd, _, _ = family_split_half(stat_metric, [(f.A, f.B) for f in current], pairs, q)
+        lam, sd, _, _ = family_split_half(metric, [(f.A, f.B) for f in current], pairs, q)
         edge = float(sd[0])
         count = stopping_count(lam, edge, margin)
         previous = state.get("previous")
@@ -258,11 +256,9 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
                                     rotary=rotary)
     stable = state.get("outcome") == "settled" or all(f.converged for f in fits)
     halves_factors = tuple((f.A, f.B) for f in fits)
-    s, sd, Uq, Uk = family_split_half(stat_metric, halves_factors, pairs, q)
-    if cut_metric is not stat_metric:
-        _, _, Uq_cut, Uk_cut = family_split_half(cut_metric, halves_factors, pairs, q)
-    else:
-        Uq_cut, Uk_cut = Uq, Uk
+    s, sd, Uq, Uk = family_split_half(metric, halves_factors, pairs, q)
+    # predict's directions: the half-sum's family in the metric of the cuts
+    _, _, Uq_cut, Uk_cut = family_split_half(cut_metric, halves_factors, pairs, q)
     lam = s**2 / d
     count = stopping_count(s, float(sd[0]), margin)
     rss = sum(f.rss for f in fits)
@@ -276,8 +272,8 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     V = value_map if known else (fits[0].value_map + fits[1].value_map) / 2
     null = SplitHalfNull(null_eigenvalues=sd**2 / d, margin=margin, noise_variance=float(sigma2),
                          noise_dof=float(dof), fitted_rank=int(q), rank_cap=int(max(d, q + 1)), kernel=None,
-                         value_map=V, metric=cut_metric, singular_vectors=(Uq_cut, Uk_cut), half_kernels=halves_factors,
-                         rotary=rotary)
+                         value_map=V, metric=cut_metric, singular_vectors=(Uq_cut, Uk_cut),
+                         half_kernels=halves_factors, rotary=rotary)
     return WhitenedStatistic(lam, Uq[:, :q], metric[1], float(n * d_v), null, name, (), [], "logit",
                              findings=findings)
 

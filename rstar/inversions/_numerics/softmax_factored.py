@@ -63,6 +63,7 @@ __all__ = [
     "token_metric_roots",
     "token_metric_roots_of_sums",
     "token_metric_sums",
+    "uncentred_key_roots",
     "token_metric_cost",
     "factored_eval_cost",
     "factored_start_cost",
@@ -603,19 +604,17 @@ def token_metric_cost(n, T, d):
     return float(2 * n * T * d * d + 20 * d**3)
 
 
-def token_metric_sums(X, Y=None, calibration=DEFAULT_CALIBRATION, *, keys_centred=True):
+def token_metric_sums(X, Y=None, calibration=DEFAULT_CALIBRATION):
     """A chunk's shares of the token metrics: ``(sum_i X_i^T X_i, sum_i (P X_i)^T P X_i, tokens)``, P the centring
-    within each sequence, or the identity where ``keys_centred`` is False (``Y`` unused: a
-    :meth:`rstar.streaming.Samples.map_sum` function)."""
+    within each sequence (``Y`` unused: a :meth:`rstar.streaming.Samples.map_sum` function)."""
     n, T, d = X.shape
     Mq, Mk = np.zeros((d, d)), np.zeros((d, d))
     for part in _chunks(n, T, d, calibration):
         Xp = X[part].reshape(-1, d)
         Mq += Xp.T @ Xp
-        if keys_centred:
-            Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
-            Mk += Xc.T @ Xc
-    return Mq, Mk if keys_centred else Mq.copy(), n * T
+        Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
+        Mk += Xc.T @ Xc
+    return Mq, Mk, n * T
 
 
 def token_metric_roots_of_sums(sums, ridge=1e-12):
@@ -641,4 +640,11 @@ def token_metric_roots(X, ridge=1e-12, *, calibration=DEFAULT_CALIBRATION, keys_
     -------
     (Mq_half, Mq_inv_half, Mk_half, Mk_inv_half) : tuple of ndarray of shape (d, d)
     """
-    return token_metric_roots_of_sums(token_metric_sums(X, calibration=calibration, keys_centred=keys_centred), ridge)
+    roots = token_metric_roots_of_sums(token_metric_sums(X, calibration=calibration), ridge)
+    return roots if keys_centred else uncentred_key_roots(roots)
+
+
+def uncentred_key_roots(roots):
+    """The token metric's roots with the key side's replaced by the query side's (``M_k = M_q``, the keys
+    uncentred: a rotary head's cuts)."""
+    return (roots[0], roots[1], roots[0], roots[1])
