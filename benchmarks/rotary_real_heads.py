@@ -16,7 +16,12 @@ the layer's inputs (90%). With ``--anchors``, Eigen Attention's choice for each 
 rotated queries and keys stacked, lowered until the head's excess on the fitted windows passes eps; the projection
 after the rotation, as a cache of projected keys holds them), with its held-out excess (the basis from the fitted
 windows), journalled apart (``OUT.anchors.partial.jsonl``, seconds a head): the summary then sets the anchors'
-widths beside rstar's.
+widths beside rstar's. With ``--judge``, the judge's own noise instead (``OUT.judge.partial.jsonl``, seconds a
+head, no fits): each head's truncation curve on both sets of windows, the held-out one with its standard error over
+windows (:func:`rstar.heads.kernel_truncation_curve` with ``return_se``). Two sets of 500 windows of text differ:
+the truncation rank read on the fitted windows — what an estimator that knew the head exactly would read there —
+is itself not always sufficient on the held-out ones where the head's curve crosses eps shallowly; the summary
+counts that ceiling beside rstar's readings, strictly and within two standard errors of eps.
 
 Each head's row is appended to ``OUT.partial.jsonl`` as it finishes, with the heads done and the time left printed;
 an interrupted run continues with ``--resume`` (same options). The layers are read one at a time (a layer's inputs
@@ -106,6 +111,57 @@ def _anchor_row(head, held):
                 seconds=time.perf_counter() - t0)
 
 
+def _judge_row(head, held):
+    """The judge's own noise: the head's truncation curve on the fitted windows (where its truncation rank is read)
+    and on the held-out ones (where sufficiency is judged), with the held-out curve's standard error over windows."""
+    from rstar.heads import kernel_truncation_curve
+
+    held_curve, held_se = kernel_truncation_curve(held, return_se=True)
+    return dict(layer=int(head.layer), head=int(head.head),
+                truncation_curve=[float(v) for v in kernel_truncation_curve(head)],
+                held_out_truncation_curve=[float(v) for v in held_curve],
+                held_out_truncation_se=[float(v) for v in held_se])
+
+
+def judge_summary(rows, judged):
+    """How much of "sufficient and within" the windows can decide. Per tolerance: rstar's r*(eps) sufficient held
+    out strictly and within two standard errors of eps (the held-out truncation's error over windows), and so with
+    the truncation rank; the same counts for the truncation rank itself read on the fitted windows (the reading an
+    estimator that knew the head exactly would give there: the ceiling of the strict count); and how often the
+    truncation ranks of the two sets of windows agree."""
+    from rstar.risk import rank_at_tolerance
+
+    rows, by = _paired(rows, judged)
+    if not rows:
+        return ""
+    lines = [f"The judge's own noise, {len(rows)} heads (held out: the head's truncation on the held-out windows; "
+             "2 se: its excess within two standard errors of ε):", "",
+             "| ε | r*(ε) sufficient (strict / 2 se) | r*(ε) sufficient and within (strict / 2 se) | fitted windows' "
+             "truncation rank sufficient held out (strict / 2 se) | truncation ranks of the two window sets equal "
+             "(within ±2) | r*(ε) = held-out truncation rank (within ±2) |",
+             "|---|---|---|---|---|---|"]
+    for i, e in enumerate(TOLERANCES):
+        counts = np.zeros(8, dtype=int)
+        for r in rows:
+            j = by[(r["layer"], r["head"])]
+            held, se = np.asarray(j["held_out_truncation_curve"]), np.asarray(j["held_out_truncation_se"])
+            top = len(held) - 1
+            rank, trunc = min(r["ranks"][i], top), rank_at_tolerance(np.asarray(j["truncation_curve"]), e)
+            held_rank = rank_at_tolerance(held, e)
+            model = r["held_out_excess"][i] <= e
+            strict, loose = held[rank] <= e or model, held[rank] <= e + 2 * se[rank] or model
+            within = r["ranks"][i] <= r["truncation"][i]
+            counts += [strict, loose, strict and within, loose and within, held[trunc] <= e,
+                       held[trunc] <= e + 2 * se[trunc], trunc == held_rank, r["ranks"][i] == held_rank]
+        near = [sum(abs(rank_at_tolerance(np.asarray(by[(r["layer"], r["head"])][key]), e) - other(r)) <= 2
+                    for r in rows)
+                for key, other in (("held_out_truncation_curve", lambda r: r["truncation"][i]),
+                                   ("held_out_truncation_curve", lambda r: r["ranks"][i]))]
+        lines.append(f"| {e:g} | {counts[0]} / {counts[1]} | {counts[2]} / {counts[3]} | {counts[4]} / {counts[5]} "
+                     f"| {counts[6]} ({near[0]}) | {counts[7]} ({near[1]}) |")
+    return "\n".join(lines)
+
+
 def anchors_summary(rows, anchors):
     """Each choice's widths over the heads both runs hold, per tolerance: rstar's r*(eps), the heads' truncation
     ranks, Eigen Attention's per-head search, MHA2MLA's whole planes; with the heads held out within eps where the
@@ -144,6 +200,12 @@ def _anchors_path(path):
     """Where the anchors' journal of a run (its JSON or its .partial.jsonl) is."""
     base = path[:-len(".partial.jsonl")] if path.endswith(".partial.jsonl") else path
     return base + ".anchors.partial.jsonl"
+
+
+def _judge_path(path):
+    """Where the judge's journal of a run (its JSON or its .partial.jsonl) is."""
+    base = path[:-len(".partial.jsonl")] if path.endswith(".partial.jsonl") else path
+    return base + ".judge.partial.jsonl"
 
 
 def _print_row(row):
@@ -289,6 +351,15 @@ def _run_anchors(args, model, pairs, journal, windows):
         print(anchors_summary(_rows_of(fits), anchors))
 
 
+def _run_judge(args, model, pairs, journal, windows):
+    heads = _layer_reader(model, windows, args)
+    judged = [journal.step(f"{layer_index},{h}", lambda: _judge_row(*heads(layer_index, h)))
+              for layer_index, h in sorted(pairs)]
+    fits = args.out if os.path.exists(args.out) else args.out + ".partial.jsonl"
+    if os.path.exists(fits):
+        print(judge_summary(_rows_of(fits), judged))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default="0:0,0:4,10:2,15:0,20:6,29:8",
@@ -304,6 +375,9 @@ def main(argv=None):
     parser.add_argument("--anchors", action="store_true",
                         help="compute Eigen Attention's per-head choices (journal OUT.anchors.partial.jsonl) instead "
                              "of the fits")
+    parser.add_argument("--judge", action="store_true",
+                        help="measure the judge's own noise (journal OUT.judge.partial.jsonl): the heads' truncation "
+                             "curves on both sets of windows, the held-out one with its standard error; no fits")
     parser.add_argument("--replot", default=None, metavar="JSON",
                         help="only redraw the figure and print the summary of a run (its JSON, or the "
                              ".partial.jsonl of one not finished)")
@@ -317,20 +391,31 @@ def main(argv=None):
             print(anchors_summary(_rows_of(args.replot), _rows_of(anchors)))
             anchors_figure(_rows_of(args.replot), _rows_of(anchors),
                            os.path.splitext(args.figure or "rotary_real_heads.png")[0] + "_anchors.png")
+        judged = _judge_path(args.replot)
+        if os.path.exists(judged):
+            print()
+            print(judge_summary(_rows_of(args.replot), _rows_of(judged)))
         return
     from rstar.heads import text_windows
 
     model, tok = load_smollm2()
     config = model.config
     pairs = _pairs(args.heads, config.num_hidden_layers, config.num_attention_heads)
-    record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device", "figure", "anchors")}
+    record = {k: v for k, v in vars(args).items()
+              if k not in ("out", "resume", "device", "figure", "anchors", "judge")}
+    if args.anchors and args.judge:
+        raise SystemExit("--anchors and --judge are separate runs: give one of them.")
     if args.anchors:
         journal = Journal(_anchors_path(args.out), record, args.resume, len(pairs))
+    elif args.judge:
+        journal = Journal(_judge_path(args.out), record, args.resume, len(pairs))
     else:
         journal = Journal(args.out + ".partial.jsonl", record, args.resume, len(pairs))
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
     if args.anchors:
         return _run_anchors(args, model, pairs, journal, windows)
+    if args.judge:
+        return _run_judge(args, model, pairs, journal, windows)
     print("| layer | head | kv | r*(1%) | interval | r*(5%) | held-out: truncation at r*(1%) / r*(5%) | "
           "held-out: fit's model at r*(1%) / r*(5%) | trunc. 1% / 5% | "
           "planes 1% / 5% | EVA 90% | time (s) | warnings |")

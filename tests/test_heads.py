@@ -57,6 +57,24 @@ def test_multihead_attention_outputs_and_weights(ids, batch_first):
         assert truncation_rank(head, 0.0) <= head.d_head
 
 
+def test_truncation_curve_standard_error_matches_the_spread_over_window_sets():
+    """The curve's standard error over windows is what its spread over independent sets of windows is."""
+    torch.manual_seed(0)
+    ids = np.random.default_rng(1).integers(0, 60, size=(30 * 200, 10))
+    (layer,) = collect_attention(_Block(), ids, batch_size=500)
+    head = layer.head(1)
+    curves, ses = [], []
+    for chunk in np.split(np.arange(len(ids)), 30):
+        curve, se = kernel_truncation_curve(head, X=head.X[chunk], return_se=True)
+        np.testing.assert_array_equal(curve, kernel_truncation_curve(head, X=head.X[chunk]))
+        curves.append(curve)
+        ses.append(se)
+    curves, ses = np.array(curves), np.array(ses)
+    spread, mean_se = curves[:, 1:-1].std(axis=0, ddof=1), ses[:, 1:-1].mean(axis=0)
+    assert np.all(mean_se > 0) and ses[:, -1].max() < 1e-12
+    np.testing.assert_allclose(mean_se / spread, 1.0, atol=0.3)
+
+
 def test_select_heads_keeps_their_indices(ids):
     torch.manual_seed(0)
     (layer,) = collect_attention(_Block(), ids)

@@ -91,7 +91,7 @@ def load_minilm():
     return model, tokenizer
 
 
-def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
+def kernel_truncation_curve(head, X=None, Y=None, max_rank=None, return_se=False):
     """Relative excess risk of the head's kernel truncated by SVD to rank r, r = 0 ... ``max_rank``.
 
     ``curve[r] = ||Y - Y_r||^2 / TSS`` with ``Y_r`` the head's output with ``K`` replaced by its best rank-r
@@ -113,18 +113,34 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
         Reference outputs (None: the head's output on X).
     max_rank : int or None
         None: ``d_head``.
+    return_se : bool
+        Also return each point's standard error over the windows (the n windows as independent draws; the curve is
+        a ratio of sums over windows, its error by the delta method): whether a width's excess on other windows is
+        distinguishable from ε.
 
     Returns
     -------
     curve : ndarray of shape (max_rank + 1,)
+    se : ndarray of shape (max_rank + 1,)
+        Only with ``return_se``.
     """
     Xt = head.features(head.X if X is None else X)
     Y = head.output(X) if Y is None else Y
     tss = centred_sum_of_squares(Y)
+    Yf = Y.reshape(-1, Y.shape[-1])
+    tss_windows = np.sum((Y - Yf.mean(axis=0)) ** 2, axis=(1, 2))      # each window's share of the TSS
     values = Xt @ head.value_map()
     top = head.d_head if max_rank is None else int(max_rank)
     curve = np.empty(top + 1)
+    se = np.zeros(top + 1)
     mask = head.mask()
+
+    def excess(S, r):
+        residual = np.sum((Y - S @ values) ** 2, axis=(1, 2))
+        curve[r] = float(np.sum(residual)) / tss if tss > 0 else 0.0
+        n = residual.shape[0]
+        if tss > 0 and n > 1:
+            se[r] = float(np.sqrt(n / (n - 1) * np.sum((residual - curve[r] * tss_windows) ** 2))) / tss
     if head.rotary is not None:
         A, B = head.factors()
         metric = _rotary_metric_roots(Xt)
@@ -132,16 +148,14 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None):
         directions = rotary_directions(metric, pairs, A, B)
         for r in range(top + 1):
             factors = truncated_rotary_head(metric, pairs, A, B, r, directions)
-            S = attention_rows(head.logits(Xt, factors=factors), mask=mask)
-            curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
-        return curve
+            excess(attention_rows(head.logits(Xt, factors=factors), mask=mask), r)
+        return (curve, se) if return_se else curve
     L, s, R = head.kernel_factors()
     left = Xt @ L * (s / np.sqrt(Xt.shape[-1]))          # logits of rank r: left[..., :r] @ right[..., :r]^T
     right = Xt @ R
     for r in range(top + 1):
-        S = attention_rows(left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1), mask=mask)
-        curve[r] = float(np.sum((Y - S @ values) ** 2)) / tss if tss > 0 else 0.0
-    return curve
+        excess(attention_rows(left[:, :, :r] @ right[:, :, :r].transpose(0, 2, 1), mask=mask), r)
+    return (curve, se) if return_se else curve
 
 
 def _rotary_metric_roots(Xt):
