@@ -124,41 +124,45 @@ def _judge_row(head, held):
 
 
 def judge_summary(rows, judged):
-    """How much of "sufficient and within" the windows can decide. Per tolerance: rstar's r*(eps) sufficient held
-    out strictly and within two standard errors of eps (the held-out truncation's error over windows), and so with
-    the truncation rank; the same counts for the truncation rank itself read on the fitted windows (the reading an
-    estimator that knew the head exactly would give there: the ceiling of the strict count); and how often the
-    truncation ranks of the two sets of windows agree."""
+    """How much of "sufficient and within" two sets of windows can decide. Per tolerance and per reading — rstar's
+    r*(eps) as the fit reads it (the curve's upper confidence bound), the width where the fit's curve itself (its
+    point estimate) reaches eps, and the truncation rank read on the fitted windows (what an estimator that knew
+    the head exactly would read there) — the heads whose width is sufficient on the held-out windows (the head's
+    truncation there within eps, strictly and within two standard errors over windows), within the truncation rank,
+    and both; and how often the truncation ranks of the two sets of windows agree."""
     from rstar.risk import rank_at_tolerance
 
     rows, by = _paired(rows, judged)
     if not rows:
         return ""
-    lines = [f"The judge's own noise, {len(rows)} heads (held out: the head's truncation on the held-out windows; "
-             "2 se: its excess within two standard errors of ε):", "",
-             "| ε | r*(ε) sufficient (strict / 2 se) | r*(ε) sufficient and within (strict / 2 se) | fitted windows' "
-             "truncation rank sufficient held out (strict / 2 se) | truncation ranks of the two window sets equal "
-             "(within ±2) | r*(ε) = held-out truncation rank (within ±2) |",
+    lines = [f"The judge's own noise, {len(rows)} heads (sufficient: the head's truncation within ε on the held-out "
+             "windows, strictly / within two standard errors of ε; within: no larger than the fitted windows' "
+             "truncation rank):", "",
+             "| ε | reading | width sum | sufficient (strict / 2 se) | within | sufficient and within (strict / 2 se) |",
              "|---|---|---|---|---|---|"]
     for i, e in enumerate(TOLERANCES):
-        counts = np.zeros(8, dtype=int)
-        for r in rows:
-            j = by[(r["layer"], r["head"])]
-            held, se = np.asarray(j["held_out_truncation_curve"]), np.asarray(j["held_out_truncation_se"])
-            top = len(held) - 1
-            rank, trunc = min(r["ranks"][i], top), rank_at_tolerance(np.asarray(j["truncation_curve"]), e)
-            held_rank = rank_at_tolerance(held, e)
-            model = r["held_out_excess"][i] <= e
-            strict, loose = held[rank] <= e or model, held[rank] <= e + 2 * se[rank] or model
-            within = r["ranks"][i] <= r["truncation"][i]
-            counts += [strict, loose, strict and within, loose and within, held[trunc] <= e,
-                       held[trunc] <= e + 2 * se[trunc], trunc == held_rank, r["ranks"][i] == held_rank]
-        near = [sum(abs(rank_at_tolerance(np.asarray(by[(r["layer"], r["head"])][key]), e) - other(r)) <= 2
-                    for r in rows)
-                for key, other in (("held_out_truncation_curve", lambda r: r["truncation"][i]),
-                                   ("held_out_truncation_curve", lambda r: r["ranks"][i]))]
-        lines.append(f"| {e:g} | {counts[0]} / {counts[1]} | {counts[2]} / {counts[3]} | {counts[4]} / {counts[5]} "
-                     f"| {counts[6]} ({near[0]}) | {counts[7]} ({near[1]}) |")
+        readings = (("rstar r*(ε) (upper bound)", lambda r: r["ranks"][i]),
+                    ("rstar's curve itself", lambda r: rank_at_tolerance(np.asarray(r["risk_curve_point"]), e)),
+                    ("truncation rank, fitted windows", lambda r: r["truncation"][i]))
+        for name, read in readings:
+            counts, total = np.zeros(5, dtype=int), 0
+            for r in rows:
+                j = by[(r["layer"], r["head"])]
+                held, se = np.asarray(j["held_out_truncation_curve"]), np.asarray(j["held_out_truncation_se"])
+                rank = read(r)
+                rank = len(held) - 1 if rank is None else min(int(rank), len(held) - 1)
+                total += rank
+                strict, loose, within = held[rank] <= e, held[rank] <= e + 2 * se[rank], rank <= r["truncation"][i]
+                counts += [strict, loose, within, strict and within, loose and within]
+            lines.append(f"| {e:g} | {name} | {total} | {counts[0]} / {counts[1]} | {counts[2]} | "
+                         f"{counts[3]} / {counts[4]} |")
+    lines.append("")
+    for i, e in enumerate(TOLERANCES):
+        gaps = [rank_at_tolerance(np.asarray(by[(r["layer"], r["head"])]["held_out_truncation_curve"]), e)
+                - r["truncation"][i] for r in rows]
+        lines.append(f"ε = {e:g}: the truncation ranks of the two sets of windows are equal on "
+                     f"{sum(g == 0 for g in gaps)} of {len(rows)} heads, within ±2 on "
+                     f"{sum(abs(g) <= 2 for g in gaps)}; held-out minus fitted: {min(gaps)} … {max(gaps)}.")
     return "\n".join(lines)
 
 
