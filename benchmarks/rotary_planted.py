@@ -47,12 +47,18 @@ def _fit(X, Y, V, rotary, width, args):
     """One planted head fitted (``V`` None: the value map fitted too), as a journal row."""
     from rstar import RStarEstimator
 
+    budget = {} if args.memory_budget is None else dict(memory_budget=args.memory_budget)
     est = RStarEstimator(rotary=rotary, causal=True, value_map=V, tolerance=0.05, device=args.device,
-                         random_state=args.seed)
+                         random_state=args.seed, **budget)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est.fit(X, Y)
+        try:
+            est.fit(X, Y)
+        except ValueError as error:      # a budget the fit would exceed: the estimator's one-line refusal
+            return dict(width=width, value_map_known=V is not None, rank=None, interval=None, rank_at_5pct=None,
+                        seconds=time.perf_counter() - t0, verdict="refused", inversion=None,
+                        warnings=[str(error)])
     seconds = time.perf_counter() - t0
     lo, hi = (int(v) for v in est.noise_floor_interval_)
     rank = int(est.noise_floor_rank_)
@@ -76,14 +82,19 @@ def main(argv=None):
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/rotary_planted.json")
+    parser.add_argument("--memory-budget", type=int, default=None,
+                        help="the estimator's memory_budget in bytes (None: its default, which refuses T = 128 at "
+                             "n = 2000: the samples alone are 1.2 GB)")
     parser.add_argument("--resume", action="store_true", help="continue the run in OUT.partial.jsonl")
     args = parser.parse_args(argv)
     from rstar.heads import collect_attention, text_windows
     from rstar.inversions._numerics import softmax_factored as sf
 
+    t0 = time.perf_counter()
     model, tok = load_smollm2()
     windows = text_windows(tok, args.seq_len, args.n_samples, random_state=args.seed)
     layer = collect_attention(model, windows, layers=[args.layer])[0]
+    print(f"layer {args.layer}'s inputs read in {time.perf_counter() - t0:.0f} s", flush=True)
     X, rotary = layer.X, layer.rotary
     mask = np.tril(np.ones((args.seq_len, args.seq_len), dtype=bool))
     rng = np.random.default_rng(args.seed)
@@ -96,16 +107,19 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|")
     for width in widths:
         # every width's head and noise drawn in order, fitted or not, so that a resumed run plants the same heads
+        t0 = time.perf_counter()
         A, B, V = planted_head(X, rotary, width, args.d_v, rng)
         Y = sf.factored_outputs(X, X @ V, A, B, mask, rotary=rotary)
         Y = Y + 0.05 * np.sqrt(np.mean(Y**2)) * rng.standard_normal(Y.shape)
+        print(f"width {width} planted in {time.perf_counter() - t0:.0f} s", flush=True)
         for known in fits:
             key = f"{width},{'known' if known else 'fitted'}"
             fresh = key not in journal.done
             row = journal.step(key, lambda: _fit(X, Y, V if known else None, rotary, width, args))
             rows.append(row)
             text = " / ".join(sorted({w[:90] for w in row["warnings"]})) if fresh else "(from the journal)"
-            print(f"| {width} | {'known' if known else 'fitted'} | {row['rank']} | {tuple(row['interval'])} | "
+            interval = tuple(row["interval"]) if row["interval"] else "—"
+            print(f"| {width} | {'known' if known else 'fitted'} | {row['rank']} | {interval} | "
                   f"{row['rank_at_5pct']} | {row['inversion']} | {row['seconds']:.0f} | {row['verdict']} | "
                   f"{text} |", flush=True)
     save_json(args.out, dict(vars(args), rows=rows))

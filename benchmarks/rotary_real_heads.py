@@ -138,7 +138,8 @@ def judge_summary(rows, judged):
     lines = [f"The judge's own noise, {len(rows)} heads (sufficient: the head's truncation within ε on the held-out "
              "windows, strictly / within two standard errors of ε; within: no larger than the fitted windows' "
              "truncation rank):", "",
-             "| ε | reading | width sum | sufficient (strict / 2 se) | within | sufficient and within (strict / 2 se) |",
+             "| ε | reading | width sum | sufficient (strict / 2 se) | within "
+             "| sufficient and within (strict / 2 se) |",
              "|---|---|---|---|---|---|"]
     for i, e in enumerate(TOLERANCES):
         readings = (("rstar r*(ε) (upper bound)", lambda r: r["ranks"][i]),

@@ -75,6 +75,48 @@ def test_truncation_curve_standard_error_matches_the_spread_over_window_sets():
     np.testing.assert_allclose(mean_se / spread, 1.0, atol=0.3)
 
 
+class _Stack(torch.nn.Module):
+    """Two attention layers and a head above them that counts its calls; ``reverse`` runs the layers in the
+    other order than they are held."""
+
+    def __init__(self, reverse=False, d=12, vocab=60):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.first = torch.nn.MultiheadAttention(d, 3, batch_first=True)
+        self.second = torch.nn.MultiheadAttention(d, 3, batch_first=True)
+        self.top = torch.nn.Linear(d, vocab)
+        self.reverse, self.top_calls = reverse, 0
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for attn in (self.second, self.first) if self.reverse else (self.first, self.second):
+            x = x + attn(x, x, x)[0]
+        self.top_calls += 1
+        return self.top(x)
+
+
+def test_the_forward_pass_stops_after_the_last_layer_read(ids):
+    torch.manual_seed(0)
+    model = _Stack()
+    (first,) = collect_attention(model, ids, batch_size=100, layers=[0])
+    assert model.top_calls == 0                                  # the layers above were not run
+    both = collect_attention(model, ids, batch_size=100)
+    assert model.top_calls == 0 and [layer.X.shape for layer in both] == [(400, 10, 12)] * 2
+    np.testing.assert_array_equal(first.X, both[0].X)
+    assert max(layer.max_abs_error for layer in both) < 1e-5
+
+
+def test_a_model_that_runs_its_layers_out_of_order_is_read_to_the_end(ids):
+    torch.manual_seed(0)
+    model = _Stack(reverse=True)
+    layers = collect_attention(model, ids, batch_size=100)       # held first, second; run second, first
+    assert model.top_calls == 4                                  # every batch run to the end
+    assert [layer.X.shape for layer in layers] == [(400, 10, 12)] * 2
+    assert max(layer.max_abs_error for layer in layers) < 1e-5
+    emb = model.emb(torch.as_tensor(ids)).detach().double().numpy()
+    np.testing.assert_allclose(layers[1].X, emb, atol=1e-6)      # the one run first reads the embeddings
+
+
 def test_select_heads_keeps_their_indices(ids):
     torch.manual_seed(0)
     (layer,) = collect_attention(_Block(), ids)

@@ -384,6 +384,10 @@ def _per_head_outputs(X, query, key, value, causal, rotary=None, window=None):
     return out
 
 
+class _ForwardStopped(Exception):
+    """Raised by :func:`collect_attention`'s hooks once the last layer it reads has given its output."""
+
+
 def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol=1e-3, **model_kwargs):
     """Run ``model`` on token windows and read each self-attention layer's inputs and per-head outputs.
 
@@ -391,7 +395,8 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
     states X (and, for a Llama-family module, the rotary position embeddings it is given); each head's output
     before the output projection is then computed from X and the module's own weights, and checked against what
     the module computed in the same forward pass: a module that adds anything else (relative positions, a
-    padding mask, ALiBi, soft-capping) is refused rather than misread.
+    padding mask, ALiBi, soft-capping) is refused rather than misread. The forward pass stops once the last layer
+    asked for has given its output: the layers above it (and a decoder's vocabulary projection) are not run.
 
     Parameters
     ----------
@@ -440,6 +445,13 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
         model_kwargs.setdefault("use_cache", False)   # a decoder's key/value cache is not needed
     inputs, outputs, tables = {i: [] for i in keep}, {i: [] for i in keep}, {}
     handles = []
+    # the forward pass stops once the last layer asked for has given its output (the layers above it, and a
+    # decoder's vocabulary projection, are not needed: reading layer 0 of SmolLM2 alone is then one layer's work)
+    last, early = (max(keep) if len(keep) else None), {"stop": True}
+
+    def done(i):
+        if early["stop"] and i == last:
+            raise _ForwardStopped
 
     def batch_major(module, x):
         """(batch, T, features) as float64 numpy (a sequence-first MultiheadAttention gives (T, batch, ...))."""
@@ -462,11 +474,13 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
         def hook(module, args, kwargs, out):
             o = out[0] if isinstance(out, tuple) else out
             outputs[i].append(batch_major(module, o))
+            done(i)
         return hook
 
     def proj_hook(i):
         def hook(module, args):
             outputs[i].append(args[0].detach().double().cpu().numpy())
+            done(i)
         return hook
 
     for i in keep:
@@ -482,9 +496,20 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, ids.shape[0], batch_size):
+            for b, start in enumerate(range(0, ids.shape[0], batch_size)):
                 batch = torch.as_tensor(ids[start:start + batch_size], dtype=torch.long)
-                model(batch, **model_kwargs)
+                try:
+                    model(batch, **model_kwargs)
+                except _ForwardStopped:
+                    pass
+                if any(len(inputs[i]) != b + 1 or len(outputs[i]) != b + 1 for i in keep):
+                    # a model that runs its attention modules in another order than it holds them: this batch
+                    # again, to the end, and no early stop from now on
+                    early["stop"] = False
+                    for store in (inputs, outputs, tables):
+                        for i in store:
+                            del store[i][b:]
+                    model(batch, **model_kwargs)
     finally:
         for hnd in handles:
             hnd.remove()
