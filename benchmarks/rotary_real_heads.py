@@ -17,8 +17,7 @@ rotated queries and keys stacked, lowered until the head's excess on the fitted 
 after the rotation, as a cache of projected keys holds them), with its held-out excess (the basis from the fitted
 windows), journalled apart (``OUT.anchors.partial.jsonl``, seconds a head): the summary then sets the anchors'
 widths beside rstar's. With ``--judge``, the judge's own noise instead (``OUT.judge.partial.jsonl``, seconds a
-head, no fits): each head's truncation curve on both sets of windows, the held-out one with its standard error over
-windows (:func:`rstar.heads.kernel_truncation_curve` with ``return_se``). Two sets of 500 windows of text differ:
+head, no fits): each head's truncation curve on the held-out windows with its standard error over windows (:func:`rstar.heads.kernel_truncation_curve` with ``return_se``). Two sets of 500 windows of text differ:
 the truncation rank read on the fitted windows — what an estimator that knew the head exactly would read there —
 is itself not always sufficient on the held-out ones where the head's curve crosses eps shallowly; the summary
 counts that ceiling beside rstar's readings, strictly and within two standard errors of eps.
@@ -112,13 +111,12 @@ def _anchor_row(head, held):
 
 
 def _judge_row(head, held):
-    """The judge's own noise: the head's truncation curve on the fitted windows (where its truncation rank is read)
-    and on the held-out ones (where sufficiency is judged), with the held-out curve's standard error over windows."""
+    """The judge's own noise: the head's truncation curve on the held-out windows (where sufficiency is judged),
+    with its standard error over windows (the fitted windows' truncation ranks are in the fits' rows)."""
     from rstar.heads import kernel_truncation_curve
 
     held_curve, held_se = kernel_truncation_curve(held, return_se=True)
     return dict(layer=int(head.layer), head=int(head.head),
-                truncation_curve=[float(v) for v in kernel_truncation_curve(head)],
                 held_out_truncation_curve=[float(v) for v in held_curve],
                 held_out_truncation_se=[float(v) for v in held_se])
 
@@ -382,7 +380,7 @@ def main(argv=None):
                              "of the fits")
     parser.add_argument("--judge", action="store_true",
                         help="measure the judge's own noise (journal OUT.judge.partial.jsonl): the heads' truncation "
-                             "curves on both sets of windows, the held-out one with its standard error; no fits")
+                             "curves on the held-out windows with their standard errors; no fits")
     parser.add_argument("--replot", default=None, metavar="JSON",
                         help="only redraw the figure and print the summary of a run (its JSON, or the "
                              ".partial.jsonl of one not finished)")

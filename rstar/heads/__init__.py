@@ -126,9 +126,9 @@ def kernel_truncation_curve(head, X=None, Y=None, max_rank=None, return_se=False
     """
     Xt = head.features(head.X if X is None else X)
     Y = head.output(X) if Y is None else Y
-    tss = centred_sum_of_squares(Y)
     Yf = Y.reshape(-1, Y.shape[-1])
     tss_windows = np.sum((Y - Yf.mean(axis=0)) ** 2, axis=(1, 2))      # each window's share of the TSS
+    tss = float(np.sum(tss_windows))
     values = Xt @ head.value_map()
     top = head.d_head if max_rank is None else int(max_rank)
     curve = np.empty(top + 1)
