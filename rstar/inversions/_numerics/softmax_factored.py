@@ -604,26 +604,29 @@ def token_metric_cost(n, T, d):
     return float(2 * n * T * d * d + 20 * d**3)
 
 
-def token_metric_sums(X, Y=None, calibration=DEFAULT_CALIBRATION):
+def token_metric_sums(X, Y=None, calibration=DEFAULT_CALIBRATION, *, keys_centred=True):
     """A chunk's shares of the token metrics: ``(sum_i X_i^T X_i, sum_i (P X_i)^T P X_i, tokens)``, P the centring
-    within each sequence (``Y`` unused: a :meth:`rstar.streaming.Samples.map_sum` function)."""
+    within each sequence (``Y`` unused: a :meth:`rstar.streaming.Samples.map_sum` function); with
+    ``keys_centred=False`` the centred sum is not formed (``None`` in its place)."""
     n, T, d = X.shape
-    Mq, Mk = np.zeros((d, d)), np.zeros((d, d))
+    Mq, Mk = np.zeros((d, d)), np.zeros((d, d)) if keys_centred else None
     for part in _chunks(n, T, d, calibration):
         Xp = X[part].reshape(-1, d)
         Mq += Xp.T @ Xp
-        Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
-        Mk += Xc.T @ Xc
+        if keys_centred:
+            Xc = (X[part] - X[part].mean(axis=1, keepdims=True)).reshape(-1, d)
+            Mk += Xc.T @ Xc
     return Mq, Mk, n * T
 
 
 def token_metric_roots_of_sums(sums, ridge=1e-12):
-    """:func:`token_metric_roots` from the summed :func:`token_metric_sums`."""
+    """:func:`token_metric_roots` from the summed :func:`token_metric_sums` (a key side of ``None``: the
+    query side's roots in its place, :func:`uncentred_key_roots`)."""
     Mq, Mk, count = sums
     out = []
-    for M in (Mq / count, Mk / count):
+    for M in (Mq / count,) if Mk is None else (Mq / count, Mk / count):
         out += [psd_power(M, 0.5, rcond=ridge), psd_power(M, -0.5, rcond=ridge)]
-    return tuple(out)
+    return tuple(out) if Mk is not None else tuple(out) * 2
 
 
 def token_metric_roots(X, ridge=1e-12, *, calibration=DEFAULT_CALIBRATION, keys_centred=True):
@@ -640,8 +643,7 @@ def token_metric_roots(X, ridge=1e-12, *, calibration=DEFAULT_CALIBRATION, keys_
     -------
     (Mq_half, Mq_inv_half, Mk_half, Mk_inv_half) : tuple of ndarray of shape (d, d)
     """
-    roots = token_metric_roots_of_sums(token_metric_sums(X, calibration=calibration), ridge)
-    return roots if keys_centred else uncentred_key_roots(roots)
+    return token_metric_roots_of_sums(token_metric_sums(X, calibration=calibration, keys_centred=keys_centred), ridge)
 
 
 def uncentred_key_roots(roots):
