@@ -72,6 +72,15 @@ def _fit(X, Y, V, rotary, width, args):
                 resident_peak_mib=peak, warnings=[str(w.message) for w in caught])
 
 
+def value_map_fits(parser, text):
+    """``--value-maps`` as the fits to run, True for V known: "known", "fitted", "both" or "known,fitted"; anything
+    else a one-line usage error."""
+    names = ["known", "fitted"] if text == "both" else text.split(",")
+    if not names or any(v not in ("known", "fitted") for v in names) or len(set(names)) < len(names):
+        parser.error(f"--value-maps {text!r}: give known, fitted, both or known,fitted")
+    return [v == "known" for v in names]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=32)
@@ -81,7 +90,8 @@ def main(argv=None):
     parser.add_argument("--d-v", type=int, default=32,
                         help="value columns (64, a SmolLM2 head's, puts T = 32 under the log-attention path with V "
                              "known: T <= 0.9 d_v)")
-    parser.add_argument("--value-maps", default="known,fitted", help="which fits: known, fitted or both")
+    parser.add_argument("--value-maps", default="known,fitted",
+                        help="which fits: known, fitted, or both (known,fitted)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/rotary_planted.json")
@@ -102,7 +112,7 @@ def main(argv=None):
     mask = np.tril(np.ones((args.seq_len, args.seq_len), dtype=bool))
     rng = np.random.default_rng(args.seed)
     widths = [int(w) for w in args.widths.split(",")]
-    fits = [v == "known" for v in args.value_maps.split(",")]
+    fits = value_map_fits(parser, args.value_maps)
     record = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "device")}
     journal = Journal(args.out + ".partial.jsonl", record, args.resume, len(widths) * len(fits))
     rows = []

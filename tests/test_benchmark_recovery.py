@@ -148,3 +148,16 @@ def test_the_resident_peak_sees_what_a_block_held_and_let_go():
     with runs.PeakResidentMemory(every=0.01) as idle:
         time.sleep(0.05)
     assert idle.peak_mib < 20
+
+
+def test_the_planted_benchmark_runs_the_value_maps_it_is_asked_for():
+    """``--value-maps both`` ran only the fitted value map (its help named "both", the code read a comma list)."""
+    import argparse
+
+    planted = pytest.importorskip("rotary_planted")
+    parser = argparse.ArgumentParser()
+    assert planted.value_map_fits(parser, "both") == [True, False]
+    assert planted.value_map_fits(parser, "known,fitted") == [True, False]
+    assert planted.value_map_fits(parser, "fitted") == [False]
+    with pytest.raises(SystemExit):
+        planted.value_map_fits(parser, "bath")
