@@ -161,3 +161,29 @@ def test_the_planted_benchmark_runs_the_value_maps_it_is_asked_for():
     assert planted.value_map_fits(parser, "fitted") == [False]
     with pytest.raises(SystemExit):
         planted.value_map_fits(parser, "bath")
+
+
+def test_a_head_projected_on_all_its_token_directions_is_the_head():
+    """token_subspace.py: the excess of a head whose factors are projected on the top k token directions is 0 at
+    k = d and grows as directions are dropped (a small torch attention layer, read as rstar.heads reads one)."""
+    torch = pytest.importorskip("torch")
+    subspace = pytest.importorskip("token_subspace")
+    from rstar.heads import collect_attention
+
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.attn = torch.nn.Embedding(50, 8), torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            return self.attn(x, x, x)[0]
+
+    ids = np.random.default_rng(0).integers(0, 50, size=(200, 10))
+    head = collect_attention(Block(), ids)[0].head(0)
+    w, U = subspace.top_directions(head.features())
+    assert np.all(np.diff(w) <= 1e-12)
+    excess = subspace.projected_excess(head, U, [1, 4, U.shape[1]])
+    assert excess[2] < 1e-20 and excess[0] > excess[1] > 1e-3
