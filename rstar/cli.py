@@ -15,10 +15,11 @@ else 1) sets the CPU threads of torch and of numpy/scipy's BLAS.
 and prints its rank, interval, inversion and warnings.
 
 ``rstar heads [--model minilm|PATH] [--seq-len T] [--n-samples n] [--layers 0,1] [--heads 0,3]
-[--tolerance 0.01 0.05] [--out DIR] [--resume]`` collects every self-attention head's inputs and outputs on
-English text that ships with Python, fits each head (a progress bar with the time left; each head's row appended
-to ``DIR/heads.jsonl`` when fitted, so ``--resume`` continues an interrupted run), prints the table, and writes
-``heads.csv``/``heads.json`` and a layer x head heatmap (:mod:`rstar.heads`).
+[--tolerance 0.01 0.05] [--out DIR] [--memory-budget 512MiB] [--resume]`` collects every self-attention head's
+inputs and outputs on English text that ships with Python (in groups of layers within the memory budget), fits
+each head (a progress bar with the time left; each head's row appended to ``DIR/heads.jsonl`` when fitted, so
+``--resume`` continues an interrupted run), prints the table, and writes ``heads.csv``/``heads.json`` and a
+layer x head heatmap (:mod:`rstar.heads`).
 
 Every subcommand's ``--help`` lists its options with their defaults; a user's mistake (a missing or unreadable
 file, an option out of range) ends with one line ``rstar: error: ...`` and exit status 2.
@@ -89,6 +90,11 @@ def _parser():
                        help="also write each head's fitted query-key factors to DIR/factors/layer<L>_head<H>.npz "
                             "(arrays A, B: the fit's own model at its full width, whose truncations "
                             "rstar.heads.truncated_heads(factors=...) puts into the model)")
+    heads.add_argument("--memory-budget", default="512MiB",
+                       help="bytes (e.g. 4GiB, 512MiB, or a number) rstar heads may hold at once: the layers' "
+                            "collected inputs and outputs (read in groups of layers that fit it, each group by its "
+                            "own forward pass), and each head's fit (RStarEstimator's memory_budget). A run that "
+                            "cannot fit it stops before the forward pass, saying how much it needs")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
                             "(the other options must be the same)")
@@ -241,6 +247,48 @@ def _load_model(name, gguf_file=None):
     return model, tokenizer
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def _byte_size(text, option):
+    """``"4GiB"`` -> 4294967296 (KiB/MiB/GiB/TiB, kB/MB/GB/TB, or a plain number of bytes), or a one-line error
+    naming the option."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS or float(match.group(1)) * _BYTE_UNITS[unit] < 1:
+        raise ValueError(f"{option} must be a size in bytes such as 4GiB, 512MiB or 1000000; got {text!r}.")
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+
+
+def _layers_within(layers, n, budget, args):
+    """The groups of the layers to read (indices), each group's collected inputs and outputs (every head's) within
+    ``budget`` bytes; ``layers`` are the layers read on one window (their sizes per window). A layer, or one head's
+    samples, that alone exceed the budget is a one-line error saying what would fit."""
+    from .budgets import _bytes, sample_bytes
+
+    per_layer = [n * (layer.X.nbytes + layer.Y.nbytes) // layer.X.shape[0] for layer in layers]
+    d_feat = [layer.X.shape[2] + int(layer.has_bias) for layer in layers]
+    per_head = [sample_bytes(n, args.seq_len, d, next(iter(layer.heads())).d_head)
+                for d, layer in zip(d_feat, layers)]
+    need = max(per_layer + per_head)
+    if need > budget:
+        raise ValueError(f"--memory-budget {_bytes(budget)} is less than one layer's inputs and outputs "
+                         f"({_bytes(max(per_layer))}) or one head's samples in its fit ({_bytes(max(per_head))}) "
+                         f"at --n-samples {n} and --seq-len {args.seq_len}: give --memory-budget "
+                         f"{-(-need // 2**20)}MiB or more, or fewer windows.")
+    groups, held = [], budget + 1
+    for layer, size in zip(layers, per_layer):
+        if held + size > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(layer.index)
+        held += size
+    return groups
+
+
 def _check_heads_args(args, model=None):
     """One-line errors for the heads options: those that need no model, then (given one) its positions."""
     if model is None:
@@ -299,10 +347,12 @@ def _heads(args):
     from . import RStarEstimator
     from ._backend import check_device
     from .heads import collect_attention, estimate_heads, plot_head_rank_panels, rank_pattern, rank_plan, text_windows
+    from .heads import _progress_bar
     from .heads._plan import _rows
 
     layers = None if args.layers is None else _index_list(args.layers, "--layers")
     heads = None if args.heads is None else _index_list(args.heads, "--heads")
+    memory_budget = _byte_size(args.memory_budget, "--memory-budget")
     _check_heads_args(args)
     check_device(args.device)
     out = Path(args.out)
@@ -327,15 +377,20 @@ def _heads(args):
     _check_heads_args(args, model)
     windows = text_windows(tokenizer, args.seq_len, args.n_samples, random_state=args.seed)
     t0 = time.perf_counter()
-    print(f"reading the attention inputs of {args.n_samples} windows of {args.seq_len} tokens ...", flush=True)
-    collected = collect_attention(model, windows, layers=layers)
+    # the layers read on one window: their names, heads and sizes, before the memory of all the windows is spent
+    probes = collect_attention(model, windows[:1], layers=layers)
+    groups = _layers_within(probes, len(windows), memory_budget, args)
     if heads is not None:
-        collected = [layer.select_heads(heads) for layer in collected]
-    total = sum(len(list(layer.heads())) for layer in collected)
+        probes = [layer.select_heads(heads) for layer in probes]
+    total = sum(len(list(layer.heads())) for layer in probes)
     skip = {(int(r["layer"]), int(r["head"])) for r in done}
     todo = total - len(skip)
-    print(f"{total} heads in {len(collected)} layers ({time.perf_counter() - t0:.1f} s to read them)"
-          + (f"; {len(skip)} done before, {todo} to fit" if skip else "")
+    left = {layer.index for layer in probes for head in layer.heads() if (layer.index, head.head) not in skip}
+    groups = [[i for i in group if i in left] for group in groups]
+    groups = [group for group in groups if group]
+    print(f"{total} heads in {len(probes)} layers" + (f"; {len(skip)} done before, {todo} to fit" if skip else "")
+          + (f"; the layers read in {len(groups)} groups within --memory-budget {args.memory_budget}"
+             if len(groups) > 1 else "")
           + ". Each head's row is written to " + str(progress_file) + " when it is fitted; the first head's time "
           "gives the estimate of the total.", flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -361,14 +416,27 @@ def _heads(args):
                 print(f"\nfirst head fitted in {per_head:.1f} s: about {per_head * todo / 60:.1f} minutes for the "
                       f"{todo} heads", file=sys.stderr, flush=True)
 
+        bar = _progress_bar(todo)
         try:
-            estimate_heads(collected, RStarEstimator(device=args.device), tolerances=tuple(args.tolerance),
-                           skip=skip, on_row=write, progress=True, rank_bound=not args.no_rank_bound,
-                           keep_factors=args.save_factors)
+            for group in groups:
+                t_read = time.perf_counter()
+                print(f"reading the attention inputs of {args.n_samples} windows of {args.seq_len} tokens "
+                      f"(layers {group[0]}-{group[-1]}) ...", file=sys.stderr, flush=True)
+                collected = collect_attention(model, windows, layers=group)
+                if heads is not None:
+                    collected = [layer.select_heads(heads) for layer in collected]
+                print(f"read in {time.perf_counter() - t_read:.1f} s", file=sys.stderr, flush=True)
+                estimate_heads(collected, RStarEstimator(device=args.device, memory_budget=memory_budget),
+                               tolerances=tuple(args.tolerance), skip=skip, on_row=write, progress=bar,
+                               rank_bound=not args.no_rank_bound, keep_factors=args.save_factors)
+                del collected
         except KeyboardInterrupt:
             print(f"\ninterrupted: {len(done) + len(fitted)} of {total} heads are in {progress_file}; rerun the "
                   "same command with --resume to fit the rest.", file=sys.stderr, flush=True)
             return 130
+        finally:
+            bar.close()
+    collected = probes
     order = {key: k for k, key in enumerate((layer.index, head.head) for layer in collected
                                              for head in layer.heads())}
     rows = sorted(done + fitted, key=lambda r: order.get((int(r["layer"]), int(r["head"])), len(order)))

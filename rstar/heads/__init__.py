@@ -215,8 +215,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     estimator : data-only rstar estimator or None
         Cloned for each head, with ``tolerance=min(tolerances)`` (and the head's value map when
         ``value_map_known``; ``causal=True`` for a causal head and ``rotary=head.rotary`` for a rotary one,
-        which only :class:`rstar.RStarEstimator` models). None: ``RStarEstimator(device="auto")`` (its factored fits' loss evaluations on torch: CUDA
-        where present, else the CPU's threads, in float32). Where it has no rank-r operators at a
+        which only :class:`rstar.RStarEstimator` models). None: ``RStarEstimator(device="auto")`` (its factored
+        fits' loss evaluations on torch: CUDA where present, else the CPU's threads, in float32). Where it has no rank-r operators at a
         head's shape, the heads of that shape are fitted for the noise floor alone.
     tolerances : tuple of float
         The r*(ε) columns (``rank_at_<ε>``), read off one fit's ``risk_curve_``; empty: noise floor only.
@@ -230,8 +230,10 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     on_row : callable or None
         Called with each head's row as soon as it is fitted (e.g. to write it to disk, so an interrupted run
         keeps what was done).
-    progress : bool, default=False
-        Show a progress bar (tqdm, where installed) with the heads done and the time left.
+    progress : bool or progress bar, default=False
+        Show a progress bar (tqdm, where installed) with the heads done and the time left; a bar (an object with
+        tqdm's ``update``, ``set_postfix_str`` and ``close``) is advanced and left open, for a run that fits its
+        layers in several calls (``rstar heads`` within its memory budget).
     rank_bound : bool, default=True
         Give the estimator each head's ``d_head`` as ``max_rank`` (where it has none): a head's kernel
         ``W_Q W_K^T`` has rank at most ``d_head``, so the factored fit need not fit rank ``2 d_head`` to tell
@@ -276,7 +278,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     rows = []
     # shapes at which the estimator has no rank-r operators: later heads of that shape skip the tolerance fit
     no_operators = {}
-    bar = _progress_bar(len(todo)) if progress else None
+    own_bar = progress is True
+    bar = _progress_bar(len(todo)) if own_bar else (None if progress is False or progress is None else progress)
     try:
         for layer, head in todo:
             started = time.perf_counter()
@@ -290,7 +293,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
                 bar.set_postfix_str(f"layer {layer.index} head {head.head}: r*={row['rank']}", refresh=False)
                 bar.update(1)
     finally:
-        if bar is not None:
+        if own_bar:
             bar.close()
     return _table(rows)
 
