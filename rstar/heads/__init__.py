@@ -216,8 +216,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         Cloned for each head, with ``tolerance=min(tolerances)`` (and the head's value map when
         ``value_map_known``; ``causal=True`` for a causal head and ``rotary=head.rotary`` for a rotary one,
         which only :class:`rstar.RStarEstimator` models). None: ``RStarEstimator(device="auto")`` (its factored
-        fits' loss evaluations on torch: CUDA where present, else the CPU's threads, in float32). Where it has no rank-r operators at a
-        head's shape, the heads of that shape are fitted for the noise floor alone.
+        fits' loss evaluations on torch: CUDA where present, else the CPU's threads, in float32). Where it has no
+        rank-r operators at a head's shape, the heads of that shape are fitted for the noise floor alone.
     tolerances : tuple of float
         The r*(ε) columns (``rank_at_<ε>``), read off one fit's ``risk_curve_``; empty: noise floor only.
     value_map_known : bool, default=True
