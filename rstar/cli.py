@@ -92,9 +92,9 @@ def _parser():
                             "rstar.heads.truncated_heads(factors=...) puts into the model)")
     heads.add_argument("--memory-budget", default="512MiB",
                        help="bytes (e.g. 4GiB, 512MiB, or a number) rstar heads may hold at once: the layers' "
-                            "collected inputs and outputs (read in groups of layers that fit it, each group by its "
-                            "own forward pass), and each head's fit (RStarEstimator's memory_budget). A run that "
-                            "cannot fit it stops before the forward pass, saying how much it needs")
+                            "collected inputs and outputs (read in groups of layers, each group by its own forward "
+                            "pass) beside one head's samples in its fit (also RStarEstimator's memory_budget). A run "
+                            "that cannot fit it stops before the forward pass, saying how much it needs")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
                             "(the other options must be the same)")
@@ -264,24 +264,25 @@ def _byte_size(text, option):
 
 
 def _layers_within(layers, n, budget, args):
-    """The groups of the layers to read (indices), each group's collected inputs and outputs (every head's) within
-    ``budget`` bytes; ``layers`` are the layers read on one window (their sizes per window). A layer, or one head's
-    samples, that alone exceed the budget is a one-line error saying what would fit."""
+    """The groups of the layers to read (indices), each group's collected inputs and outputs (every head's) and one
+    head's samples in its fit within ``budget`` bytes; ``layers`` are the layers read on one window (their sizes
+    per window). A layer and a head's samples that exceed the budget are a one-line error saying what would fit."""
     from .budgets import _bytes, sample_bytes
 
     per_layer = [n * (layer.X.nbytes + layer.Y.nbytes) // layer.X.shape[0] for layer in layers]
     d_feat = [layer.X.shape[2] + int(layer.has_bias) for layer in layers]
     per_head = [sample_bytes(n, args.seq_len, d, next(iter(layer.heads())).d_head)
                 for d, layer in zip(d_feat, layers)]
-    need = max(per_layer + per_head)
+    need = max(per_layer) + max(per_head)
     if need > budget:
         raise ValueError(f"--memory-budget {_bytes(budget)} is less than one layer's inputs and outputs "
-                         f"({_bytes(max(per_layer))}) or one head's samples in its fit ({_bytes(max(per_head))}) "
+                         f"({_bytes(max(per_layer))}) and one head's samples in its fit ({_bytes(max(per_head))}) "
                          f"at --n-samples {n} and --seq-len {args.seq_len}: give --memory-budget "
                          f"{-(-need // 2**20)}MiB or more, or fewer windows.")
-    groups, held = [], budget + 1
+    hold = budget - max(per_head)      # the layers held beside one head's fit
+    groups, held = [], hold + 1
     for layer, size in zip(layers, per_layer):
-        if held + size > budget:
+        if held + size > hold:
             groups.append([])
             held = 0
         groups[-1].append(layer.index)

@@ -372,13 +372,15 @@ def test_heads_memory_budget_is_checked_before_the_forward_pass(tmp_path, capsys
     assert cli.main(argv + ["--memory-budget", "1MiB", "--out", str(tmp_path / "small")]) == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
-    # one layer: 60 windows x 12 tokens x (384 inputs + 384 outputs) float64 = 4.22 MiB
+    # one layer: 60 windows x 12 tokens x (384 inputs + 384 outputs) float64 = 4.22 MiB; one head's samples
+    # 60 x 12 x (385 features + 32 outputs) float64 = 2.29 MiB
     assert last.startswith("rstar: error: --memory-budget 1 MiB is less than one layer's inputs and outputs "
-                           "(4.219 MiB)") and "give --memory-budget 5MiB or more" in last
+                           "(4.219 MiB) and one head's samples in its fit (2.291 MiB)")
+    assert "give --memory-budget 7MiB or more" in last
     assert reads == [(1, [0, 1])]
     reads.clear()
     out = tmp_path / "grouped"
-    assert cli.main(argv + ["--memory-budget", "5MiB", "--out", str(out)]) == 0
+    assert cli.main(argv + ["--memory-budget", "8MiB", "--out", str(out)]) == 0
     assert "the layers read in 2 groups" in capsys.readouterr().out
     assert reads == [(1, [0, 1]), (60, [0]), (60, [1])]
     rows = json.loads((out / "heads.json").read_text())["rows"]
