@@ -368,19 +368,21 @@ def _head_weights(module, style, d):
     return out[0], out[1], out[2], has_bias
 
 
-def _per_head_outputs(X, query, key, value, causal, rotary=None, window=None):
+def _per_head_outputs(X, query, key, value, causal, rotary=None, window=None, chunk=256):
     """Every head's ``softmax(rot(q) rot(k)^T / sqrt(d_head) + mask) v`` on float64 inputs, shape
-    (n, T, H, d_head)."""
-    Xt = np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1)
+    (n, T, H, d_head), ``chunk`` windows at a time (no copy of X with its constant feature)."""
     n, T, _ = X.shape
     H, _, dh = query.shape
     mask = attention_mask(T, causal, window)
     out = np.empty((n, T, H, dh))
-    for h in range(H):
-        q, k, v = Xt @ query[h], Xt @ key[h], Xt @ value[h]
-        if rotary is not None:
-            q, k = rotate(q, rotary), rotate(k, rotary)
-        out[:, :, h] = attention_rows(q @ k.transpose(0, 2, 1) / np.sqrt(dh), mask=mask) @ v
+    for start in range(0, n, chunk):
+        Xc = X[start:start + chunk]
+        Xt = np.concatenate([Xc, np.ones(Xc.shape[:-1] + (1,))], axis=-1)
+        for h in range(H):
+            q, k, v = Xt @ query[h], Xt @ key[h], Xt @ value[h]
+            if rotary is not None:
+                q, k = rotate(q, rotary), rotate(k, rotary)
+            out[start:start + chunk, :, h] = attention_rows(q @ k.transpose(0, 2, 1) / np.sqrt(dh), mask=mask) @ v
     return out
 
 
@@ -443,7 +445,12 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
         takes_cache = False
     if takes_cache:
         model_kwargs.setdefault("use_cache", False)   # a decoder's key/value cache is not needed
-    inputs, outputs, tables = {i: [] for i in keep}, {i: [] for i in keep}, {}
+    # each layer's inputs and module outputs written batch by batch into arrays of all the windows (float64; no
+    # per-batch copies to join, which held the layer twice and left the allocator holding as much again)
+    n = ids.shape[0]
+    inputs, outputs, tables = {i: None for i in keep}, {i: None for i in keep}, {}
+    written = {"in": dict.fromkeys(keep, 0), "out": dict.fromkeys(keep, 0)}
+    rows = {"start": 0}
     handles = []
     # the forward pass stops once the last layer asked for has given its output (the layers above it, and a
     # decoder's vocabulary projection, are not needed: reading layer 0 of SmolLM2 alone is then one layer's work)
@@ -453,16 +460,26 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
         if early["stop"] and i == last:
             raise _ForwardStopped
 
+    def store(kind, where, i, x):
+        """Batch ``x`` (a torch tensor, batch first) into its rows of ``where[i]`` (allocated at the first)."""
+        x = x.detach().cpu()
+        if x.dtype not in (torch.float32, torch.float64):   # half precisions: numpy has no bfloat16
+            x = x.double()
+        if where[i] is None:
+            where[i] = np.empty((n,) + tuple(x.shape[1:]), dtype=float)
+        where[i][rows["start"]:rows["start"] + x.shape[0]] = x.numpy()
+        written[kind][i] += 1
+
     def batch_major(module, x):
-        """(batch, T, features) as float64 numpy (a sequence-first MultiheadAttention gives (T, batch, ...))."""
+        """(batch, T, features) (a sequence-first MultiheadAttention gives (T, batch, ...))."""
         if isinstance(module, torch.nn.MultiheadAttention) and not module.batch_first:
             x = x.transpose(0, 1)
-        return x.detach().double().cpu().numpy()
+        return x
 
     def pre_hook(i):
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs.get("hidden_states", kwargs.get("query"))
-            inputs[i].append(batch_major(module, x))
+            store("in", inputs, i, batch_major(module, x))
             pe = kwargs.get("position_embeddings")
             if pe is not None:
                 cos, sin = (t.detach().double().cpu().numpy() for t in pe)
@@ -473,13 +490,13 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
     def post_hook(i):
         def hook(module, args, kwargs, out):
             o = out[0] if isinstance(out, tuple) else out
-            outputs[i].append(batch_major(module, o))
+            store("out", outputs, i, batch_major(module, o))
             done(i)
         return hook
 
     def proj_hook(i):
         def hook(module, args):
-            outputs[i].append(args[0].detach().double().cpu().numpy())
+            store("out", outputs, i, args[0])
             done(i)
         return hook
 
@@ -496,19 +513,22 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
     model.eval()
     try:
         with torch.no_grad():
-            for b, start in enumerate(range(0, ids.shape[0], batch_size)):
+            for b, start in enumerate(range(0, n, batch_size)):
+                rows["start"] = start
                 batch = torch.as_tensor(ids[start:start + batch_size], dtype=torch.long)
                 try:
                     model(batch, **model_kwargs)
                 except _ForwardStopped:
                     pass
-                if any(len(inputs[i]) != b + 1 or len(outputs[i]) != b + 1 for i in keep):
+                if any(written[kind][i] != b + 1 for kind in written for i in keep):
                     # a model that runs its attention modules in another order than it holds them: this batch
-                    # again, to the end, and no early stop from now on
+                    # again, to the end (its rows written over), and no early stop from now on
                     early["stop"] = False
-                    for store in (inputs, outputs, tables):
-                        for i in store:
-                            del store[i][b:]
+                    for kind in written:
+                        for i in keep:
+                            written[kind][i] = b
+                    for i in tables:
+                        del tables[i][b:]
                     model(batch, **model_kwargs)
     finally:
         for hnd in handles:
@@ -517,7 +537,7 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
     result = []
     for i in keep:
         name, module, style = found[i]
-        X = np.concatenate(inputs[i])
+        X = inputs.pop(i)
         d = X.shape[-1]
         rotary, window, groups = None, None, None
         if style == "llama":
@@ -532,15 +552,7 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
             query, key, value, has_bias = _head_weights(module, style, d)
             causal = style == "gpt2"
         Y = _per_head_outputs(X, query, key, value, causal, rotary, window)
-        seen = np.concatenate(outputs[i])
-        if style == "multihead_attention":
-            W = module.out_proj.weight.detach().double().cpu().numpy()
-            b = module.out_proj.bias
-            b = 0.0 if b is None else b.detach().double().cpu().numpy()
-            mine = Y.reshape(Y.shape[0], Y.shape[1], -1) @ W.T + b
-        else:
-            mine = Y.reshape(seen.shape)
-        err = float(np.max(np.abs(mine - seen)) / max(np.max(np.abs(seen)), np.finfo(float).tiny))
+        err = _recomputation_error(Y, outputs.pop(i), module, style)
         if not err <= check_tol:
             what = ("softmax(rot(q) rot(k)^T / sqrt(d_head)) v" if rotary is not None
                     else "softmax(q k^T / sqrt(d_head)) v")
@@ -551,6 +563,24 @@ def collect_attention(model, input_ids, *, batch_size=32, layers=None, check_tol
         result.append(AttentionLayer(i, name, style, X, Y, query, key, value, causal, has_bias, err,
                                      rotary=rotary, window=window, kv_groups=groups))
     return result
+
+
+def _recomputation_error(Y, seen, module, style, chunk=64):
+    """Largest absolute difference between the recomputed heads ``Y`` (n, T, H, d_head) and what the module gave
+    (``seen``, (n, T, width)), relative to the largest of the latter: ``chunk`` windows at a time, without a second
+    copy of the layer's outputs."""
+    W = b = None
+    if style == "multihead_attention":
+        W = module.out_proj.weight.detach().double().cpu().numpy()
+        b = module.out_proj.bias
+        b = 0.0 if b is None else b.detach().double().cpu().numpy()
+    diff = scale = 0.0
+    for start in range(0, seen.shape[0], chunk):
+        part, mine = seen[start:start + chunk], Y[start:start + chunk]
+        mine = mine.reshape(mine.shape[0], mine.shape[1], -1)
+        mine = mine @ W.T + b if W is not None else mine.reshape(part.shape)
+        diff, scale = max(diff, float(np.max(np.abs(mine - part)))), max(scale, float(np.max(np.abs(part))))
+    return diff / max(scale, np.finfo(float).tiny)
 
 
 def _rotary_of(name, tables, d_head, T):
