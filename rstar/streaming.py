@@ -136,9 +136,14 @@ def drop_samples_over_budget(stats):
 
 
 def kept_half(stats, key):
-    """``(X, Y)`` of the samples kept under ``key``, concatenated."""
-    X, Y = zip(*stats[key])
-    return np.concatenate(X), np.concatenate(Y)
+    """``(X, Y)`` of the samples kept under ``key``, concatenated once: the batches are replaced by the joined
+    arrays, which later reads share (every fit reads its halves several times; each read had been a copy).
+    Read-only: the arrays are the sums' own."""
+    parts = stats[key]
+    if len(parts) > 1:
+        X, Y = zip(*parts)
+        stats[key] = parts = [(np.concatenate(X), np.concatenate(Y))]
+    return parts[0]
 
 
 def stop_keeping_samples(stats):

@@ -387,3 +387,28 @@ def test_dask_chunk_work_never_copies_a_whole_chunk():
     assert sx == pytest.approx(np.sum(X**2) / 4) and sy == pytest.approx(np.sum(Y**2) / 9)
     chunk = X.nbytes + Y.nbytes   # 20 MiB
     assert peak_sums < chunk / 4 and peak_pass < chunk / 10, (peak_sums / 2**20, peak_pass / 2**20)
+
+
+def test_kept_samples_are_joined_once_and_shared():
+    """A fit reads its kept halves several times: the batches are joined on the first read and later reads share
+    the joined arrays (each read had been a copy of every sample)."""
+    from rstar.streaming import kept_half
+
+    rng = np.random.default_rng(0)
+    parts = [(rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 1))),
+             (rng.standard_normal((1, 3, 4)), rng.standard_normal((1, 3, 1)))]
+    stats = {"samples_odd": list(parts)}
+    X, Y = kept_half(stats, "samples_odd")
+    np.testing.assert_array_equal(X, np.concatenate([p[0] for p in parts]))
+    np.testing.assert_array_equal(Y, np.concatenate([p[1] for p in parts]))
+    assert len(stats["samples_odd"]) == 1 and kept_half(stats, "samples_odd")[0] is X
+
+
+def test_the_token_metric_of_two_halves_is_that_of_their_samples():
+    from rstar.inversions._numerics import softmax_factored as sf
+
+    rng = np.random.default_rng(1)
+    X1, X2 = rng.standard_normal((30, 5, 6)), rng.standard_normal((20, 5, 6)) + 0.3
+    halves = ((X1, None), (X2, None))
+    for a, b in zip(sf.token_metric_roots_of_halves(halves), sf.token_metric_roots(np.concatenate([X1, X2]))):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

@@ -188,7 +188,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     known = value_map is not None
     if max_iter is None:
         max_iter = calibration.factored_max_iter if known else calibration.factored_max_iter_fitted_v
-    metric = sf.token_metric_roots(np.concatenate([X1, X2]), calibration=calibration)
+    metric = sf.token_metric_roots_of_halves(halves, calibration=calibration)
     margin = calibration.split_half_margin if margin is None else float(margin)
     start_rank_min, min_dof = calibration.factored_start_rank, calibration.min_noise_dof
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)

@@ -198,7 +198,7 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
                     calibration.factored_max_iter if known else calibration.factored_max_iter_fitted_v)
     # the fit and its split-half test in the tokens' metric with the keys centred within the window; the heads cut
     # to width r (the risk curve, predict) with the keys uncentred (see the module's notes)
-    metric = sf.token_metric_roots(np.concatenate([X1, X2]), calibration=calibration)
+    metric = sf.token_metric_roots_of_halves(halves, calibration=calibration)
     cut_metric = sf.uncentred_key_roots(metric)
     margin = calibration.split_half_margin if margin is None else float(margin)
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)

@@ -63,6 +63,7 @@ __all__ = [
     "token_metric_roots",
     "token_metric_roots_of_sums",
     "token_metric_sums",
+    "token_metric_roots_of_halves",
     "uncentred_key_roots",
     "token_metric_cost",
     "factored_eval_cost",
@@ -627,6 +628,13 @@ def token_metric_roots_of_sums(sums, ridge=1e-12):
     for M in (Mq / count,) if Mk is None else (Mq / count, Mk / count):
         out += [psd_power(M, 0.5, rcond=ridge), psd_power(M, -0.5, rcond=ridge)]
     return tuple(out) if Mk is not None else tuple(out) * 2
+
+
+def token_metric_roots_of_halves(halves, ridge=1e-12, *, calibration=DEFAULT_CALIBRATION):
+    """:func:`token_metric_roots` of the samples of both halves ``((X1, Y1), (X2, Y2))`` together, summed half by
+    half (without joining them: a copy of every sample)."""
+    sums = [token_metric_sums(X, calibration=calibration) for X, _ in halves]
+    return token_metric_roots_of_sums(tuple(a + b for a, b in zip(*sums)), ridge)
 
 
 def token_metric_roots(X, ridge=1e-12, *, calibration=DEFAULT_CALIBRATION, keys_centred=True):
