@@ -221,6 +221,8 @@ class Samples:
 
     x_scale = 1.0
     y_scale = 1.0
+    #: whether the samples are held in memory (a pass costs no reading; per-sample results may be cached)
+    in_memory = False
     #: float entries of one chunk's largest temporary (the calibration's ``chunk_entries``)
     chunk_entries = DEFAULT_CALIBRATION.chunk_entries
     #: number of samples and ``(T, d, d_v)``, known after a first pass (:meth:`set_shape`)
@@ -311,6 +313,8 @@ class ArraySamples(Samples):
     80.0
     """
 
+    in_memory = True
+
     def __init__(self, X, Y, chunk_entries=None):
         self.X, self.Y = X, Y
         self.n_samples = X.shape[0]
@@ -318,24 +322,78 @@ class ArraySamples(Samples):
             self.chunk_entries = int(chunk_entries)
         self.dims = (X.shape[1], X.shape[2], 0 if Y is None else Y.shape[2])
 
+    @classmethod
+    def scaled(cls, X, Y, x_scale, y_scale, chunk_entries=None):
+        """Validated arrays read in internal units, ``X / x_scale`` and ``Y / y_scale``, each chunk rescaled as it
+        is read: no scaled copy of the samples is made (:meth:`batches` alone makes one)."""
+        out = cls(X, Y, chunk_entries)
+        out.x_scale, out.y_scale = float(x_scale), float(y_scale)
+        return out
+
+    def _unscaled(self):
+        return self.x_scale == 1.0 and self.y_scale == 1.0
+
     def chunks(self, per_sample=1):
         for part in chunk_slices(self.n_samples, per_sample, self.chunk_entries):
-            yield self.X[part], None if self.Y is None else self.Y[part]
+            X, Y = self.X[part], None if self.Y is None else self.Y[part]
+            yield (X, Y) if self._unscaled() else (X / self.x_scale, None if Y is None else Y / self.y_scale)
 
     def mean_squares(self):
-        return float(np.mean(self.X**2)), float(np.mean(self.Y**2))
+        if self._unscaled():
+            return float(np.mean(self.X**2)), float(np.mean(self.Y**2))
+        return super().mean_squares()
 
     def y_sum_of_squares(self):
-        return float(np.sum(self.Y**2))
+        return float(np.sum(self.Y**2)) / self.y_scale**2
 
     def rescaled(self, fx, fy):
-        return ArraySamples(self.X / fx, self.Y / fy, self.chunk_entries)
+        return ArraySamples.scaled(self.X, self.Y, self.x_scale * fx, self.y_scale * fy, self.chunk_entries)
 
     def batches(self):
-        yield self.X, self.Y
+        yield (self.X, self.Y) if self._unscaled() else (self.X / self.x_scale, self.Y / self.y_scale)
 
     def _scaled_batches(self):
-        yield self.X, self.Y
+        yield from self.batches()
+
+
+class ArrayPartsSamples(Samples):
+    """Samples held in memory as several array pairs (validated, in internal units), read in chunks in their order
+    without joining them (a fit's two halves: odd samples, then even).
+
+    Parameters
+    ----------
+    parts : sequence of (X, Y)
+        Arrays of shapes (n_k, T, d) and (n_k, T, d_v).
+    chunk_entries : int or None
+        Float entries of one chunk's largest temporary (None: the default calibration's ``chunk_entries``).
+    """
+
+    in_memory = True
+
+    def __init__(self, parts, chunk_entries=None):
+        self.parts = [(X, Y) for X, Y in parts if X.shape[0]]
+        self.n_samples = sum(X.shape[0] for X, _ in self.parts)
+        if chunk_entries is not None:
+            self.chunk_entries = int(chunk_entries)
+        X, Y = self.parts[0]
+        self.dims = (X.shape[1], X.shape[2], Y.shape[2])
+
+    def chunks(self, per_sample=1):
+        for X, Y in self.parts:
+            for part in chunk_slices(X.shape[0], per_sample, self.chunk_entries):
+                yield X[part], Y[part]
+
+    def y_sum_of_squares(self):
+        return float(sum(np.sum(Y**2) for _, Y in self.parts))
+
+    def rescaled(self, fx, fy):
+        return ArrayPartsSamples([(X / fx, Y / fy) for X, Y in self.parts], self.chunk_entries)
+
+    def batches(self):
+        yield from self.parts
+
+    def _scaled_batches(self):
+        yield from self.parts
 
 
 class BatchSamples(Samples):
@@ -869,8 +927,9 @@ class StreamingFitMixin:
             self.n_samples_seen_ = int(self._stats["n"])
             self._pending_finalize = True
         else:
-            self._finalize(curve_samples=ArraySamples(X / self._x_scale, Y / self._y_scale,
-                                                      self._config["calibration"].chunk_entries))
+            # read in internal units chunk by chunk: a scaled copy of the samples would be held through the fit
+            self._finalize(curve_samples=ArraySamples.scaled(X, Y, self._x_scale, self._y_scale,
+                                                             self._config["calibration"].chunk_entries))
         return self
 
     def __getstate__(self):

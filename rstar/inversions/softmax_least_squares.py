@@ -7,7 +7,7 @@ from scipy.stats import f as f_dist
 from ._numerics import softmax_factored as sf, softmax_ls as _softmax_ls
 from .._backend import NUMPY
 from ._numerics.linalg import factored_svd, solve_psd
-from ..streaming import ArraySamples
+from ..streaming import ArrayPartsSamples
 from ..budgets import DEFAULT_BUDGET, information_cost, largest_count, softmax_fit_cost
 from ..calibration import DEFAULT_CALIBRATION
 from ._base import KeptSamplesMixin, fell_back, kept_half, operator_residuals
@@ -270,16 +270,15 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """The samples :meth:`rank_residuals` measures on: the kept halves where the factored least squares ran
         (its curve is cross-fitted on them), else ``samples``."""
         if ws.inversion == self.factored_name:
-            return ArraySamples(*self._in_memory(stats), self.calibration.chunk_entries)
+            return ArrayPartsSamples(self._halves(stats), self.calibration.chunk_entries)
         return samples
 
     def _samples(self, stats, samples=None):
-        """The samples: the source given, else the kept halves (odd then even) as arrays in memory."""
+        """The samples: the source given, else the kept halves (odd then even), read from memory in place."""
         if samples is not None:
             return samples
         parts = [kept_half(stats, key) for key in ("samples_odd", "samples_even") if stats[key]]
-        return ArraySamples(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-                            self.calibration.chunk_entries)
+        return ArrayPartsSamples(parts, self.calibration.chunk_entries)
 
     def value_signal_p_value(self, stats, Y):
         """p-value of the F test of ``V = 0`` under uniform attention (``Y_i ~ 1 xbar_i^T V``).

@@ -148,7 +148,7 @@ class SoftmaxLeastSquaresLoss:
         A_half, A_inv_half, B_half, B_inv_half = (None,) * 4 if precondition is None else precondition
         self._left, self._left_pinv = (basis.T, basis) if basis is not None else (A_inv_half, A_half)
         self._right, self._right_pinv = B_inv_half, B_half
-        in_memory = isinstance(self.samples, ArraySamples)
+        in_memory = self.samples.in_memory
         self._cache = in_memory and self.samples.n_samples * self.T**2 <= max_cached_weights
         self.n_evaluations = 0
 
