@@ -263,21 +263,21 @@ def _byte_size(text, option):
     return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
-def _layers_within(layers, n, budget, args):
+def _layers_within(layers, n, budget):
     """The groups of the layers to read (indices), each group's collected inputs and outputs (every head's) and one
     head's samples in its fit within ``budget`` bytes; ``layers`` are the layers read on one window (their sizes
     per window). A layer and a head's samples that exceed the budget are a one-line error saying what would fit."""
     from .budgets import _bytes, sample_bytes
 
+    T = layers[0].X.shape[1]
     per_layer = [n * (layer.X.nbytes + layer.Y.nbytes) // layer.X.shape[0] for layer in layers]
-    d_feat = [layer.X.shape[2] + int(layer.has_bias) for layer in layers]
-    per_head = [sample_bytes(n, args.seq_len, d, next(iter(layer.heads())).d_head)
-                for d, layer in zip(d_feat, layers)]
+    per_head = [sample_bytes(n, T, layer.X.shape[2] + int(layer.has_bias), next(iter(layer.heads())).d_head)
+                for layer in layers]
     need = max(per_layer) + max(per_head)
     if need > budget:
         raise ValueError(f"--memory-budget {_bytes(budget)} is less than one layer's inputs and outputs "
                          f"({_bytes(max(per_layer))}) and one head's samples in its fit ({_bytes(max(per_head))}) "
-                         f"at --n-samples {n} and --seq-len {args.seq_len}: give --memory-budget "
+                         f"at --n-samples {n} and --seq-len {T}: give --memory-budget "
                          f"{-(-need // 2**20)}MiB or more, or fewer windows.")
     hold = budget - max(per_head)      # the layers held beside one head's fit
     groups, held = [], hold + 1
@@ -380,7 +380,7 @@ def _heads(args):
     t0 = time.perf_counter()
     # the layers read on one window: their names, heads and sizes, before the memory of all the windows is spent
     probes = collect_attention(model, windows[:1], layers=layers)
-    groups = _layers_within(probes, len(windows), memory_budget, args)
+    groups = _layers_within(probes, len(windows), memory_budget)
     if heads is not None:
         probes = [layer.select_heads(heads) for layer in probes]
     total = sum(len(list(layer.heads())) for layer in probes)
@@ -437,8 +437,7 @@ def _heads(args):
             return 130
         finally:
             bar.close()
-    collected = probes
-    order = {key: k for k, key in enumerate((layer.index, head.head) for layer in collected
+    order = {key: k for k, key in enumerate((layer.index, head.head) for layer in probes
                                              for head in layer.heads())}
     rows = sorted(done + fitted, key=lambda r: order.get((int(r["layer"]), int(r["head"])), len(order)))
     # the curves go to heads.json and the plan
@@ -459,7 +458,7 @@ def _heads(args):
         if args.budget is not None:
             plans[f"budget={args.budget}"] = rank_plan(table, budget=args.budget)
         (out / "plan.json").write_text(json.dumps(
-            {name: {"heads": _rows(plan), "rank_pattern": rank_pattern(plan, collected)}
+            {name: {"heads": _rows(plan), "rank_pattern": rank_pattern(plan, probes)}
              for name, plan in plans.items()}, indent=1, default=float))
     try:
         import matplotlib

@@ -295,7 +295,9 @@ class Samples:
 
 
 class ArraySamples(Samples):
-    """Samples held in memory as arrays (already validated and scaled), read in chunks.
+    """Samples held in memory as arrays (already validated and scaled), read in chunks; with
+    :meth:`~Samples.with_scales` read in internal units, each chunk rescaled as it is read (no scaled copy of the
+    samples is made; :meth:`batches` and :meth:`rescaled` make one).
 
     Parameters
     ----------
@@ -322,14 +324,6 @@ class ArraySamples(Samples):
             self.chunk_entries = int(chunk_entries)
         self.dims = (X.shape[1], X.shape[2], 0 if Y is None else Y.shape[2])
 
-    @classmethod
-    def scaled(cls, X, Y, x_scale, y_scale, chunk_entries=None):
-        """Validated arrays read in internal units, ``X / x_scale`` and ``Y / y_scale``, each chunk rescaled as it
-        is read: no scaled copy of the samples is made (:meth:`batches` alone makes one)."""
-        out = cls(X, Y, chunk_entries)
-        out.x_scale, out.y_scale = float(x_scale), float(y_scale)
-        return out
-
     def _unscaled(self):
         return self.x_scale == 1.0 and self.y_scale == 1.0
 
@@ -347,7 +341,7 @@ class ArraySamples(Samples):
         return float(np.sum(self.Y**2)) / self.y_scale**2
 
     def rescaled(self, fx, fy):
-        return ArraySamples.scaled(self.X, self.Y, self.x_scale * fx, self.y_scale * fy, self.chunk_entries)
+        return ArraySamples(self.X / (self.x_scale * fx), self.Y / (self.y_scale * fy), self.chunk_entries)
 
     def batches(self):
         yield (self.X, self.Y) if self._unscaled() else (self.X / self.x_scale, self.Y / self.y_scale)
@@ -928,8 +922,8 @@ class StreamingFitMixin:
             self._pending_finalize = True
         else:
             # read in internal units chunk by chunk: a scaled copy of the samples would be held through the fit
-            self._finalize(curve_samples=ArraySamples.scaled(X, Y, self._x_scale, self._y_scale,
-                                                             self._config["calibration"].chunk_entries))
+            self._finalize(curve_samples=ArraySamples(X, Y, self._config["calibration"].chunk_entries)
+                           .with_scales(self._x_scale, self._y_scale))
         return self
 
     def __getstate__(self):

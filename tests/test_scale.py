@@ -412,3 +412,28 @@ def test_the_token_metric_of_two_halves_is_that_of_their_samples():
     halves = ((X1, None), (X2, None))
     for a, b in zip(sf.token_metric_roots_of_halves(halves), sf.token_metric_roots(np.concatenate([X1, X2]))):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_arrays_read_in_internal_units_equal_their_scaled_copy():
+    """The curve's samples are read in internal units chunk by chunk (no scaled copy held): every read equals the
+    same read of the scaled arrays, and so do the two halves read in place against their join."""
+    from rstar.streaming import ArrayPartsSamples
+
+    rng = np.random.default_rng(2)
+    X, Y = rng.standard_normal((40, 3, 5)), rng.standard_normal((40, 3, 2))
+    lazy = ArraySamples(X, Y, chunk_entries=30).with_scales(2.0, 4.0)
+    eager = ArraySamples(X / 2.0, Y / 4.0, chunk_entries=30)
+    for a, b in zip(lazy.chunks(3), eager.chunks(3)):
+        np.testing.assert_allclose(a[0], b[0])
+        np.testing.assert_allclose(a[1], b[1])
+    np.testing.assert_allclose(lazy.mean_squares(), eager.mean_squares())
+    np.testing.assert_allclose(lazy.y_sum_of_squares(), eager.y_sum_of_squares())
+    np.testing.assert_allclose(lazy.rescaled(3.0, 5.0).X, X / 6.0)
+    assert lazy.X is X   # nothing copied
+    parts = ArrayPartsSamples([(X[:15], Y[:15]), (X[15:], Y[15:])], chunk_entries=30)
+    whole = ArraySamples(X, Y, chunk_entries=30)
+    np.testing.assert_allclose(parts.map_sum(lambda a, b: (a.sum(), (b**2).sum()), 3),
+                               whole.map_sum(lambda a, b: (a.sum(), (b**2).sum()), 3))
+    np.testing.assert_allclose(parts.y_sum_of_squares(), whole.y_sum_of_squares())
+    np.testing.assert_allclose(parts.mean_squares(), whole.mean_squares())
+    assert parts.in_memory and whole.in_memory and parts.n_samples == 40
