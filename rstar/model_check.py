@@ -152,11 +152,17 @@ def offset_modulation_sums(coordinates, attention, Z, R, causal, chunk=64):
         zr = Zp @ Rp.transpose(0, 2, 1)                     # <z_s, R_t>, [n, s, t]
         yr = np.einsum("ntv,ntv->nt", Yp, Rp)
         for t in range(T):
-            phi = attention[part, t, :, None] * P[part, t, None, :] * Kc[part]          # (c, s, k)
-            E = zz - zy[:, :, t, None] - zy[:, None, :, t] + yy[:, t, None, None]       # <e_ts, e_tu>
-            cross = zr[:, :, t] - yr[:, t, None]                                        # <e_ts, R_t>
-            rows = index[t]
-            G[np.ix_(np.arange(k), rows, rows)] += np.einsum("nsi,nsu,nui->isu", phi, E, phi, optimize=True)
+            # causal: the attention of position t is zero after t, and so are its keys' terms
+            S = t + 1 if causal else T
+            phi = attention[part, t, :S, None] * P[part, t, None, :] * Kc[part, :S]     # (c, s, k)
+            E = (zz[:, :S, :S] - zy[:, :S, t, None] - zy[:, None, :S, t]
+                 + yy[:, t, None, None])                                                # <e_ts, e_tu>
+            cross = zr[:, :S, t] - yr[:, t, None]                                       # <e_ts, R_t>
+            rows = index[t, :S]
+            block = np.ix_(rows, rows)
+            # one direction at a time: a three-operand einsum over all k at once ran 3.5 times slower (c = 64, T = 128)
+            for i, weights in enumerate(np.ascontiguousarray(phi.transpose(2, 0, 1))):
+                G[i][block] += np.einsum("ns,nsu,nu->su", weights, E, weights)
             C[:, rows] += np.einsum("nsi,ns->is", phi, cross)
     return G, C
 
