@@ -257,6 +257,23 @@ class Calibration:
         "a scale, not a critical value: on noise-free real heads (benchmarks/rotary_real_heads.py) every entry known "
         "past rounding weighs ~1 at any tau; with output noise it sets how fast buried entries fade, and the fit is "
         "refined on the outputs afterwards")
+    coarse_window_ratio: int = _value(
+        4, "factored fit", "count",
+        "A causal rotary fit over windows of T tokens is first run on the windows cut to T / this many tokens (and "
+        "T / this^2, ..., while at least coarse_window_min_length), shortest first, each starting the next: the "
+        "outputs at the first T' positions depend on the first T' tokens alone, and an iteration there costs "
+        "about this^2 times less on the logits.",
+        "python benchmarks/rotary_planted.py --seq-len 128",
+        "planted rotary widths 2 and 8 on SmolLM2's layer-0 inputs at T = 128, n = 2000, V fitted: from a random "
+        "start at T = 128 both ran 600 iterations unsettled (3 (0, 64) and 8 (0, 64), warned, 1491 and 877 s); "
+        "after a T = 32 stage (600 iterations, 152 s for width 8) the T = 128 fit settled in 250 iterations "
+        "(251 s) and both read exactly (2 (2, 2), 8 (8, 8)). Other ratios not measured")
+    coarse_window_min_length: int = _value(
+        32, "factored fit", "count",
+        "The shortest cut window of a causal fit's coarse stages (coarse_window_ratio): the planted rotary heads "
+        "on SmolLM2's inputs read exactly at T = 32 (n = 2000).",
+        "python benchmarks/rotary_planted.py",
+        "SmolLM2 layer 0, T = 32, n = 2000, widths 0-8 exact with V known and fitted")
     factored_segment_iter: int = _value(
         50, "factored fit", "count",
         "The factored fit's L-BFGS iterations run in segments of this many; after each the split-half count is "

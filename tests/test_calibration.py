@@ -47,6 +47,8 @@ DEFAULTS = {
     "factored_start_rank": 8,
     "rotary_start_logit_std": 0.1,
     "log_attention_variance_floor": 1.0,
+    "coarse_window_ratio": 4,
+    "coarse_window_min_length": 32,
     "factored_segment_iter": 50,
     "factored_stable_rtol": 0.01,
     "factored_clear_gap": 2.0,

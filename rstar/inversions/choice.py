@@ -19,6 +19,7 @@ while it runs and reported in the same way; ``inversion_`` names what ran.
 
 from dataclasses import dataclass
 
+from ._numerics import softmax_factored as sf
 from ..budgets import DEFAULT_BUDGET, CostBudget
 from ..calibration import DEFAULT_CALIBRATION
 from .query_key_cross_fit import cross_fit_blocker
@@ -179,9 +180,14 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
                              f"{blocker}.")
         name, why = rotary_inversion_name(T, d, d_v, value_map_known, calibration=cal)
         loss = "the log-attention" if name == ROTARY_LOG_NAME else "the outputs"
+        cuts = sf.coarse_lengths(T, sf.causal_mask(T), calibration=cal) if causal and name != ROTARY_LOG_NAME else []
+        coarse = ("" if not cuts else
+                  f"; causal windows, so first on the windows cut to {', '.join(map(str, cuts))} tokens, each fit "
+                  "starting the next (the outputs at the first T' positions are the head on the first T' tokens "
+                  "alone), where the cut windows keep enough residual degrees of freedom")
         return InversionChoice(name, f"rotary positions: a rotary head of width 2P at the given frequencies is "
-                               f"fitted by least squares on {loss} of each half of the samples ({why}) and tested "
-                               "plane by plane against the half-difference", name)
+                               f"fitted by least squares on {loss} of each half of the samples ({why}{coarse}) and "
+                               "tested plane by plane against the half-difference", name)
     if causal:
         if operator != "softmax" or method != "least_squares":
             raise ValueError("causal=True needs the softmax operator's least squares (RStarEstimator with "

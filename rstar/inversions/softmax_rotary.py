@@ -204,14 +204,9 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
     pre = (metric[1], metric[0])
     pairs = pair_rotations(rotary, mask)
-    if name == ROTARY_LOG_NAME:
-        # the targets and weights read once on numpy; the loss evaluated where the output loss would be
-        losses = log_attention_half_losses(halves, value_map, mask, ops, calibration=calibration, rotary=rotary)
-    else:
-        losses = sf.half_losses(halves, mask, ops, calibration=calibration, rotary=rotary)
     rng = np.random.default_rng(seed)
     starts = []
-    for (X, Y), loss in zip(halves, losses):
+    for X, Y in halves:
         V0 = sf.value_map_given_kernel(X, Y, mask=mask, calibration=calibration) if value_map is None else value_map
         # small logits: the fit grows the directions the data hold (a saddle at zero has no gradient)
         A0, B0 = _random_start(rng, metric, q, 1.0)
@@ -219,26 +214,63 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
         std = float(np.std(Xs @ A0 @ (Xs @ B0).transpose(0, 2, 1) / np.sqrt(d))) or 1.0
         t = np.sqrt(calibration.rotary_start_logit_std / std)
         starts.append((A0 * t, B0 * t, V0))
-    state = {}
 
-    def on_check(current, n_iter):
-        nonlocal spent
-        spent += _segment_cost(n, T, d, d_v, q, known, calibration)
-        lam, sd, _, _ = family_split_half(metric, [(f.A, f.B) for f in current], pairs, q)
-        edge = float(sd[0])
-        count = stopping_count(lam, edge, margin)
-        previous = state.get("previous")
-        state["previous"] = (count, lam)
-        rtol = calibration.factored_stable_rtol
-        if previous is not None and previous[0][0] == count[0] and np.allclose(
-                lam[:count[0]], previous[1][:count[0]], rtol=rtol, atol=0.0):
-            state["outcome"] = "settled"
-            return True
-        if not budget.allows_fit_compute(spent + _segment_cost(n, T, d, d_v, q, known, calibration)):
-            state["outcome"] = "budget"
-            return True
-        return False
+    def check(pairs_level, T_level):
+        # every segment: the split-half count of the family over the level's pairs; stop once it has settled, or
+        # at the budget (the segment's cost at the level's window length)
+        state = {}
 
+        def on_check(current, n_iter):
+            nonlocal spent
+            spent += _segment_cost(n, T_level, d, d_v, q, known, calibration)
+            lam, sd, _, _ = family_split_half(metric, [(f.A, f.B) for f in current], pairs_level, q)
+            edge = float(sd[0])
+            count = stopping_count(lam, edge, margin)
+            previous = state.get("previous")
+            state["previous"] = (count, lam)
+            rtol = calibration.factored_stable_rtol
+            if previous is not None and previous[0][0] == count[0] and np.allclose(
+                    lam[:count[0]], previous[1][:count[0]], rtol=rtol, atol=0.0):
+                state["outcome"] = "settled"
+                return True
+            if not budget.allows_fit_compute(spent + _segment_cost(n, T_level, d, d_v, q, known, calibration)):
+                state["outcome"] = "budget"
+                return True
+            return False
+
+        return on_check, state
+
+    # causal windows: the outputs at the first T' positions are the head applied to the first T' tokens alone, so
+    # the windows cut to T' tokens are samples of the same head; fitted there first (each L-BFGS iteration
+    # (T / T')^2 times cheaper on the logits), the full windows' fit starts from their factors (and V)
+    coarse = []
+    if name != ROTARY_LOG_NAME:
+        for T_c in sf.coarse_lengths(T, mask, calibration=calibration):
+            if min(_residual_dof(2 * X.shape[0], T_c, d, d_v, q, known) for X, _ in halves) < calibration.min_noise_dof:
+                continue
+            cut = tuple((np.ascontiguousarray(X[:, :T_c]), np.ascontiguousarray(Y[:, :T_c])) for X, Y in halves)
+            rot_c = RotaryPositions(rotary.angles[:T_c])
+            mask_c = None if mask is None else np.asarray(mask, dtype=bool)[:T_c, :T_c]
+            on_check, state = check(pair_rotations(rot_c, mask_c), T_c)
+            fits = sf.fit_factored_pair(cut, q, starts, value_map=value_map, mask=mask_c, max_iter=max_iter,
+                                        precondition=pre, on_check=on_check,
+                                        check_every=calibration.factored_segment_iter, calibration=calibration,
+                                        losses=sf.half_losses(cut, mask_c, ops, calibration=calibration,
+                                                              rotary=rot_c),
+                                        rotary=rot_c)
+            del cut
+            coarse.append({"length": int(T_c), "iterations": int(fits[0].n_iter),
+                           "outcome": state.get("outcome") or "iterations"})
+            starts = [(f.A, f.B, f.value_map) for f in fits]
+            if state.get("outcome") == "budget":
+                break
+    # the full windows' losses made after the coarse ones are gone (each holds its samples on the device)
+    if name == ROTARY_LOG_NAME:
+        # the targets and weights read once on numpy; the loss evaluated where the output loss would be
+        losses = log_attention_half_losses(halves, value_map, mask, ops, calibration=calibration, rotary=rotary)
+    else:
+        losses = sf.half_losses(halves, mask, ops, calibration=calibration, rotary=rotary)
+    on_check, state = check(pairs, T)
     fits = sf.fit_factored_pair(halves, q, starts, value_map=value_map, mask=mask, max_iter=max_iter,
                                 precondition=pre, on_check=on_check, check_every=calibration.factored_segment_iter,
                                 calibration=calibration, losses=losses, rotary=rotary)
@@ -248,7 +280,7 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
         # random start settles on fits that reproduce their own windows and miss others), the output least squares
         # is the estimator under output noise (log S of noisy outputs is biased: on a planted width-4 head with 5 %
         # noise the log-attention fit alone failed the model check at n = 2000, refined it read 4 (4, 4))
-        state.clear()
+        on_check, state = check(pairs, T)
         fits = sf.fit_factored_pair(halves, q, [(f.A, f.B) for f in fits], value_map=value_map, mask=mask,
                                     max_iter=calibration.factored_max_iter, precondition=pre, on_check=on_check,
                                     check_every=calibration.factored_segment_iter, calibration=calibration,
@@ -265,7 +297,7 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     dof = sum(_residual_dof(2 * X.shape[0], T, d, d_v, q, known) for X, _ in halves)
     sigma2 = rss / max(dof, 1)
     iterations = ({"log_attention_iterations": first_iterations, "log_attention_backend": ops.name}
-                  if name == ROTARY_LOG_NAME else {})
+                  if name == ROTARY_LOG_NAME else {"coarse_windows": coarse})
     findings = [Finding("factored_fit", {**iterations, "settled": bool(stable), "iterations": int(fits[0].n_iter),
                                          "fitted_rank": int(q), "budget_ran_out": state.get("outcome") == "budget",
                                          "count": count, "capped": False, "features": int(d)})]

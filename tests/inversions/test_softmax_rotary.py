@@ -9,6 +9,7 @@ import pytest
 from sklearn.base import clone
 
 from rstar import RotaryPositions, RStarEstimator
+from rstar.calibration import DEFAULT_CALIBRATION
 from rstar.inversions import choose_inversion
 from rstar.inversions._numerics import softmax_factored as sf
 from rstar.inversions._numerics.rotary import rotate
@@ -261,3 +262,49 @@ def test_cut_heads_on_projected_tokens_match_their_factors():
         Ar, Br, _, rot = _truncated_model(ws, halves[0], Vi, min(r, 2 * P), MASK, est._inv.calibration)
         np.testing.assert_allclose(g, sf.factored_sample_rss(X0, X0 @ Vi, full, Ar, Br, MASK, rotary=rot),
                                    rtol=1e-9, atol=1e-12)
+
+
+def test_causal_windows_cut_short_are_samples_of_the_same_head():
+    """What the coarse stage rests on: a causal head's outputs at the first T' positions are the head applied to
+    the first T' tokens alone; a bidirectional head's are not."""
+    A, B = _head(rank=3, seed=2)
+    X, _, V = _task(A, B, n=20, seed=2)
+    full = sf.factored_outputs(X, X @ V, A, B, MASK, rotary=POS)
+    T_c = 5
+    cut = sf.factored_outputs(X[:, :T_c], X[:, :T_c] @ V, A, B, MASK[:T_c, :T_c],
+                              rotary=RotaryPositions(POS.angles[:T_c]))
+    np.testing.assert_allclose(cut, full[:, :T_c], rtol=1e-12, atol=1e-12)
+    both = sf.factored_outputs(X, X @ V, A, B, None, rotary=POS)
+    assert not np.allclose(sf.factored_outputs(X[:, :T_c], X[:, :T_c] @ V, A, B, None,
+                                               rotary=RotaryPositions(POS.angles[:T_c])), both[:, :T_c])
+
+
+def test_coarse_lengths_keep_only_cuts_no_earlier_position_looks_past():
+    cal = DEFAULT_CALIBRATION.replace(coarse_window_ratio=2, coarse_window_min_length=3)
+    assert sf.coarse_lengths(T, MASK, calibration=cal) == [3, 6]
+    assert sf.coarse_lengths(T, None, calibration=cal) == []
+    band = MASK & ~np.tril(np.ones((T, T), dtype=bool), -4)          # a causal sliding window of 4 tokens
+    assert sf.coarse_lengths(T, band, calibration=cal) == [3, 6]
+    lookahead = MASK | np.eye(T, k=1, dtype=bool)                     # each token also sees the next one
+    assert sf.coarse_lengths(T, lookahead, calibration=cal) == []
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_coarse_stage_on_cut_windows_reads_the_width_and_says_so(known):
+    """With coarse stages at 3 and 6 tokens (a calibration made for the test: the defaults start at 128 tokens)
+    the fit runs them first, records them, and reads the planted width as the fit without them does."""
+    A, B = _head(planes=(0, 1))
+    X, Y, V = _task(A, B)
+    cal = DEFAULT_CALIBRATION.replace(coarse_window_ratio=2, coarse_window_min_length=3)
+    kw = dict(rotary=POS, causal=True, value_map=V if known else None, tolerance=0.01, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = RStarEstimator(calibration=cal, **kw).fit(X, Y)
+    fit = [f.values for f in est._whitened[1].findings if f.kind == "factored_fit"][0]
+    assert [stage["length"] for stage in fit["coarse_windows"]] == [3, 6]
+    assert all(stage["iterations"] > 0 for stage in fit["coarse_windows"])
+    assert "cut to 3, 6 tokens" in est.inversion_reason_
+    assert (est.noise_floor_rank_, est.noise_floor_interval_) == (4, (4, 4))
+    plain = RStarEstimator(**kw).fit(X, Y)
+    assert [f.values for f in plain._whitened[1].findings if f.kind == "factored_fit"][0]["coarse_windows"] == []
+    np.testing.assert_allclose(est.spectrum_[:4], plain.spectrum_[:4], rtol=0.05)

@@ -41,6 +41,7 @@ from .rotary import rotate, rotate_adjoint
 __all__ = [
     "FactoredSoftmaxFit",
     "causal_mask",
+    "coarse_lengths",
     "causal_attention_weights",
     "factored_loss_terms",
     "factored_loss",
@@ -85,6 +86,34 @@ def _chunks(n, T, d, calibration):
 def causal_mask(T):
     """The logits a causal (decoder) head keeps: token t attends to tokens ``s <= t`` (lower triangle)."""
     return np.tril(np.ones((T, T), dtype=bool))
+
+
+def coarse_lengths(T, mask, *, calibration=DEFAULT_CALIBRATION):
+    """The shorter window lengths a causal fit is run at first, shortest first: ``T // r, T // r^2, ...`` (r the
+    calibration's ``coarse_window_ratio``) while at least its ``coarse_window_min_length``.
+
+    A length T' qualifies only where no position before T' attends to a token at T' or later (``mask[:T', T':]``
+    all False: causal, or causal sliding windows), so that the outputs at the first T' positions are the head
+    applied to the first T' tokens alone: the cut windows are samples of the same head. None (bidirectional)
+    gives none.
+
+    Examples
+    --------
+    >>> coarse_lengths(512, causal_mask(512))
+    [32, 128]
+    >>> coarse_lengths(128, None)
+    []
+    """
+    if mask is None:
+        return []
+    mask = np.asarray(mask, dtype=bool)
+    ratio, shortest = calibration.coarse_window_ratio, calibration.coarse_window_min_length
+    out, length = [], int(T) // ratio
+    while length >= shortest:
+        if not mask[:length, length:].any():
+            out.append(length)
+        length //= ratio
+    return sorted(out)
 
 
 def causal_attention_weights(X, K):
