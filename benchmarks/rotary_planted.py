@@ -69,7 +69,8 @@ def _fit(X, Y, V, rotary, width, args):
                else "covered" if lo <= width <= hi and caught else "WRONG")
     return dict(width=width, value_map_known=V is not None, rank=rank, interval=[lo, hi],
                 rank_at_5pct=int(est.rank_), seconds=seconds, verdict=verdict, inversion=est.inversion_,
-                inversion_reason=est.inversion_reason_, resident_peak_mib=peak, warnings=[str(w.message) for w in caught])
+                inversion_reason=est.inversion_reason_, resident_peak_mib=peak,
+                warnings=[str(w.message) for w in caught])
 
 
 def value_map_fits(parser, text):
