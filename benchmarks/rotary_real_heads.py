@@ -87,7 +87,8 @@ def _fit_row(head, held, args):
                 held_out_truncation_excess=[float(held_curve[min(r, head.d_head)]) for r in ranks],
                 truncation=[int(rank_at_tolerance(curve, e)) for e in TOLERANCES],
                 planes=[int(rank_at_tolerance(planes, e)) for e in TOLERANCES],
-                eva=int(activation_svd_rank(head.X, 0.9)), seconds=seconds,
+                eva=int(activation_svd_rank(head.X, 0.9)), seconds=seconds, inversion=est.inversion_,
+                inversion_reason=est.inversion_reason_,
                 # the curve r*(eps) is read from (its upper bound), its point estimate and standard error, ranks
                 # 0 ... d_head: what rstar.heads.rank_plan needs to allocate a budget over these heads
                 **{key: [float(v) for v in np.asarray(getattr(est, attr))[:head.d_head + 1]]

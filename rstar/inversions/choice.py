@@ -26,7 +26,7 @@ from .query_key_cross_fit import cross_fit_blocker
 from .query_key_least_squares import least_squares_sizes_fit
 from .softmax_exact import exact_softmax_memory_fits, exact_softmax_shape_ok, exact_softmax_well_conditioned
 from .softmax_factored import FACTORED_NAME, factored_capacity, factored_fit_blocker
-from .softmax_rotary import ROTARY_LOG_NAME, ROTARY_NAME, rotary_fit_blocker, rotary_inversion_name
+from .softmax_rotary import ROTARY_LOG_NAME, ROTARY_NAME, coarse_stages, rotary_fit_blocker, rotary_inversion_name
 from .softmax_least_squares import softmax_fit_blocker, softmax_fit_capacity
 from .token import moment_sums_fit
 
@@ -180,11 +180,17 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
                              f"{blocker}.")
         name, why = rotary_inversion_name(T, d, d_v, value_map_known, calibration=cal)
         loss = "the log-attention" if name == ROTARY_LOG_NAME else "the outputs"
-        cuts = sf.coarse_lengths(T, sf.causal_mask(T), calibration=cal) if causal and name != ROTARY_LOG_NAME else []
-        coarse = ("" if not cuts else
-                  f"; causal windows, so first on the windows cut to {', '.join(map(str, cuts))} tokens, each fit "
-                  "starting the next (the outputs at the first T' positions are the head on the first T' tokens "
-                  "alone), where the cut windows keep enough residual degrees of freedom")
+        stages = (coarse_stages(T, d, d_v, value_map_known, sf.causal_mask(T), calibration=cal) if causal
+                  else [])
+        on_log = [T_c for T_c, loss_c in stages if loss_c == "log_attention"]
+        coarse = ("" if not stages else
+                  f"; causal windows, so first on the windows cut to {', '.join(str(T_c) for T_c, _ in stages)} "
+                  "tokens, each fit starting the next (the outputs at the first T' positions are the head on the "
+                  "first T' tokens alone), where the cut windows keep enough residual degrees of freedom"
+                  + ("" if not on_log else
+                     f", those of {', '.join(map(str, on_log))} tokens on their log-attention (V known and "
+                     f"T' <= {cal.ill_conditioned_aspect} x min(d, d_v): the attention read back from the "
+                     "outputs)"))
         return InversionChoice(name, f"rotary positions: a rotary head of width 2P at the given frequencies is "
                                f"fitted by least squares on {loss} of each half of the samples ({why}{coarse}) and "
                                "tested plane by plane against the half-difference", name)

@@ -47,8 +47,9 @@ from .softmax_exact import exact_softmax_well_conditioned
 from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, split_half_counts
 from .softmax_factored import _ProjectedTokens, _residual_dof, _segment_cost, _samples_for_dof, _top_width
 
-__all__ = ["ROTARY_NAME", "ROTARY_LOG_NAME", "ROTARY_NAMES", "rotary_inversion_name", "rotary_fit_blocker",
-           "rotary_statistic", "rotary_rank_residuals", "rotary_half_disagreement", "rotary_output_distances", "rotary_operator", "RotarySoftmaxOperator"]
+__all__ = ["ROTARY_NAME", "ROTARY_LOG_NAME", "ROTARY_NAMES", "rotary_inversion_name", "coarse_stages",
+           "rotary_fit_blocker", "rotary_statistic", "rotary_rank_residuals", "rotary_half_disagreement",
+           "rotary_output_distances", "rotary_operator", "RotarySoftmaxOperator"]
 
 #: The name of this inversion (``inversion_``), fitted on the outputs.
 ROTARY_NAME = "softmax_rotary_least_squares"
@@ -68,6 +69,31 @@ def rotary_inversion_name(T, d, d_v, value_map_known, *, calibration=DEFAULT_CAL
     return ROTARY_LOG_NAME, (f"the value map is known and T={T} <= {calibration.ill_conditioned_aspect} x "
                              f"min(d, d_v): the attention is read back as S_i = Y_i (X_i V)^+ and the head fitted "
                              "on log S, every logit counted by how well it is known, then refined on the outputs")
+
+
+def coarse_stages(T, d, d_v, value_map_known, mask, *, calibration=DEFAULT_CALIBRATION):
+    """The cut windows a rotary fit of T tokens starts on, shortest first, each with the loss it is fitted on:
+    ``[(T', "log_attention" or "outputs"), ...]``.
+
+    The lengths are :func:`rstar.inversions._numerics.softmax_factored.coarse_lengths` (causal windows only); a cut
+    is fitted on its log-attention where a fit of T' tokens would be (:func:`rotary_inversion_name`: V known and
+    T' well below d_v), else on its outputs. None where the full windows are fitted on the log-attention
+    themselves.
+
+    Examples
+    --------
+    >>> from rstar.inversions._numerics.softmax_factored import causal_mask
+    >>> coarse_stages(512, 576, 64, True, causal_mask(512))
+    [(32, 'log_attention'), (128, 'outputs')]
+    >>> coarse_stages(128, 576, 64, False, causal_mask(128))
+    [(32, 'outputs')]
+    """
+    if rotary_inversion_name(T, d, d_v, value_map_known, calibration=calibration)[0] == ROTARY_LOG_NAME:
+        return []
+    return [(T_c, "log_attention" if rotary_inversion_name(T_c, d, d_v, value_map_known,
+                                                          calibration=calibration)[0] == ROTARY_LOG_NAME
+             else "outputs")
+            for T_c in sf.coarse_lengths(T, mask, calibration=calibration)]
 
 
 def rotary_fit_blocker(n, T, d, d_v, rotary, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True,
@@ -193,6 +219,7 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     known = value_map is not None
     q = rotary.width
     name, _ = rotary_inversion_name(T, d, d_v, known, calibration=calibration)
+    given_max_iter = max_iter
     if max_iter is None:
         max_iter = (calibration.log_attention_max_iter if name == ROTARY_LOG_NAME else
                     calibration.factored_max_iter if known else calibration.factored_max_iter_fitted_v)
@@ -242,24 +269,31 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
 
     # causal windows: the outputs at the first T' positions are the head applied to the first T' tokens alone, so
     # the windows cut to T' tokens are samples of the same head; fitted there first (each L-BFGS iteration
-    # (T / T')^2 times cheaper on the logits), the full windows' fit starts from their factors (and V)
+    # (T / T')^2 times cheaper on the logits), the full windows' fit starts from their factors (and V). A cut short
+    # enough for the log-attention (V known, T' well below d_v) is fitted on it, as a head of T' tokens would be: on
+    # real heads the output least squares from a random start settles on fits that miss held-out windows
     coarse = []
     if name != ROTARY_LOG_NAME:
-        for T_c in sf.coarse_lengths(T, mask, calibration=calibration):
+        for T_c, loss_c in coarse_stages(T, d, d_v, known, mask, calibration=calibration):
             if min(_residual_dof(2 * X.shape[0], T_c, d, d_v, q, known) for X, _ in halves) < calibration.min_noise_dof:
                 continue
             cut = tuple((np.ascontiguousarray(X[:, :T_c]), np.ascontiguousarray(Y[:, :T_c])) for X, Y in halves)
             rot_c = RotaryPositions(rotary.angles[:T_c])
             mask_c = None if mask is None else np.asarray(mask, dtype=bool)[:T_c, :T_c]
             on_check, state = check(pair_rotations(rot_c, mask_c), T_c)
-            fits = sf.fit_factored_pair(cut, q, starts, value_map=value_map, mask=mask_c, max_iter=max_iter,
+            if loss_c == "log_attention":
+                losses_c = log_attention_half_losses(cut, value_map, mask_c, ops, calibration=calibration,
+                                                     rotary=rot_c)
+                iters_c = calibration.log_attention_max_iter if given_max_iter is None else max_iter
+            else:
+                losses_c = sf.half_losses(cut, mask_c, ops, calibration=calibration, rotary=rot_c)
+                iters_c = max_iter
+            fits = sf.fit_factored_pair(cut, q, starts, value_map=value_map, mask=mask_c, max_iter=iters_c,
                                         precondition=pre, on_check=on_check,
                                         check_every=calibration.factored_segment_iter, calibration=calibration,
-                                        losses=sf.half_losses(cut, mask_c, ops, calibration=calibration,
-                                                              rotary=rot_c),
-                                        rotary=rot_c)
-            del cut
-            coarse.append({"length": int(T_c), "iterations": int(fits[0].n_iter),
+                                        losses=losses_c, rotary=rot_c)
+            del cut, losses_c
+            coarse.append({"length": int(T_c), "loss": loss_c, "iterations": int(fits[0].n_iter),
                            "outcome": state.get("outcome") or "iterations"})
             starts = [(f.A, f.B, f.value_map) for f in fits]
             if state.get("outcome") == "budget":

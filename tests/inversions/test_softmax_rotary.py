@@ -304,6 +304,10 @@ def test_a_coarse_stage_on_cut_windows_reads_the_width_and_says_so(known):
     assert [stage["length"] for stage in fit["coarse_windows"]] == [3, 6]
     assert all(stage["iterations"] > 0 for stage in fit["coarse_windows"])
     assert "cut to 3, 6 tokens" in est.inversion_reason_
+    # V known and cuts of T' <= 0.9 d_v tokens: fitted on their log-attention, as a fit of T' tokens would be
+    loss = "log_attention" if known else "outputs"
+    assert [stage["loss"] for stage in fit["coarse_windows"]] == [loss, loss]
+    assert ("those of 3, 6 tokens on their log-attention" in est.inversion_reason_) == known
     assert (est.noise_floor_rank_, est.noise_floor_interval_) == (4, (4, 4))
     plain = RStarEstimator(**kw).fit(X, Y)
     assert [f.values for f in plain._whitened[1].findings if f.kind == "factored_fit"][0]["coarse_windows"] == []
