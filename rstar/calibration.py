@@ -259,10 +259,10 @@ class Calibration:
         "refined on the outputs afterwards")
     coarse_window_ratio: int = _value(
         4, "factored fit", "count",
-        "A causal rotary fit over windows of T tokens is first run on the windows cut to T / this many tokens (and "
-        "T / this^2, ..., while at least coarse_window_min_length), shortest first, each starting the next: the "
-        "outputs at the first T' positions depend on the first T' tokens alone, and an iteration there costs "
-        "about this^2 times less on the logits.",
+        "A causal fit (rotary, or the factored fit at its first rank) over windows of T tokens is first run on "
+        "the windows cut to T / this many tokens (and T / this^2, ..., while at least coarse_window_min_length), "
+        "shortest first, each starting the next: the outputs at the first T' positions depend on the first T' "
+        "tokens alone, and an iteration there costs about this^2 times less on the logits.",
         "python benchmarks/rotary_planted.py --seq-len 128",
         "planted rotary widths 2, 8 and 16 on SmolLM2's layer-0 inputs at T = 128, n = 2000, V fitted: from a "
         "random start at T = 128 each ran 600 iterations unsettled (3, 8 and 16 read, warned with (0, 64), 1491, "

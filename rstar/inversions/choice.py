@@ -349,8 +349,13 @@ def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, c
                                                           samples_in_memory, calibration=cal)
     if blocker is not None:
         return InversionChoice("softmax_first_order", "first order in the token-centred data", preferred, blocker)
+    cuts = sf.coarse_lengths(T, sf.causal_mask(T), calibration=cal) if causal else []
+    coarse = ("" if not cuts else
+              f" (causal windows, so first on the windows cut to {', '.join(map(str, cuts))} tokens at the first q, "
+              "each fit starting the next: the outputs at the first T' positions are the head on the first T' tokens "
+              "alone; where the cut windows keep enough residual degrees of freedom)")
     return InversionChoice(preferred, f"{why_shape}: K = A B^T of rank q is fitted by least squares on each half of "
-                           "the samples and tested against the half-difference", preferred, None, notes)
+                           f"the samples{coarse} and tested against the half-difference", preferred, None, notes)
 
 
 #: Representative cases of the decision table: (operator, value map known, (T, d, d_v), the shape condition).

@@ -64,6 +64,31 @@ def _stage_cost(n, T, d, d_v, q, value_map_known, calibration=DEFAULT_CALIBRATIO
             + 2 * _segment_cost(n, T, d, d_v, q, value_map_known, calibration))
 
 
+def _settling_check(split_values, charge, budget, segment_cost, margin, stopping_count, rtol):
+    """``(on_check, state)`` for :func:`rstar.inversions._numerics.softmax_factored.fit_factored_pair` where a fit
+    only has to settle: at every check ``charge(segment_cost)`` (it adds a segment's multiply-adds to those spent
+    and returns the total) and the split-half count of ``split_values(fits) -> (values, null values)``; the run
+    stops once a segment leaves the count and the values it counts unchanged within ``rtol``
+    (``state["outcome"] = "settled"``), or where another segment would pass the compute budget (``"budget"``)."""
+    state = {}
+
+    def on_check(current, n_iter):
+        total = charge(segment_cost)
+        s, sd = split_values(current)
+        count = stopping_count(s, float(sd[0]) if sd[0] > 0 else 0.0, margin)
+        previous, state["previous"] = state.get("previous"), (count, s)
+        if previous is not None and previous[0][0] == count[0] and np.allclose(
+                s[:count[0]], previous[1][:count[0]], rtol=rtol, atol=0.0):
+            state["outcome"] = "settled"
+            return True
+        if not budget.allows_fit_compute(total + segment_cost):
+            state["outcome"] = "budget"
+            return True
+        return False
+
+    return on_check, state
+
+
 def factored_fit_blocker(n, T, d, d_v, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True, *,
                          calibration=DEFAULT_CALIBRATION):
     """Why n samples of this shape cannot be fitted by the factored least squares (None if they can): the
@@ -192,6 +217,12 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     margin = calibration.split_half_margin if margin is None else float(margin)
     start_rank_min, min_dof = calibration.factored_start_rank, calibration.min_noise_dof
     spent = float(sf.token_metric_cost(n, T, d)) + sf.factored_start_cost(n, T, d, d_v, known)
+
+    def charge(cost):
+        nonlocal spent
+        spent += cost
+        return spent
+
     # the first rank: from the split-half count of the gradient of K at K = 0 (the first-order statistic), so
     # that a large r* does not climb through every doubling; at least factored_start_rank, within the budget
     grads, uniform_v = [], []
@@ -216,6 +247,31 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     starts = [sf.gradient_start(X, Y, G, q, V0, mask, pre, active=first_count or None, calibration=calibration,
                                 loss=loss)
               for (X, Y), G, V0, loss in zip(halves, grads, uniform_v, losses)]
+    # causal windows: the outputs at the first T' positions are the head applied to the first T' tokens alone, so
+    # the windows cut to T' tokens are samples of the same head; fitted there first at the starting q (an L-BFGS
+    # iteration costs about T / T' less on the projections and (T / T')^2 less on the logits), the full windows'
+    # fit starts from their factors (and V), as the rotary fit does
+    coarse = []
+    for T_c in sf.coarse_lengths(T, mask, calibration=calibration):
+        if min(_residual_dof(2 * X.shape[0], T_c, d, d_v, q, known) for X, _ in halves) < min_dof:
+            continue
+        cut = tuple((np.ascontiguousarray(X[:, :T_c]), np.ascontiguousarray(Y[:, :T_c])) for X, Y in halves)
+        mask_c = np.asarray(mask, dtype=bool)[:T_c, :T_c]
+        # the full fit's settling rule (the count and its values unchanged over a segment), or the budget
+        on_cut_check, stage = _settling_check(
+            lambda current: _split_half_values([(f.A, f.B) for f in current], metric), charge, budget,
+            _segment_cost(n, T_c, d, d_v, q, known, calibration), margin, stopping_count,
+            calibration.factored_stable_rtol)
+        fits = sf.fit_factored_pair(cut, q, starts, value_map=value_map, mask=mask_c, max_iter=max_iter,
+                                    precondition=pre, on_check=on_cut_check,
+                                    check_every=calibration.factored_segment_iter, calibration=calibration,
+                                    losses=sf.half_losses(cut, mask_c, ops, calibration=calibration))
+        del cut
+        coarse.append({"length": int(T_c), "rank": int(q), "iterations": int(fits[0].n_iter),
+                       "outcome": stage.get("outcome") or "iterations"})
+        starts = [(f.A, f.B, f.value_map) for f in fits]
+        if stage.get("outcome") == "budget":
+            break
     state = {"capped": False}
 
     def can_double():
@@ -292,7 +348,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     # whether the fit settled, and what ran out: facts for rstar.rules.identifiability
     findings = [Finding("factored_fit", {"settled": bool(stable), "iterations": int(iters), "fitted_rank": int(q),
                                          "budget_ran_out": bool(budget_out), "count": count, "capped": bool(capped),
-                                         "features": int(d)})]
+                                         "features": int(d), "coarse_windows": coarse})]
     K = (fits[0].kernel + fits[1].kernel) / 2
     V = value_map if known else (fits[0].value_map + fits[1].value_map) / 2
     lam = s**2 / d

@@ -45,7 +45,8 @@ from ..calibration import DEFAULT_CALIBRATION
 from ..risk import centred_sums, total_sum_of_squares
 from .softmax_exact import exact_softmax_well_conditioned
 from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, split_half_counts
-from .softmax_factored import _ProjectedTokens, _residual_dof, _segment_cost, _samples_for_dof, _top_width
+from .softmax_factored import (_ProjectedTokens, _residual_dof, _segment_cost, _samples_for_dof, _settling_check,
+                               _top_width)
 
 __all__ = ["ROTARY_NAME", "ROTARY_LOG_NAME", "ROTARY_NAMES", "rotary_inversion_name", "coarse_stages",
            "rotary_fit_blocker", "rotary_statistic", "rotary_rank_residuals", "rotary_half_disagreement",
@@ -242,30 +243,18 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
         t = np.sqrt(calibration.rotary_start_logit_std / std)
         starts.append((A0 * t, B0 * t, V0))
 
+    def charge(cost):
+        nonlocal spent
+        spent += cost
+        return spent
+
     def check(pairs_level, T_level):
         # every segment: the split-half count of the family over the level's pairs; stop once it has settled, or
         # at the budget (the segment's cost at the level's window length)
-        state = {}
-
-        def on_check(current, n_iter):
-            nonlocal spent
-            spent += _segment_cost(n, T_level, d, d_v, q, known, calibration)
-            lam, sd, _, _ = family_split_half(metric, [(f.A, f.B) for f in current], pairs_level, q)
-            edge = float(sd[0])
-            count = stopping_count(lam, edge, margin)
-            previous = state.get("previous")
-            state["previous"] = (count, lam)
-            rtol = calibration.factored_stable_rtol
-            if previous is not None and previous[0][0] == count[0] and np.allclose(
-                    lam[:count[0]], previous[1][:count[0]], rtol=rtol, atol=0.0):
-                state["outcome"] = "settled"
-                return True
-            if not budget.allows_fit_compute(spent + _segment_cost(n, T_level, d, d_v, q, known, calibration)):
-                state["outcome"] = "budget"
-                return True
-            return False
-
-        return on_check, state
+        return _settling_check(lambda current: family_split_half(metric, [(f.A, f.B) for f in current],
+                                                                 pairs_level, q)[:2],
+                               charge, budget, _segment_cost(n, T_level, d, d_v, q, known, calibration), margin,
+                               stopping_count, calibration.factored_stable_rtol)
 
     # causal windows: the outputs at the first T' positions are the head applied to the first T' tokens alone, so
     # the windows cut to T' tokens are samples of the same head; fitted there first (each L-BFGS iteration

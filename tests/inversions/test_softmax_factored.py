@@ -226,6 +226,29 @@ def test_causal_attention_is_fitted_with_its_mask():
         RStarEstimator(operator="linear_qk", causal=True).fit(X, Y)
 
 
+@pytest.mark.parametrize("known", [True, False])
+def test_causal_windows_are_fitted_cut_short_first(known):
+    """With coarse stages at 2 and 4 tokens (a calibration made for the test: the defaults start at 128 tokens) the
+    causal factored fit runs them first at its first rank, records them, names them, and reads the planted rank as
+    the fit without them does."""
+    X, _, teacher = _task(3)
+    clean = SoftmaxOperator(teacher.kernel, teacher.value_map, causal=True).predict(X)
+    Y = clean + 0.05 * clean.std() * np.random.default_rng(0).standard_normal(clean.shape)
+    cal = DEFAULT_CALIBRATION.replace(coarse_window_ratio=2, coarse_window_min_length=2)
+    kw = dict(causal=True, value_map=teacher.value_map if known else None, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnidentifiableRankWarning)
+        est = RStarEstimator(calibration=cal, **kw).fit(X, Y)
+        plain = RStarEstimator(**kw).fit(X, Y)
+    stages = [f.values for f in est._whitened[1].findings if f.kind == "factored_fit"][0]["coarse_windows"]
+    assert [stage["length"] for stage in stages] == [2, 4]
+    assert all(stage["iterations"] > 0 for stage in stages)
+    assert "cut to 2, 4 tokens" in est.inversion_reason_ and "cut to" not in plain.inversion_reason_
+    assert [f.values for f in plain._whitened[1].findings if f.kind == "factored_fit"][0]["coarse_windows"] == []
+    assert (est.rank_, est.rank_interval_) == (plain.rank_, plain.rank_interval_) == (3, (3, 3))
+    np.testing.assert_allclose(est.spectrum_[:3], plain.spectrum_[:3], rtol=0.05)
+
+
 def test_a_count_that_does_not_settle_is_refitted_at_a_larger_rank():
     # A rank-q fit below r* has no stable optimum (a noise-free real head fitted at q = 8 kept sharpening); here
     # "settled" is made unreachable, so the first stage runs out of segments: with directions to spare (r* = 2
