@@ -163,6 +163,23 @@ def test_the_planted_benchmark_runs_the_value_maps_it_is_asked_for():
         planted.value_map_fits(parser, "bath")
 
 
+@pytest.mark.parametrize("rotated", [True, False])
+def test_planted_heads_have_their_width_and_logit_scale(rotated):
+    """rotary_planted.py's heads: width r (the kernel's rank, the rotation kept where there is one) and logits of
+    the asked standard deviation over the windows; ``--positions none`` plants them without rotation."""
+    planted = pytest.importorskip("rotary_planted")
+    from rstar.inversions._numerics.rotary import RotaryPositions, rotate
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((200, 6, 16))
+    rotary = RotaryPositions.from_frequencies(10000.0 ** -(np.arange(4) / 4), length=6) if rotated else None
+    A, B, V = planted.planted_head(X, rotary, 3, 5, np.random.default_rng(1), logit_std=1.5)
+    assert A.shape == B.shape == (16, 8 if rotated else 3) and V.shape == (16, 5)
+    assert np.linalg.matrix_rank(A) == np.linalg.matrix_rank(B) == 3
+    XA, XB = (rotate(X @ A, rotary), rotate(X @ B, rotary)) if rotated else (X @ A, X @ B)
+    assert np.std(XA @ XB.transpose(0, 2, 1) / 4.0) == pytest.approx(1.5, rel=1e-9)
+
+
 def test_a_head_projected_on_all_its_token_directions_is_the_head():
     """token_subspace.py: the excess of a head whose factors are projected on the top k token directions is 0 at
     k = d and grows as directions are dropped (a small torch attention layer, read as rstar.heads reads one)."""
