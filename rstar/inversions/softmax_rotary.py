@@ -78,7 +78,7 @@ def coarse_stages(T, d, d_v, value_map_known, mask, *, calibration=DEFAULT_CALIB
 
     The lengths are :func:`rstar.inversions._numerics.softmax_factored.coarse_lengths` (causal windows only); a cut
     is fitted on its log-attention where a fit of T' tokens would be (:func:`rotary_inversion_name`: V known and
-    T' well below d_v), else on its outputs. None where the full windows are fitted on the log-attention
+    T' well below d_v), else on its outputs. Empty where the full windows are fitted on the log-attention
     themselves.
 
     Examples
