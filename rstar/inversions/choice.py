@@ -184,9 +184,7 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
                   else [])
         on_log = [T_c for T_c, loss_c in stages if loss_c == "log_attention"]
         coarse = ("" if not stages else
-                  f"; causal windows, so first on the windows cut to {', '.join(str(T_c) for T_c, _ in stages)} "
-                  "tokens, each fit starting the next (the outputs at the first T' positions are the head on the "
-                  "first T' tokens alone), where the cut windows keep enough residual degrees of freedom"
+                  "; " + _cut_windows_reason([T_c for T_c, _ in stages])
                   + ("" if not on_log else
                      f", those of {', '.join(map(str, on_log))} tokens on their log-attention (V known and "
                      f"T' <= {cal.ill_conditioned_aspect} x min(d, d_v): the attention read back from the "
@@ -328,6 +326,13 @@ def _choose_softmax(value_map_known, T, d, d_v, n, method, budget, samples_in_me
     return InversionChoice(first, "V unknown: first order in the token-centred data (the paper's inversion)", first)
 
 
+def _cut_windows_reason(lengths, where=""):
+    """The reason's words for a causal fit's first stages on the windows cut to ``lengths`` tokens."""
+    return (f"causal windows, so first on the windows cut to {', '.join(map(str, lengths))} tokens{where}, each fit "
+            "starting the next (the outputs at the first T' positions are the head on the first T' tokens alone), "
+            "where the cut windows keep enough residual degrees of freedom")
+
+
 def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, cal, causal=False):
     """The least squares at a d whose ``d^2 x d^2`` information exceeds the memory budget (or with causal
     attention, which only it models): the factored fit."""
@@ -350,10 +355,7 @@ def _choose_factored(value_map_known, T, d, d_v, n, budget, samples_in_memory, c
     if blocker is not None:
         return InversionChoice("softmax_first_order", "first order in the token-centred data", preferred, blocker)
     cuts = sf.coarse_lengths(T, sf.causal_mask(T), calibration=cal) if causal else []
-    coarse = ("" if not cuts else
-              f" (causal windows, so first on the windows cut to {', '.join(map(str, cuts))} tokens at the first q, "
-              "each fit starting the next: the outputs at the first T' positions are the head on the first T' tokens "
-              "alone; where the cut windows keep enough residual degrees of freedom)")
+    coarse = "" if not cuts else f" ({_cut_windows_reason(cuts, ' at the first q')})"
     return InversionChoice(preferred, f"{why_shape}: K = A B^T of rank q is fitted by least squares on each half of "
                            f"the samples{coarse} and tested against the half-difference", preferred, None, notes)
 

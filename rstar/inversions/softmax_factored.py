@@ -255,8 +255,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     for T_c in sf.coarse_lengths(T, mask, calibration=calibration):
         if min(_residual_dof(2 * X.shape[0], T_c, d, d_v, q, known) for X, _ in halves) < min_dof:
             continue
-        cut = tuple((np.ascontiguousarray(X[:, :T_c]), np.ascontiguousarray(Y[:, :T_c])) for X, Y in halves)
-        mask_c = np.asarray(mask, dtype=bool)[:T_c, :T_c]
+        cut, mask_c = sf.cut_windows(halves, mask, T_c)
         # the full fit's settling rule (the count and its values unchanged over a segment), or the budget
         on_cut_check, stage = _settling_check(
             lambda current: _split_half_values([(f.A, f.B) for f in current], metric), charge, budget,

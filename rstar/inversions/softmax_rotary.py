@@ -266,9 +266,8 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
         for T_c, loss_c in coarse_stages(T, d, d_v, known, mask, calibration=calibration):
             if min(_residual_dof(2 * X.shape[0], T_c, d, d_v, q, known) for X, _ in halves) < calibration.min_noise_dof:
                 continue
-            cut = tuple((np.ascontiguousarray(X[:, :T_c]), np.ascontiguousarray(Y[:, :T_c])) for X, Y in halves)
+            cut, mask_c = sf.cut_windows(halves, mask, T_c)
             rot_c = RotaryPositions(rotary.angles[:T_c])
-            mask_c = None if mask is None else np.asarray(mask, dtype=bool)[:T_c, :T_c]
             on_check, state = check(pair_rotations(rot_c, mask_c), T_c)
             if loss_c == "log_attention":
                 losses_c = log_attention_half_losses(cut, value_map, mask_c, ops, calibration=calibration,

@@ -42,6 +42,7 @@ __all__ = [
     "FactoredSoftmaxFit",
     "causal_mask",
     "coarse_lengths",
+    "cut_windows",
     "causal_attention_weights",
     "factored_loss_terms",
     "factored_loss",
@@ -114,6 +115,14 @@ def coarse_lengths(T, mask, *, calibration=DEFAULT_CALIBRATION):
             out.append(length)
         length //= ratio
     return sorted(out)
+
+
+def cut_windows(halves, mask, length):
+    """``(cut halves, cut mask)``: each half's windows and outputs cut to their first ``length`` tokens (contiguous
+    copies) and the mask's top-left ``length x length`` block — samples of the same head where ``length`` is one of
+    :func:`coarse_lengths`."""
+    cut = tuple((np.ascontiguousarray(X[:, :length]), np.ascontiguousarray(Y[:, :length])) for X, Y in halves)
+    return cut, np.asarray(mask, dtype=bool)[:length, :length]
 
 
 def causal_attention_weights(X, K):
