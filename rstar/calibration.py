@@ -269,6 +269,17 @@ class Calibration:
         "877 and 2823 s); after a T = 32 stage (width 8: 600 iterations, 152 s) the T = 128 fit settled (width 8: "
         "250 iterations, 251 s) and each read exactly (671, 851 and 924 s); V known, widths 0-16 exact as before, "
         "in 288-472 s instead of 649-1208. Other ratios not measured")
+    first_position_samples_ratio: float = _value(
+        1.5, "factored fit", "at_least_one",
+        "With V fitted, a causal rotary fit short enough for the log-attention (T' <= ill_conditioned_aspect x "
+        "min(d, d_v)) reads V from the first position (its query attends to itself alone: y_0 = x_0 V) and starts "
+        "on the log-attention read back with it, where each half has at least this many times d samples: the least "
+        "squares of V on n first tokens predicts x V out of sample with an error variance of about "
+        "d / (n - d - 1) times the noise's, twice it at this ratio (a start: the fit then runs on the outputs "
+        "with V fitted).",
+        _BY_HAND, "from the regression's out-of-sample error, not tuned; planted rotary widths 0-16 with V fitted at "
+        "d_v = 64 (python benchmarks/rotary_planted.py --d-v 64 --value-maps fitted: 1000 samples a half at d = 576, "
+        "1.74 d) read exactly with it, width 16 warned with (0, 64) without")
     coarse_window_min_length: int = _value(
         32, "factored fit", "count",
         "The shortest cut window of a causal fit's coarse stages (coarse_window_ratio): the planted rotary heads "

@@ -49,6 +49,7 @@ DEFAULTS = {
     "log_attention_variance_floor": 1.0,
     "coarse_window_ratio": 4,
     "coarse_window_min_length": 32,
+    "first_position_samples_ratio": 1.5,
     "factored_segment_iter": 50,
     "factored_stable_rtol": 0.01,
     "factored_clear_gap": 2.0,

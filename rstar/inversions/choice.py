@@ -180,15 +180,23 @@ def choose_inversion(operator, *, value_map_known=False, shape, n_samples=None, 
                              f"{blocker}.")
         name, why = rotary_inversion_name(T, d, d_v, value_map_known, calibration=cal)
         loss = "the log-attention" if name == ROTARY_LOG_NAME else "the outputs"
-        stages = (coarse_stages(T, d, d_v, value_map_known, sf.causal_mask(T), calibration=cal) if causal
-                  else [])
-        on_log = [T_c for T_c, loss_c in stages if loss_c == "log_attention"]
-        coarse = ("" if not stages else
-                  "; " + _cut_windows_reason([T_c for T_c, _ in stages])
+        stages = (coarse_stages(T, d, d_v, value_map_known, sf.causal_mask(T), None if n is None else n // 2,
+                                calibration=cal) if causal else [])
+        cuts = [T_c for T_c, _ in stages if T_c < T]
+        on_log = [T_c for T_c, loss_c in stages if loss_c == "log_attention" and T_c < T]
+        read = ("V known" if value_map_known else
+                "V read from the first position's outputs, whose query attends to itself alone: y_0 = x_0 V")
+        coarse = ("" if not cuts else
+                  "; " + _cut_windows_reason(cuts)
                   + ("" if not on_log else
-                     f", those of {', '.join(map(str, on_log))} tokens on their log-attention (V known and "
+                     f", those of {', '.join(map(str, on_log))} tokens on their log-attention ({read}, and "
                      f"T' <= {cal.ill_conditioned_aspect} x min(d, d_v): the attention read back from the "
                      "outputs)"))
+        if (T, "log_attention") in stages:
+            coarse += (f"; first on the log-attention read back with each half's V from the first position's outputs "
+                       f"(its query attends to itself alone: y_0 = x_0 V; T={T} <= {cal.ill_conditioned_aspect} x "
+                       f"min(d, d_v) and at least {cal.first_position_samples_ratio} x d samples a half), then on "
+                       "the outputs with V fitted from there")
         return InversionChoice(name, f"rotary positions: a rotary head of width 2P at the given frequencies is "
                                f"fitted by least squares on {loss} of each half of the samples ({why}{coarse}) and "
                                "tested plane by plane against the half-difference", name)

@@ -36,7 +36,8 @@ position pattern); the risk curve does, and a tolerance reading beyond the count
 import numpy as np
 
 from ._numerics import softmax_factored as sf
-from ._numerics.log_attention import log_attention_half_losses
+from ._numerics.log_attention import (first_position_gives_value_map, first_position_value_map,
+                                      log_attention_half_losses)
 from ._numerics.rotary import (RotaryPositions, family_svd, pair_rotations, projected_head, rotary_directions,
                               truncated_rotary_head)
 from .._backend import NUMPY
@@ -63,7 +64,7 @@ def rotary_inversion_name(T, d, d_v, value_map_known, *, calibration=DEFAULT_CAL
     """``(name, reason)``: the log-attention fit where V is known and ``X_i V`` is well conditioned
     (``T <= ill_conditioned_aspect * min(d, d_v)``, as the exact inversion asks), else the output least squares."""
     if not value_map_known:
-        return ROTARY_NAME, "the value map is not known, so the attention cannot be read back from the outputs"
+        return ROTARY_NAME, "the value map is not known: it is fitted with the head on the outputs"
     if not exact_softmax_well_conditioned(T, d, d_v, calibration=calibration):
         return ROTARY_NAME, (f"T={T} tokens is more than {calibration.ill_conditioned_aspect} x min(d, d_v)="
                              f"{min(d, d_v)}, so X_i V does not give the attention back")
@@ -72,14 +73,17 @@ def rotary_inversion_name(T, d, d_v, value_map_known, *, calibration=DEFAULT_CAL
                              "on log S, every logit counted by how well it is known, then refined on the outputs")
 
 
-def coarse_stages(T, d, d_v, value_map_known, mask, *, calibration=DEFAULT_CALIBRATION):
-    """The cut windows a rotary fit of T tokens starts on, shortest first, each with the loss it is fitted on:
-    ``[(T', "log_attention" or "outputs"), ...]``.
+def coarse_stages(T, d, d_v, value_map_known, mask, n_half=None, *, calibration=DEFAULT_CALIBRATION):
+    """The stages a rotary fit of T tokens on its outputs starts with, shortest first, each with the loss it is
+    fitted on: ``[(T', "log_attention" or "outputs"), ...]``.
 
-    The lengths are :func:`rstar.inversions._numerics.softmax_factored.coarse_lengths` (causal windows only); a cut
-    is fitted on its log-attention where a fit of T' tokens would be (:func:`rotary_inversion_name`: V known and
-    T' well below d_v), else on its outputs. Empty where the full windows are fitted on the log-attention
-    themselves.
+    The cut windows are :func:`rstar.inversions._numerics.softmax_factored.coarse_lengths` (causal windows only);
+    a window of T' tokens is fitted on its log-attention where ``X_i V`` gives the attention back
+    (``T' <= ill_conditioned_aspect x min(d, d_v)``) and V is known, or, with V fitted, readable from the first
+    position (:func:`rstar.inversions._numerics.log_attention.first_position_gives_value_map` with ``n_half``
+    samples a half; None: not), else on its outputs. With V fitted the full windows themselves are such a stage
+    where they are short enough (then fitted on their outputs with V). Empty where the full windows are fitted on
+    the log-attention themselves (V known).
 
     Examples
     --------
@@ -88,13 +92,33 @@ def coarse_stages(T, d, d_v, value_map_known, mask, *, calibration=DEFAULT_CALIB
     [(32, 'log_attention'), (128, 'outputs')]
     >>> coarse_stages(128, 576, 64, False, causal_mask(128))
     [(32, 'outputs')]
+    >>> coarse_stages(128, 576, 64, False, causal_mask(128), n_half=1000)
+    [(32, 'log_attention')]
+    >>> coarse_stages(32, 576, 64, False, causal_mask(32), n_half=1000)
+    [(32, 'log_attention')]
+    >>> coarse_stages(32, 576, 32, True, causal_mask(32))
+    [(28, 'log_attention')]
     """
     if rotary_inversion_name(T, d, d_v, value_map_known, calibration=calibration)[0] == ROTARY_LOG_NAME:
         return []
-    return [(T_c, "log_attention" if rotary_inversion_name(T_c, d, d_v, value_map_known,
-                                                          calibration=calibration)[0] == ROTARY_LOG_NAME
-             else "outputs")
-            for T_c in sf.coarse_lengths(T, mask, calibration=calibration)]
+    value_map_read = value_map_known or (n_half is not None and first_position_gives_value_map(
+        n_half, d, mask, calibration=calibration))
+
+    def loss(T_c):
+        return ("log_attention" if value_map_read and exact_softmax_well_conditioned(T_c, d, d_v,
+                                                                                      calibration=calibration)
+                else "outputs")
+
+    stages = [(T_c, loss(T_c)) for T_c in sf.coarse_lengths(T, mask, calibration=calibration)]
+    if loss(T) == "log_attention":
+        return stages + [(T, "log_attention")]
+    # no cut on the log-attention (windows too short for cuts, or cuts too long for it): the longest window it
+    # reads, where no shorter than the first cut would be (T / coarse_window_ratio)
+    T_log = int(np.floor(calibration.ill_conditioned_aspect * min(d, d_v)))
+    if (value_map_read and all(loss_c == "outputs" for _, loss_c in stages)
+            and T // calibration.coarse_window_ratio <= T_log < T and sf.cuts_windows(mask, T_log)):
+        stages = [(T_log, "log_attention")] + [(T_c, loss_c) for T_c, loss_c in stages if T_c > T_log]
+    return stages
 
 
 def rotary_fit_blocker(n, T, d, d_v, rotary, value_map_known=False, budget=DEFAULT_BUDGET, samples_in_memory=True,
@@ -263,27 +287,33 @@ def rotary_statistic(halves, value_map, rotary, budget=DEFAULT_BUDGET, max_iter=
     # real heads the output least squares from a random start settles on fits that miss held-out windows
     coarse = []
     if name != ROTARY_LOG_NAME:
-        for T_c, loss_c in coarse_stages(T, d, d_v, known, mask, calibration=calibration):
+        stages = coarse_stages(T, d, d_v, known, mask, min(X1.shape[0], X2.shape[0]), calibration=calibration)
+        # with V fitted, the log-attention is read with each half's value map from its first position (y_0 = x_0 V)
+        read_with = (value_map if known or all(loss_c == "outputs" for _, loss_c in stages) else
+                     tuple(first_position_value_map(X, Y, calibration=calibration) for X, Y in halves))
+        for T_c, loss_c in stages:
             if min(_residual_dof(2 * X.shape[0], T_c, d, d_v, q, known) for X, _ in halves) < calibration.min_noise_dof:
                 continue
             cut, mask_c = sf.cut_windows(halves, mask, T_c)
             rot_c = RotaryPositions(rotary.angles[:T_c])
             on_check, state = check(pair_rotations(rot_c, mask_c), T_c)
             if loss_c == "log_attention":
-                losses_c = log_attention_half_losses(cut, value_map, mask_c, ops, calibration=calibration,
+                losses_c = log_attention_half_losses(cut, read_with, mask_c, ops, calibration=calibration,
                                                      rotary=rot_c)
                 iters_c = calibration.log_attention_max_iter if given_max_iter is None else max_iter
             else:
                 losses_c = sf.half_losses(cut, mask_c, ops, calibration=calibration, rotary=rot_c)
                 iters_c = max_iter
-            fits = sf.fit_factored_pair(cut, q, starts, value_map=value_map, mask=mask_c, max_iter=iters_c,
-                                        precondition=pre, on_check=on_check,
+            fits = sf.fit_factored_pair(cut, q, starts, value_map=read_with if loss_c == "log_attention" else value_map,
+                                        mask=mask_c, max_iter=iters_c, precondition=pre, on_check=on_check,
                                         check_every=calibration.factored_segment_iter, calibration=calibration,
                                         losses=losses_c, rotary=rot_c)
             del cut, losses_c
             coarse.append({"length": int(T_c), "loss": loss_c, "iterations": int(fits[0].n_iter),
                            "outcome": state.get("outcome") or "iterations"})
-            starts = [(f.A, f.B, f.value_map) for f in fits]
+            # V fitted after the log-attention: the next fit starts from V's least squares given these factors
+            starts = [(f.A, f.B) if loss_c == "log_attention" and not known else (f.A, f.B, f.value_map)
+                      for f in fits]
             if state.get("outcome") == "budget":
                 break
     # the full windows' losses made after the coarse ones are gone (each holds its samples on the device)

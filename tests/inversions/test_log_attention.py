@@ -9,7 +9,9 @@ import pytest
 from rstar import RotaryPositions, RStarEstimator
 from rstar.inversions import choose_inversion
 from rstar.inversions._numerics import softmax_factored as sf
+from rstar.calibration import DEFAULT_CALIBRATION
 from rstar.inversions._numerics.log_attention import (LogAttentionHalfLoss, attention_from_outputs,
+                                                      first_position_gives_value_map, first_position_value_map,
                                                       log_attention_half_losses, log_attention_loss,
                                                       log_attention_targets)
 from rstar.inversions.softmax_rotary import ROTARY_LOG_NAME, ROTARY_NAME
@@ -199,3 +201,57 @@ def test_planted_widths_on_torch_read_what_numpy_reads(planes, width, noise):
     assert fit["log_attention_backend"] == "torch" and fit["log_attention_iterations"] > 0
     assert (est.rank_, est.rank_interval_) == (ref.rank_, ref.rank_interval_) == (width, (width, width))
     np.testing.assert_allclose(est.spectrum_[:width], ref.spectrum_[:width], rtol=0.02)
+
+
+def test_the_first_position_gives_the_value_map_of_a_causal_head():
+    """A causal head's first query attends to itself alone: ``y_0 = x_0 V`` whatever the logits, so the least
+    squares of the first outputs on the first tokens is V (exactly without noise, to the regression's error with
+    it); not where the first query sees later tokens, nor with too few samples."""
+    A, B = _head((0, 2))
+    X, Y, V = _task(A, B, n=200)
+    np.testing.assert_allclose(first_position_value_map(X, Y), V, atol=1e-8)
+    Xn, Yn, Vn = _task(A, B, n=2000, noise=0.05)
+    V_hat = first_position_value_map(Xn, Yn)
+    noise_rms = 0.05 * Y.std()
+    # out of sample: x V_hat off by about sqrt(d / (n - d)) times the noise, far less than the outputs' size
+    assert np.sqrt(np.mean((Xn[:, 1:] @ (V_hat - Vn)) ** 2)) < 3 * noise_rms * np.sqrt(D / (2000 - D))
+    assert first_position_gives_value_map(24, D, MASK) and not first_position_gives_value_map(23, D, MASK)
+    assert not first_position_gives_value_map(1000, D, None)
+    assert not first_position_gives_value_map(1000, D, MASK | np.eye(T, k=1, dtype=bool))
+
+
+def test_each_half_reads_its_attention_with_its_own_value_map():
+    """Per-half value maps in the log-attention losses and in the pair's fit: each half's own, the same as two fits
+    made one half at a time."""
+    A, B = _head((0, 2))
+    X, Y, V = _task(A, B, n=40)
+    halves = ((X[::2], Y[::2]), (X[1::2], Y[1::2]))
+    V2 = V + 0.01 * np.random.default_rng(1).standard_normal(V.shape)
+    losses = log_attention_half_losses(halves, (V, V2), MASK, rotary=POS)
+    alone = [log_attention_half_losses(halves[i:i + 1], W, MASK, rotary=POS)[0] for i, W in enumerate((V, V2))]
+    A1, B1 = 0.9 * A, 1.1 * B
+    for pair, own in zip(losses, alone):
+        np.testing.assert_allclose(pair(A1, B1)[0], own(A1, B1)[0])
+    fits = sf.fit_factored_pair(halves, 2 * P, [(A1, B1), (A1, B1)], value_map=(V, V2), mask=MASK, max_iter=5,
+                                losses=losses, rotary=POS)
+    assert fits[0].value_map is V and fits[1].value_map is V2
+
+
+def test_with_v_fitted_the_log_attention_is_read_with_the_first_positions_value_map():
+    """V fitted, windows short enough for the log-attention and 300 samples a half (at least 1.5 d): each half's V
+    is read from its first position, the fit starts on the log-attention and ends on the outputs with V fitted,
+    and reads the planted width; with too few samples a half the fit runs on the outputs alone and says why not."""
+    A, B = _head((0, 1))
+    X, Y, _ = _task(A, B, noise=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = RStarEstimator(rotary=POS, causal=True, tolerance=0.01, random_state=0).fit(X, Y)
+    assert est.inversion_ == ROTARY_NAME
+    fit = [f.values for f in est._whitened[1].findings if f.kind == "factored_fit"][0]
+    assert [(stage["length"], stage["loss"]) for stage in fit["coarse_windows"]] == [(T, "log_attention")]
+    assert "V from the first position" in est.inversion_reason_
+    assert (est.noise_floor_rank_, est.noise_floor_interval_) == (4, (4, 4))
+    few = DEFAULT_CALIBRATION.replace(first_position_samples_ratio=20.0)      # 300 < 20 x 16
+    plain = RStarEstimator(rotary=POS, causal=True, tolerance=0.01, random_state=0, calibration=few).fit(X, Y)
+    assert [f.values for f in plain._whitened[1].findings if f.kind == "factored_fit"][0]["coarse_windows"] == []
+    assert "first position" not in plain.inversion_reason_

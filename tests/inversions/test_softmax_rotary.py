@@ -289,13 +289,16 @@ def test_coarse_lengths_keep_only_cuts_no_earlier_position_looks_past():
     assert sf.coarse_lengths(T, lookahead, calibration=cal) == []
 
 
-@pytest.mark.parametrize("known", [True, False])
-def test_a_coarse_stage_on_cut_windows_reads_the_width_and_says_so(known):
+@pytest.mark.parametrize("known, first_position", [(True, True), (False, True), (False, False)])
+def test_a_coarse_stage_on_cut_windows_reads_the_width_and_says_so(known, first_position):
     """With coarse stages at 3 and 6 tokens (a calibration made for the test: the defaults start at 128 tokens)
     the fit runs them first, records them, and reads the planted width as the fit without them does."""
     A, B = _head(planes=(0, 1))
     X, Y, V = _task(A, B)
-    cal = DEFAULT_CALIBRATION.replace(coarse_window_ratio=2, coarse_window_min_length=3)
+    # V fitted: read from the first position where each half has first_position_samples_ratio x d samples (500
+    # here, d = 16), else the cuts are fitted on their outputs
+    cal = DEFAULT_CALIBRATION.replace(coarse_window_ratio=2, coarse_window_min_length=3,
+                                      first_position_samples_ratio=1.5 if first_position else 40.0)
     kw = dict(rotary=POS, causal=True, value_map=V if known else None, tolerance=0.01, random_state=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -304,11 +307,19 @@ def test_a_coarse_stage_on_cut_windows_reads_the_width_and_says_so(known):
     assert [stage["length"] for stage in fit["coarse_windows"]] == [3, 6]
     assert all(stage["iterations"] > 0 for stage in fit["coarse_windows"])
     assert "cut to 3, 6 tokens" in est.inversion_reason_
-    # V known and cuts of T' <= 0.9 d_v tokens: fitted on their log-attention, as a fit of T' tokens would be
-    loss = "log_attention" if known else "outputs"
+    # cuts of T' <= 0.9 d_v tokens with V known or read from the first position: fitted on their log-attention,
+    # as a fit of T' tokens would be
+    loss = "log_attention" if first_position else "outputs"
     assert [stage["loss"] for stage in fit["coarse_windows"]] == [loss, loss]
-    assert ("those of 3, 6 tokens on their log-attention" in est.inversion_reason_) == known
+    assert ("those of 3, 6 tokens on their log-attention" in est.inversion_reason_) == first_position
+    assert ("V read from the first position" in est.inversion_reason_) == (first_position and not known)
     assert (est.noise_floor_rank_, est.noise_floor_interval_) == (4, (4, 4))
     plain = RStarEstimator(**kw).fit(X, Y)
-    assert [f.values for f in plain._whitened[1].findings if f.kind == "factored_fit"][0]["coarse_windows"] == []
+    # by default the windows (12 tokens) are too short for cuts, and too long for the log-attention with d_v = 8:
+    # the fit starts on the longest cut that is not (7 <= 0.9 d_v tokens; V known, or read from the first position)
+    stages = [f.values for f in plain._whitened[1].findings if f.kind == "factored_fit"][0]["coarse_windows"]
+    assert [(stage["length"], stage["loss"]) for stage in stages] == [(7, "log_attention")]
+    assert "cut to 7 tokens" in plain.inversion_reason_ and "those of 7 tokens on their log-attention" in \
+        plain.inversion_reason_
+    assert (plain.noise_floor_rank_, plain.noise_floor_interval_) == (4, (4, 4))
     np.testing.assert_allclose(est.spectrum_[:4], plain.spectrum_[:4], rtol=0.05)

@@ -25,13 +25,43 @@ rows the window does not tell apart (a token repeated in one window: its rows of
 
 import numpy as np
 
+from .linalg import solve_psd
 from .rotary import rotate, rotate_adjoint
-from .softmax_factored import _chunks
+from .softmax_factored import _chunks, _ridged
 from ...calibration import DEFAULT_CALIBRATION
 from ..._backend import NUMPY
 
-__all__ = ["attention_from_outputs", "log_attention_targets", "log_attention_loss", "LogAttentionHalfLoss",
+__all__ = ["first_position_value_map", "first_position_gives_value_map", "attention_from_outputs",
+           "log_attention_targets", "log_attention_loss", "LogAttentionHalfLoss",
            "log_attention_half_losses"]
+
+
+def first_position_gives_value_map(n_samples, d, mask, *, calibration=DEFAULT_CALIBRATION):
+    """Whether :func:`first_position_value_map` reads V well enough for a start: the first query attends to itself
+    alone (``mask`` keeps only ``(0, 0)`` in its first row: causal or sliding-window attention) and there are at
+    least the calibration's ``first_position_samples_ratio`` times d samples to regress on."""
+    if mask is None or not mask[0, 0] or np.count_nonzero(mask[0]) != 1:
+        return False
+    return n_samples >= calibration.first_position_samples_ratio * d
+
+
+def first_position_value_map(X, Y, *, calibration=DEFAULT_CALIBRATION):
+    """The value map read from the first position of causal windows: ``y_i0 = x_i0^T V`` (its query attends to
+    itself alone, whatever the logits), so V is the least squares of ``Y[:, 0]`` on ``X[:, 0]`` (ridged by the
+    calibration's ``value_ridge``, relative to the mean eigenvalue, where the first tokens span fewer than d
+    directions).
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, T, d)
+    Y : ndarray of shape (n, T, d_v)
+
+    Returns
+    -------
+    V : ndarray of shape (d, d_v)
+    """
+    X0, Y0 = X[:, 0, :], Y[:, 0, :]
+    return solve_psd(_ridged(X0.T @ X0, calibration.value_ridge), X0.T @ Y0)
 
 
 def attention_from_outputs(X, Y, value_map, *, calibration=DEFAULT_CALIBRATION):
@@ -167,12 +197,14 @@ class LogAttentionHalfLoss:
 
 def log_attention_half_losses(halves, value_map, mask=None, ops=NUMPY, *, calibration=DEFAULT_CALIBRATION,
                               rotary=None):
-    """Each half's log-attention loss: the targets read on numpy in float64 (:func:`attention_from_outputs`,
-    :func:`log_attention_targets`), the loss evaluated on numpy (:class:`LogAttentionHalfLoss`) or on ``ops``'s
-    device in its ``fit_dtype`` (:class:`rstar._torch_backend.log_attention.LogAttentionHalfLoss`)."""
+    """Each half's log-attention loss: the targets read on numpy in float64 (:func:`attention_from_outputs`, with
+    ``value_map``, or each half's own where it is a tuple of two; :func:`log_attention_targets`), the loss evaluated
+    on numpy (:class:`LogAttentionHalfLoss`) or on ``ops``'s device in its ``fit_dtype``
+    (:class:`rstar._torch_backend.log_attention.LogAttentionHalfLoss`)."""
+    maps = value_map if isinstance(value_map, tuple) else (value_map,) * len(halves)
     losses = []
-    for X, Y in halves:
-        S, variance, _ = attention_from_outputs(X, Y, value_map, calibration=calibration)
+    for (X, Y), V in zip(halves, maps):
+        S, variance, _ = attention_from_outputs(X, Y, V, calibration=calibration)
         targets = log_attention_targets(S, variance, mask, calibration=calibration)
         losses.append(LogAttentionHalfLoss(X, targets, calibration=calibration, rotary=rotary) if ops.name == "numpy"
                       else ops.log_attention_half_loss(X, targets, calibration.chunk_entries, rotary=rotary))

@@ -89,6 +89,13 @@ def causal_mask(T):
     return np.tril(np.ones((T, T), dtype=bool))
 
 
+def cuts_windows(mask, length):
+    """Whether windows under ``mask`` cut to their first ``length`` tokens are samples of the same head: no position
+    before ``length`` attends to a token at ``length`` or later (``mask[:length, length:]`` all False: causal, or
+    causal sliding windows; None, bidirectional: no)."""
+    return mask is not None and not np.asarray(mask, dtype=bool)[:length, length:].any()
+
+
 def coarse_lengths(T, mask, *, calibration=DEFAULT_CALIBRATION):
     """The shorter window lengths a causal fit is run at first, shortest first: ``T // r, T // r^2, ...`` (r the
     calibration's ``coarse_window_ratio``) while at least its ``coarse_window_min_length``.
@@ -107,11 +114,10 @@ def coarse_lengths(T, mask, *, calibration=DEFAULT_CALIBRATION):
     """
     if mask is None:
         return []
-    mask = np.asarray(mask, dtype=bool)
     ratio, shortest = calibration.coarse_window_ratio, calibration.coarse_window_min_length
     out, length = [], int(T) // ratio
     while length >= shortest:
-        if not mask[:length, length:].any():
+        if cuts_windows(mask, length):
             out.append(length)
         length //= ratio
     return sorted(out)
@@ -120,7 +126,9 @@ def coarse_lengths(T, mask, *, calibration=DEFAULT_CALIBRATION):
 def cut_windows(halves, mask, length):
     """``(cut halves, cut mask)``: each half's windows and outputs cut to their first ``length`` tokens (contiguous
     copies) and the mask's top-left ``length x length`` block — samples of the same head where ``length`` is one of
-    :func:`coarse_lengths`."""
+    :func:`coarse_lengths` (the halves and mask themselves, not copies, at their full length)."""
+    if length >= halves[0][0].shape[1]:
+        return halves, mask
     cut = tuple((np.ascontiguousarray(X[:, :length]), np.ascontiguousarray(Y[:, :length])) for X, Y in halves)
     return cut, np.asarray(mask, dtype=bool)[:length, :length]
 
@@ -548,8 +556,8 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     rank : int
     starts : tuple of two (A, B) or (A, B, V)
         Each half's start (with V fitted, its starting value; else the least squares given the start).
-    value_map : ndarray of shape (d, d_v) or None
-        Known V; None fits it with the factors (L-BFGS on both).
+    value_map : ndarray of shape (d, d_v), tuple of two of them, or None
+        Known V (one for both halves, or each half's own); None fits it with the factors (L-BFGS on both).
     mask : ndarray of bool, shape (T, T), or None
         Logits kept (causal attention: :func:`causal_mask`); None keeps all.
     max_iter : int or None, default=None
@@ -588,6 +596,7 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     max_iter = calibration.factored_max_iter if max_iter is None else max_iter
     tol = calibration.least_squares_loss_tol if tol is None else tol
     fitted_v = value_map is None
+    known_maps = (None, None) if fitted_v else tuple(value_map) if isinstance(value_map, tuple) else (value_map,) * 2
     blocks, own = [], []
     for (X, Y), start in zip(halves, starts):
         A, B = np.asarray(start[0], dtype=float), np.asarray(start[1], dtype=float)
@@ -611,20 +620,20 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
 
     # the value path of a known V is computed once by each half's loss (not at every evaluation)
     losses = half_losses(halves, mask, calibration=calibration, rotary=rotary) if losses is None else losses
-    paths = [None if fitted_v else X @ value_map for X, _ in halves]
+    paths = [None if fitted_v else X @ V for (X, _), V in zip(halves, known_maps)]
 
     def fun(bl):
         f, grads = 0.0, []
-        for loss, part in zip(losses, split(bl)):
-            fp, gA, gB, gV = loss(part[0], part[1], part[2] if fitted_v else value_map, value_grad=fitted_v)
+        for loss, part, V in zip(losses, split(bl), known_maps):
+            fp, gA, gB, gV = loss(part[0], part[1], part[2] if fitted_v else V, value_grad=fitted_v)
             grads += [gA, gB, gV] if fitted_v else [gA, gB]
             f += fp
         return f, grads
 
     def as_fits(bl, rss=(np.nan, np.nan), nit=0, converged=False):
         out = []
-        for part, r in zip(split(bl), rss):
-            V = part[2] if fitted_v else value_map
+        for part, r, V in zip(split(bl), rss, known_maps):
+            V = part[2] if fitted_v else V
             out.append(FactoredSoftmaxFit(part[0], part[1], V, float(r), nit, converged))
         return tuple(out)
 
