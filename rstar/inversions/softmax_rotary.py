@@ -116,7 +116,7 @@ def coarse_stages(T, d, d_v, value_map_known, mask, n_half=None, *, calibration=
     # reads, where no shorter than the first cut would be (T / coarse_window_ratio)
     T_log = int(np.floor(calibration.ill_conditioned_aspect * min(d, d_v)))
     if (value_map_read and all(loss_c == "outputs" for _, loss_c in stages)
-            and T // calibration.coarse_window_ratio <= T_log < T and sf.cuts_windows(mask, T_log)):
+            and T // calibration.coarse_window_ratio <= T_log < T and sf.closed_prefix(mask, T_log)):
         stages = [(T_log, "log_attention")] + [(T_c, loss_c) for T_c, loss_c in stages if T_c > T_log]
     return stages
 

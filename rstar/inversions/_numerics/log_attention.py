@@ -27,7 +27,7 @@ import numpy as np
 
 from .linalg import solve_psd
 from .rotary import rotate, rotate_adjoint
-from .softmax_factored import _chunks, _ridged
+from .softmax_factored import _chunks, _ridged, closed_prefix
 from ...calibration import DEFAULT_CALIBRATION
 from ..._backend import NUMPY
 
@@ -40,7 +40,7 @@ def first_position_gives_value_map(n_samples, d, mask, *, calibration=DEFAULT_CA
     """Whether :func:`first_position_value_map` reads V well enough for a start: the first query attends to itself
     alone (``mask`` keeps only ``(0, 0)`` in its first row: causal or sliding-window attention) and there are at
     least the calibration's ``first_position_samples_ratio`` times d samples to regress on."""
-    if mask is None or not mask[0, 0] or np.count_nonzero(mask[0]) != 1:
+    if mask is None or not np.asarray(mask, dtype=bool)[0, 0] or not closed_prefix(mask, 1):
         return False
     return n_samples >= calibration.first_position_samples_ratio * d
 

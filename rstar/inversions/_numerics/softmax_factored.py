@@ -41,6 +41,7 @@ from .rotary import rotate, rotate_adjoint
 __all__ = [
     "FactoredSoftmaxFit",
     "causal_mask",
+    "closed_prefix",
     "coarse_lengths",
     "cut_windows",
     "causal_attention_weights",
@@ -89,7 +90,7 @@ def causal_mask(T):
     return np.tril(np.ones((T, T), dtype=bool))
 
 
-def cuts_windows(mask, length):
+def closed_prefix(mask, length):
     """Whether windows under ``mask`` cut to their first ``length`` tokens are samples of the same head: no position
     before ``length`` attends to a token at ``length`` or later (``mask[:length, length:]`` all False: causal, or
     causal sliding windows; None, bidirectional: no)."""
@@ -117,7 +118,7 @@ def coarse_lengths(T, mask, *, calibration=DEFAULT_CALIBRATION):
     ratio, shortest = calibration.coarse_window_ratio, calibration.coarse_window_min_length
     out, length = [], int(T) // ratio
     while length >= shortest:
-        if cuts_windows(mask, length):
+        if closed_prefix(mask, length):
             out.append(length)
         length //= ratio
     return sorted(out)
@@ -596,7 +597,7 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     max_iter = calibration.factored_max_iter if max_iter is None else max_iter
     tol = calibration.least_squares_loss_tol if tol is None else tol
     fitted_v = value_map is None
-    known_maps = (None, None) if fitted_v else tuple(value_map) if isinstance(value_map, tuple) else (value_map,) * 2
+    known_maps = (None, None) if fitted_v else value_map if isinstance(value_map, tuple) else (value_map,) * 2
     blocks, own = [], []
     for (X, Y), start in zip(halves, starts):
         A, B = np.asarray(start[0], dtype=float), np.asarray(start[1], dtype=float)
