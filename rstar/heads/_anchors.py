@@ -19,8 +19,8 @@ import numpy as np
 
 from ..inversions._numerics.rotary import rotate
 from ._collect import attention_rows, centred_sum_of_squares
-from ._compress import (_descending_eigen, _normalised_singular_values, activation_singular_values,
-                        truncated_heads)
+from ._compress import (_descending_eigen, _layer_tokens, _module_key_maps, _normalised_singular_values,
+                        activation_singular_values, rotary_key_basis, truncated_heads)
 from ._plan import _check_budget, _rows, _table, allocate_ranks
 
 __all__ = ["EIGEN_ATTENTION_THRESHOLDS", "eigen_attention_head_curve", "eigen_attention_head_rank",
@@ -191,13 +191,6 @@ def _query_key_linears(model, layer, what):
                      "(query, key) and Llama-style (q_proj, k_proj) attention so far.")
 
 
-def _bert_module(model, layer, what):
-    if layer.style != "bert":
-        raise ValueError(f"layer {layer.index} ({layer.name}) is {layer.style}-style; {what} reads BERT-style "
-                         "attention (separate query and key projections) so far.")
-    return dict(model.named_modules())[layer.name]
-
-
 def _batches(windows, batch_size):
     import torch
 
@@ -313,26 +306,48 @@ class _Stop(Exception):
     pass
 
 
-def _block_outputs(model, block, windows, batch_size):
+def _block_inputs(model, block, windows, batch_size):
+    """The arguments ``block`` is called with on each batch of ``windows`` (the full model's inputs to it), read
+    once: the model runs up to the block and stops there, without a cache, so that the block can be re-run on
+    them alone."""
+    import inspect
+
     import torch
 
     got = []
 
-    def hook(module, args, output):
-        got.append((output[0] if isinstance(output, tuple) else output).detach().double())
+    def hook(module, args, kwargs):
+        got.append((args, {k: v for k, v in kwargs.items() if not _is_cache(v)}))
         raise _Stop
 
-    handle = block.register_forward_hook(hook)
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
             for batch in _batches(windows, batch_size):
                 try:
-                    model(batch)
+                    model(batch, **extra)
                 except _Stop:
                     pass
     finally:
         handle.remove()
-    return torch.cat(got)
+    return got
+
+
+def _is_cache(value):
+    return type(value).__name__.endswith("Cache")
+
+
+def _run_block(block, inputs):
+    """The block's output (its hidden states, float64) on the inputs :func:`_block_inputs` read."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for args, kwargs in inputs:
+            y = block(*args, **kwargs)
+            out.append((y[0] if isinstance(y, tuple) else y).detach().double())
+    return torch.cat(out)
 
 
 def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_THRESHOLDS, batch_size=32):
@@ -341,16 +356,19 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
 
     A head's rank at t is the number of its normalised activation singular values
     (:func:`activation_singular_values`) whose running sum stays below t; the layer's rank is the largest over its
-    heads, and every head of the layer gets it (the authors' one reduced dimension per layer). The error is
+    heads, and every head of the layer gets it (the authors' one reduced dimension per layer). In a rotary
+    (Llama-style) layer the spectrum is the layer's key activations before the rotation, its key heads stacked
+    (:func:`rotary_key_basis`, the authors' Llama variant), and the rank is that spectrum's. The error is
     ``||B(x) - B_t(x)|| / ||B(x)||`` over ``windows`` for the layer's transformer block B (attention and MLP), its
-    heads truncated by :func:`activation_basis_factors` (``truncated_heads(metric="activations")``) and its inputs
-    the full model's, as the authors measure it.
+    heads truncated by ``truncated_heads(metric="activations")`` and its inputs the full model's, as the authors
+    measure it (the block's inputs are read once and the block alone is re-run at each rank).
 
     Parameters
     ----------
     model : torch.nn.Module
     layers : list of AttentionLayer
-        BERT-style layers, every head held.
+        BERT-style or Llama-style layers; the heads held are the ones truncated (the authors truncate every
+        head of a layer; a rotary layer's spectrum is its key heads' whichever are held).
     windows : ndarray of int, shape (n, T)
         Calibration token ids.
     thresholds : sequence of float, default=EIGEN_ATTENTION_THRESHOLDS
@@ -366,13 +384,10 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
         raise ValueError("thresholds must be a non-empty descending sequence of values in (0, 1].")
     out = []
     for layer in layers:
-        _bert_module(model, layer, "eigen_attention_sweep")
-        gram = _gram(layer)
-        rows = _bias_rows(layer)
-        spectra = [activation_singular_values(layer.query[p][rows], layer.key[p][rows], gram)
-                   for p in range(layer.n_heads)]
+        spectra = _eigen_attention_spectra(model, layer)
         block = _block(model, layer.name)
-        full = _block_outputs(model, block, windows, batch_size)
+        inputs = _block_inputs(model, block, windows, batch_size)
+        full = _run_block(block, inputs)
         norm = float(full.norm())
         held = layer.held_heads
         d_head = int(layer.query.shape[2])
@@ -383,10 +398,28 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
             if rank not in errors:
                 plan = [dict(layer=layer.index, head=h, rank=rank) for h in held]
                 with truncated_heads(model, plan, [layer], metric="activations"):
-                    low = _block_outputs(model, block, windows, batch_size)
+                    low = _run_block(block, inputs)
                 errors[rank] = float((full - low).norm()) / norm if norm > 0 else 0.0
             out.append(dict(layer=int(layer.index), threshold=t, rank=rank, error=errors[rank]))
     return _table(out)
+
+
+def _eigen_attention_spectra(model, layer):
+    """The normalised singular values Eigen Attention's thresholds read in a layer: each head's stacked key and
+    query activations (BERT-style), or the layer's key activations before the rotation (Llama-style, one spectrum,
+    :func:`rotary_key_basis`)."""
+    if layer.style == "llama":
+        module = dict(model.named_modules())[layer.name]
+        biased = module.k_proj.bias is not None
+        Z = _layer_tokens(layer, biased)
+        Z = Z.reshape(-1, Z.shape[-1])
+        return [_normalised_singular_values(rotary_key_basis(_module_key_maps(module, biased), Z.T @ Z)[0])]
+    if layer.style != "bert":
+        raise ValueError(f"layer {layer.index} ({layer.name}) is {layer.style}-style; eigen_attention_sweep reads "
+                         "BERT-style (query, key) and Llama-style (q_proj, k_proj) attention so far.")
+    gram = _gram(layer)
+    rows = _bias_rows(layer)
+    return [activation_singular_values(layer.query[p][rows], layer.key[p][rows], gram) for p in range(layer.n_heads)]
 
 
 def _head_activations(head, Xt):

@@ -9,7 +9,7 @@ from ..inversions._numerics.rotary import family_svd, pair_rotations
 from ..inversions._numerics.softmax_factored import token_metric_roots
 from ._plan import _rows
 
-__all__ = ["activation_basis_factors", "activation_singular_values", "rotary_query_projection",
+__all__ = ["activation_basis_factors", "activation_singular_values", "rotary_key_basis", "rotary_query_projection",
            "truncated_head_factors", "truncated_heads", "whitened_factors"]
 
 
@@ -203,10 +203,17 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
 
     Notes
     -----
-    A Llama-family head (rotary positions, keys shared by a group of query heads) is cut on its query side only:
-    its rows of ``q_proj`` projected by :func:`rotary_query_projection` (``"tokens"``: in the tokens' metric;
-    ``"weights"``: in the weights' own), so that a shared key head serves each query head of its group at that
-    head's width. ``"activations"``, ``"whitened"`` and ``factors`` cut both sides and are refused there.
+    A Llama-family head (rotary positions, keys shared by a group of query heads) is cut on its query side by
+    ``"tokens"`` and ``"weights"``: its rows of ``q_proj`` projected by :func:`rotary_query_projection` (in the
+    tokens' metric, or in the weights' own), so that a shared key head serves each query head of its group at that
+    head's width. The anchors' truncations cut the key side too, before the rotation: ``"activations"`` is Eigen
+    Attention's for rotary models (the key projected on the top ``rank`` directions of the layer's key activations,
+    all its key heads stacked: :func:`rotary_key_basis`; the query kept whole), ``"whitened"`` SVD-LLM's (the head's
+    query and key maps each truncated on its own). So that one query head's cut leaves the others of its group as
+    they were, the layer's ``k_proj`` and ``v_proj`` are swapped inside the block for copies with one key/value
+    head per query head (exact: every query head reads the same keys and values as before) and the module's
+    ``num_key_value_groups`` set to 1; the module's own projections and count come back on exit. A rotary fit's
+    own ``factors`` are refused there (their rotation is the fit's, not the module's).
 
     Raises
     ------
@@ -223,6 +230,7 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
     roots = {}
     by_index = {layer.index: layer for layer in layers}
     edits = []   # (parameter, new value) per projection touched
+    ungroup = {}   # layer -> (Llama-style module, {query head: its own new key map}) for key-side cuts
     for row in _rows(plan, ("layer", "head", "rank")):
         if not float(row["rank"]).is_integer():
             raise ValueError(f"layer {row['layer']} head {row['head']}: rank {row['rank']!r} is not a whole number.")
@@ -243,7 +251,16 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
             raise ValueError(f"layer {index} head {head}: rank {rank} is outside 0 ... d_head = {d_head}.")
         module = modules[layer.name]
         if layer.style == "llama":
-            edits += _llama_query_edits(module, layer, pos, head, rank, metric, factors, roots)
+            if factors is not None and (index, head) in factors:
+                raise ValueError(f"layer {index} head {head}: a rotary fit's own factors are not put back into a "
+                                 "model yet (their rotation is the fit's, not the module's); truncate the head's own "
+                                 "map.")
+            if metric in ("tokens", "weights"):
+                edits += _llama_query_edits(module, layer, pos, head, rank, metric, roots)
+            else:
+                q_edits, new_key = _llama_key_side_cut(module, layer, pos, head, rank, metric, roots)
+                edits += q_edits
+                ungroup.setdefault(index, (module, {}))[1][head] = new_key
             continue
         # [W; b] on [x, 1] where both projections have bias parameters (a truncation in the tokens' metric may give
         # a zero bias a non-zero value), else W on x alone
@@ -271,8 +288,12 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
             edits.append((linear.weight, (cols, slice(None)), factor[:d].T))
             if biased:
                 edits.append((linear.bias, (cols,), factor[d]))
+    swaps = [(module, _ungrouped_projections(module, new_keys)) for module, new_keys in ungroup.values()]
     saved = [(param, index, param.data[index].clone()) for param, index, _ in edits]
+    own = [(module, module.k_proj, module.v_proj, module.num_key_value_groups) for module, _ in swaps]
     try:
+        for module, (k_proj, v_proj) in swaps:
+            module.k_proj, module.v_proj, module.num_key_value_groups = k_proj, v_proj, 1
         with torch.no_grad():
             for param, index, value in edits:
                 param.data[index] = torch.as_tensor(value, dtype=param.dtype, device=param.device)
@@ -281,6 +302,8 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         with torch.no_grad():
             for param, index, value in reversed(saved):
                 param.data[index] = value
+        for module, k_proj, v_proj, groups in own:
+            module.k_proj, module.v_proj, module.num_key_value_groups = k_proj, v_proj, groups
 
 
 def _layer_tokens(layer, biased):
@@ -289,15 +312,8 @@ def _layer_tokens(layer, biased):
     return np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1) if biased else X
 
 
-def _llama_query_edits(module, layer, pos, head, rank, metric, factors, roots):
+def _llama_query_edits(module, layer, pos, head, rank, metric, roots):
     """The edits of ``q_proj`` (and its bias) that cut one Llama-style head to ``rank`` on its query side."""
-    if metric not in ("tokens", "weights"):
-        raise ValueError(f"layer {layer.index} ({layer.name}) shares its key heads across query heads and rotates "
-                         f"them: it is cut on the query side, in the metric 'tokens' or 'weights'; {metric!r} "
-                         "would cut the shared keys too.")
-    if factors is not None and (layer.index, head) in factors:
-        raise ValueError(f"layer {layer.index} head {head}: a rotary fit's own factors are not put back into a "
-                         "model yet (their rotation is the fit's, not the module's); truncate the head's own map.")
     # [W; b] on [x, 1] where q_proj has a bias parameter (a projection in the tokens' metric may give a zero bias a
     # value), else W on x alone
     biased = module.q_proj.bias is not None
@@ -318,3 +334,100 @@ def _llama_query_edits(module, layer, pos, head, rank, metric, factors, roots):
     if biased:
         edits.append((module.q_proj.bias, (cols,), new[d]))
     return edits
+
+
+def _module_key_maps(module, biased):
+    """A Llama-style module's key heads as maps on the features, shape (H_kv, p, d_head): ``[W; b]`` on ``[x, 1]``
+    where ``biased``, else ``W`` on x (as the module holds them: no logit scale folded in)."""
+    dh = int(module.head_dim)
+    W = module.k_proj.weight.detach().double().cpu().numpy().T
+    if biased:
+        W = np.vstack([W, module.k_proj.bias.detach().double().cpu().numpy()[None]])
+    return W.reshape(W.shape[0], -1, dh).transpose(1, 0, 2)
+
+
+def rotary_key_basis(keys, gram):
+    """Eigen Attention's basis for a rotary layer: the squared singular values (descending) and right-singular
+    directions of the layer's key activations before the rotation, its key heads stacked as rows
+    (``[Z k_1; ...; Z k_G]``, uncentred, ``gram = Z^T Z``). The authors' Llama variant reads one basis per layer
+    from the keys alone and caches ``k U_r``; the key is rebuilt as ``k U_r U_r^T`` and rotated, the query kept
+    whole, so that the projection acts before the rotation and folds into ``k_proj``.
+
+    Parameters
+    ----------
+    keys : ndarray of shape (G, p, d_head)
+        The layer's key heads on the features Z.
+    gram : ndarray of shape (p, p)
+
+    Returns
+    -------
+    squared : ndarray of shape (d_head,)
+    directions : ndarray of shape (d_head, d_head)
+        Columns, in the order of ``squared``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> keys, Z = rng.standard_normal((2, 5, 3)), rng.standard_normal((40, 5))
+    >>> s2, U = rotary_key_basis(keys, Z.T @ Z)
+    >>> stacked = np.vstack([Z @ k for k in keys])
+    >>> bool(np.allclose(s2, np.linalg.svd(stacked, compute_uv=False) ** 2))
+    True
+    """
+    keys = np.asarray(keys, dtype=float)
+    return _descending_eigen(sum(k.T @ gram @ k for k in keys))
+
+
+def _llama_key_side_cut(module, layer, pos, head, rank, metric, roots):
+    """The anchors' cuts of one Llama-style head on both sides: the edits of its ``q_proj`` rows and its own new
+    key map (p, d_head), Eigen Attention's (``"activations"``: the key on the layer's key basis,
+    :func:`rotary_key_basis`) or SVD-LLM's (``"whitened"``)."""
+    biased = module.k_proj.bias is not None and (metric == "activations" or module.q_proj.bias is not None)
+    dh = int(module.head_dim)
+    keys = _module_key_maps(module, biased)
+    if layer.index not in roots:
+        Z = _layer_tokens(layer, biased)
+        Z = Z.reshape(-1, Z.shape[-1])
+        gram = Z.T @ Z
+        roots[layer.index] = rotary_key_basis(keys, gram)[1] if metric == "activations" else _gram_roots(gram)
+    key = keys[layer.kv_group(pos)]
+    if metric == "activations":
+        U = roots[layer.index][:, :int(rank)]
+        return [], key @ U @ U.T
+    cols = slice(head * dh, (head + 1) * dh)
+    W = module.q_proj.weight.detach().double().cpu().numpy()[cols].T
+    query = np.vstack([W, module.q_proj.bias.detach().double().cpu().numpy()[cols][None]]) if biased else W
+    query, key = _whitened(query, key, roots[layer.index], rank)
+    d = W.shape[0]
+    edits = [(module.q_proj.weight, (cols, slice(None)), query[:d].T)]
+    if biased:
+        edits.append((module.q_proj.bias, (cols,), query[d]))
+    return edits, key
+
+
+def _ungrouped_projections(module, new_keys):
+    """``k_proj`` and ``v_proj`` for a Llama-style module with one key/value head per query head — each a copy of
+    its group's, the heads in ``new_keys`` (``{query head: key map (p, d_head)}``, ``[W; b]`` where it has p = d + 1
+    rows) with their own key — so that one query head's key-side cut leaves the rest of its group unchanged."""
+    import torch
+
+    dh = int(module.head_dim)
+    H, H_kv = module.q_proj.out_features // dh, module.k_proj.out_features // dh
+    rows = torch.as_tensor((np.arange(H) // (H // H_kv))[:, None] * dh + np.arange(dh)).reshape(-1)
+    out = []
+    with torch.no_grad():
+        for lin in (module.k_proj, module.v_proj):
+            new = torch.nn.Linear(lin.in_features, H * dh, bias=lin.bias is not None, dtype=lin.weight.dtype,
+                                  device=lin.weight.device)
+            new.weight.copy_(lin.weight[rows])
+            if lin.bias is not None:
+                new.bias.copy_(lin.bias[rows])
+            out.append(new.requires_grad_(lin.weight.requires_grad))
+        k_proj, d = out[0], module.k_proj.in_features
+        for head, key in new_keys.items():
+            cols = slice(head * dh, (head + 1) * dh)
+            k_proj.weight[cols] = torch.as_tensor(key[:d].T, dtype=k_proj.weight.dtype, device=k_proj.weight.device)
+            if key.shape[0] > d:
+                k_proj.bias[cols] = torch.as_tensor(key[d], dtype=k_proj.bias.dtype, device=k_proj.bias.device)
+    return out
