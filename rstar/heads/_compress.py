@@ -213,7 +213,8 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
     they were, the layer's ``k_proj`` and ``v_proj`` are swapped inside the block for copies with one key/value
     head per query head (exact: every query head reads the same keys and values as before) and the module's
     ``num_key_value_groups`` set to 1; the module's own projections and count come back on exit. A rotary fit's
-    own ``factors`` are refused there (their rotation is the fit's, not the module's).
+    own ``factors`` are refused there: its model is the mean of its two halves' heads, every plane twice, which one
+    head of the module cannot hold.
 
     Raises
     ------
@@ -253,8 +254,9 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         if layer.style == "llama":
             if factors is not None and (index, head) in factors:
                 raise ValueError(f"layer {index} head {head}: a rotary fit's own factors are not put back into a "
-                                 "model yet (their rotation is the fit's, not the module's); truncate the head's own "
-                                 "map.")
+                                 "model: its model is the mean of its two halves' heads, every plane twice "
+                                 "(query_key_factors has 2 d_head columns), which one head of the module cannot "
+                                 "hold; truncate the head's own map.")
             if metric in ("tokens", "weights"):
                 edits += _llama_query_edits(module, layer, pos, head, rank, metric, roots)
             else:
