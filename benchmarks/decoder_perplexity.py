@@ -24,7 +24,9 @@ Usage::
     python benchmarks/rotary_real_heads.py --heads diagonal --out results/rotary_diag.json     # about 2 hours
     python benchmarks/decoder_perplexity.py --table results/rotary_diag.json                   # a few minutes
 
-Writes ``decoder_perplexity.json`` and ``decoder_perplexity.md`` under ``--out``.
+Writes ``decoder_perplexity.json`` and ``decoder_perplexity.md`` under ``--out``; each step (an allocation at a
+width) is appended to ``decoder_perplexity.partial.jsonl`` there as it finishes, with the steps done and the time
+left printed, and ``--resume`` continues an interrupted run.
 """
 
 import argparse
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _runs import plan_ranks, records
+from _runs import Journal, plan_ranks, records
 from rotary_truncation import load_smollm2
 
 
@@ -84,6 +86,8 @@ def main(argv=None):
     p.add_argument("--fractions", default="0.25,0.5,0.75", help="widths as fractions of the heads' full width")
     p.add_argument("--seed", type=int, default=7, help="seed of the held-out windows (the fits used 0)")
     p.add_argument("--out", default="benchmarks/out/decoder_perplexity")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --out (its decoder_perplexity.partial.jsonl)")
     args = p.parse_args(argv)
 
     from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
@@ -94,42 +98,58 @@ def main(argv=None):
     rows, T = read_table(args.table)
     keys = [(int(r["layer"]), int(r["head"])) for r in rows]
     full_width = sum(int(r["d_head"]) for r in rows)
+    tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
+                        or {0.01, 0.05})
+    tol_plans = {tol: records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
+    widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
+                    | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
+    # the steps, counted before any runs (for the time left): the full model, Palu's scores and Eigen Attention's
+    # sweep, then per width the tolerance plans at it, rstar's budget split and the eight other allocations
+    n_steps = 3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
+    record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, n_calib=args.n_calib,
+                  fractions=args.fractions, seed=args.seed)
+    journal = Journal(Path(args.out) / "decoder_perplexity.partial.jsonl", record, args.resume, n_steps)
+
     model, tok = load_smollm2()
     held = text_windows(tok, T, args.n_eval, random_state=args.seed)
     calib = text_windows(tok, T, args.n_calib, random_state=0)
     index = sorted({k[0] for k in keys})
     layers = [layer.select_heads(sorted(h for li, h in keys if li == layer.index))
               for layer in collect_attention(model, calib, layers=index)]
-    base_windows = cross_entropy(model, held)
+    base_windows = np.asarray(journal.step("full model", lambda: cross_entropy(model, held).tolist()))
     base = float(base_windows.mean())
-    print(f"{len(rows)} heads in {len(layers)} layers, full query-key width {full_width}, T = {T}; full model: "
-          f"{base:.4f} nats/token (perplexity {np.exp(base):.2f}) on {args.n_eval} held-out windows", flush=True)
-    t1 = time.perf_counter()
-    fisher = head_fisher_scores(model, layers, calib)
-    fisher_loss = records(fisher)[0]["fisher_loss"]
-    print(f"Palu's Fisher scores ({fisher_loss}) in {time.perf_counter() - t1:.0f} s", flush=True)
-    t1 = time.perf_counter()
-    sweep = eigen_attention_sweep(model, layers, calib)
-    print(f"Eigen Attention's sweep in {time.perf_counter() - t1:.0f} s", flush=True)
+    print(f"{len(rows)} heads in {len(layers)} layers, full query-key width {full_width}, T = {T}, {n_steps} steps; "
+          f"full model: {base:.4f} nats/token (perplexity {np.exp(base):.2f}) on {args.n_eval} held-out windows",
+          flush=True)
 
-    tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
-                        or {0.01, 0.05})
-    tol_plans = {tol: records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
-    widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
-                    | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
+    def timed(fn):
+        t1 = time.perf_counter()
+        value = records(fn())
+        return dict(rows=value, seconds=time.perf_counter() - t1)
+
+    fisher = journal.step("fisher", lambda: timed(lambda: head_fisher_scores(model, layers, calib)))
+    sweep = journal.step("sweep", lambda: timed(lambda: eigen_attention_sweep(model, layers, calib)))
+    print(f"Palu's Fisher scores in {fisher['seconds']:.0f} s, Eigen Attention's sweep in {sweep['seconds']:.0f} s",
+          flush=True)
+    fisher, sweep = fisher["rows"], sweep["rows"]
+    fisher_loss = fisher[0]["fisher_loss"]
     results, windows_of, versus = [], {}, []
 
     def evaluate(name, plan, W, metric="tokens"):
         plan = [dict(layer=k[0], head=k[1], rank=r) for k, r in zip(keys, plan_ranks(plan, keys))]
-        with truncated_heads(model, plan, layers, metric=metric):
-            per_window = cross_entropy(model, held)
-        ce = float(per_window.mean())
-        res = dict(allocation=name, truncation=metric, width_asked=W, width=sum(q["rank"] for q in plan),
-                   cross_entropy=ce,
-                   excess=ce - base, excess_se=paired_se(per_window, base_windows), perplexity=float(np.exp(ce)),
-                   ranks=[q["rank"] for q in plan])
+
+        def compute():
+            with truncated_heads(model, plan, layers, metric=metric):
+                per_window = cross_entropy(model, held)
+            ce = float(per_window.mean())
+            return dict(allocation=name, truncation=metric, width_asked=W, width=sum(q["rank"] for q in plan),
+                        cross_entropy=ce, excess=ce - base, excess_se=paired_se(per_window, base_windows),
+                        perplexity=float(np.exp(ce)), ranks=[q["rank"] for q in plan],
+                        per_window=per_window.tolist())
+
+        res = dict(journal.step(f"evaluate|{name}|{metric}|{W}", compute))
+        windows_of[(name, W)] = np.asarray(res.pop("per_window"))
         results.append(res)
-        windows_of[(name, W)] = per_window
         print(f"W {W:5d}: {name:22s} width {res['width']:5d}  excess {res['excess']:+.4f} ± {res['excess_se']:.4f} "
               f"nats/token  perplexity {res['perplexity']:.2f}", flush=True)
 
@@ -159,7 +179,7 @@ def main(argv=None):
     (out / "decoder_perplexity.json").write_text(json.dumps(dict(
         results=results, versus=versus, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval,
         n_calib=args.n_calib, seed=args.seed, seq_len=T, heads=[list(k) for k in keys], fisher_loss=fisher_loss,
-        eigen_attention_sweep=records(sweep), seconds=elapsed),
+        eigen_attention_sweep=sweep, seconds=elapsed),
         indent=1))
     names = list(dict.fromkeys(r["allocation"] for r in results if not r["allocation"].startswith("rstar r*")))
     lines = [f"SmolLM2-135M-Instruct, {len(rows)} rotary heads cut (full query–key width {full_width}); excess "
