@@ -1,5 +1,5 @@
 """What the benchmarks that run long or put plans into models share: a journal that keeps each finished step and
-resumes, and the plans as rows."""
+resumes, the plans as rows, and each head's predicted excess against the one realised inside the model."""
 
 import json
 import os
@@ -96,3 +96,95 @@ class PeakResidentMemory:
             self._peak = max(self._peak, resident_bytes() or 0)
             self.peak_mib = (self._peak - self._base) / 2**20
         return False
+
+
+def head_errors(full, trunc):
+    """Per head: each window's squared error of the truncated head's output (n,), and the head's TSS."""
+    out = []
+    for h in range(full.Y.shape[2]):
+        Y, Yt = full.Y[:, :, h], trunc.Y[:, :, h]
+        Yf = Y.reshape(-1, Y.shape[-1])
+        tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
+        out.append((np.sum((Y - Yt) ** 2, axis=(1, 2)), tss))
+    return out
+
+
+def realised_excess(model, plan, layers, held, collect_attention, truncated_heads, factors=None, floor=True):
+    """Per head (layer, head): realised excess and its standard error, alone and inside the truncated model (and,
+    with ``factors`` and ``floor``, the excess of their widest model alone)."""
+    by_layer = {}
+    for p in records(plan):
+        by_layer.setdefault(int(p["layer"]), []).append(p)
+    out = {}
+    for index, rows in by_layer.items():
+        full = collect_attention(model, held, layers=[index])[0]
+        alone_plan = [dict(layer=index, head=int(p["head"]), rank=int(p["rank"])) for p in rows]
+        with truncated_heads(model, alone_plan, layers, factors=factors):
+            alone = collect_attention(model, held, layers=[index])[0]
+        with truncated_heads(model, plan, layers, factors=factors):
+            inside = collect_attention(model, held, layers=[index])[0]
+        held_heads = list(range(full.n_heads)) if full.head_indices is None else list(full.head_indices)
+        widest_errors = None
+        if factors is not None and floor:
+            # the fit's widest model: its own floor (what a head's fit could not reproduce at any rank)
+            widest = [dict(layer=index, head=int(p["head"]), rank=int(p["d_head"])) for p in rows]
+            with truncated_heads(model, widest, layers, factors=factors):
+                widest_errors = head_errors(full, collect_attention(model, held, layers=[index])[0])
+        for k, ((e_a, tss), (e_i, _), h) in enumerate(zip(head_errors(full, alone), head_errors(full, inside),
+                                                          held_heads)):
+            n = e_a.size
+            out[(index, h)] = dict(alone=float(e_a.sum() / tss), alone_se=float(np.sqrt(n) * e_a.std() / tss),
+                                   inside=float(e_i.sum() / tss), inside_se=float(np.sqrt(n) * e_i.std() / tss),
+                                   floor=None if widest_errors is None else float(widest_errors[k][0].sum() / tss))
+    return out
+
+
+def within_point(hs):
+    """Heads whose realised excess (alone) is within two standard errors of the curve's point estimate, the two
+    errors combined."""
+    return sum(abs(h["alone"] - h["predicted_point"]) <= 2 * np.hypot(h["alone_se"], h["predicted_se"]) for h in hs)
+
+
+def predicted_against_realised(plan, rows, realised, tolerance, truncated):
+    """One dict per head of a tolerance plan: its predicted excess (the curve the plan read, its upper bound; the
+    point estimate and its standard error where the row has them) beside the realised ones of
+    :func:`realised_excess` (``realised`` keyed ``"layer,head"``)."""
+    by_key = {(int(r["layer"]), int(r["head"])): r for r in rows}
+    out = []
+    for p in plan:
+        key = (int(p["layer"]), int(p["head"]))
+        real, row = realised[f"{key[0]},{key[1]}"], by_key[key]
+        point = se = None
+        if row.get("risk_curve_point") is not None and row.get("risk_curve_se") is not None:
+            # the curve's point estimate at the rank (beyond where it was measured: its last value)
+            k = min(int(p["rank"]), len(row["risk_curve_point"]) - 1)
+            point, se = float(row["risk_curve_point"][k]), float(row["risk_curve_se"][k])
+        out.append(dict(tolerance=tolerance, truncated=truncated, layer=key[0], head=key[1], rank=int(p["rank"]),
+                        predicted=float(p["predicted_excess"]), predicted_point=point, predicted_se=se, **real))
+    return out
+
+
+#: The header of :func:`predicted_rows`' table.
+PREDICTED_HEADER = ["| ε | rank-r model | heads | realised (alone) ≤ predicted + 2 se | within 2 se | "
+                    "Σ predicted | Σ realised alone | Σ realised in the model | median realised/predicted (alone) | "
+                    "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) |",
+                    "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def predicted_rows(heads_cmp, tolerances, models):
+    """The table's rows (markdown) of :func:`predicted_against_realised`'s heads, per tolerance and rank-r model."""
+    lines = []
+    for tol in tolerances:
+        for what in models:
+            hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
+            if not hs:
+                continue
+            below = sum(h["alone"] <= h["predicted"] + 2 * h["alone_se"] for h in hs)
+            within = sum(abs(h["alone"] - h["predicted"]) <= 2 * h["alone_se"] for h in hs)
+            ratio = np.median([h["alone"] / h["predicted"] for h in hs if h["predicted"] > 0])
+            lines.append(f"| {tol:g} | {what} | {len(hs)} | {below} | {within} | "
+                         f"{sum(h['predicted'] for h in hs):.3f} | {sum(h['alone'] for h in hs):.3f} | "
+                         f"{sum(h['inside'] for h in hs):.3f} | {ratio:.2f} | "
+                         + (f"{sum(h['floor'] for h in hs):.3f} |" if hs[0]["floor"] is not None else "— |")
+                         + (f" {within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |"))
+    return lines

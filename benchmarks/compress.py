@@ -61,7 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
-from _runs import Journal, plan_ranks, records
+from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
+                   realised_excess, records)
 
 
 def _embed(model, windows, batch=50):
@@ -73,47 +74,6 @@ def _embed(model, windows, batch=50):
             h = model(torch.as_tensor(windows[s:s + batch])).last_hidden_state.mean(dim=1)
             out.append(torch.nn.functional.normalize(h, dim=1).double().numpy())
     return np.concatenate(out)
-
-
-def _head_errors(full, trunc):
-    """Per head: each window's squared error of the truncated head's output (n,), and the head's TSS."""
-    out = []
-    for h in range(full.Y.shape[2]):
-        Y, Yt = full.Y[:, :, h], trunc.Y[:, :, h]
-        Yf = Y.reshape(-1, Y.shape[-1])
-        tss = float(np.sum((Yf - Yf.mean(axis=0)) ** 2))
-        out.append((np.sum((Y - Yt) ** 2, axis=(1, 2)), tss))
-    return out
-
-
-def _realised(model, plan, layers, held, collect_attention, truncated_heads, factors=None, floor=True):
-    """Per head (layer, head): realised excess and its standard error, alone and inside the truncated model (and,
-    with ``factors`` and ``floor``, the excess of their widest model alone)."""
-    by_layer = {}
-    for p in records(plan):
-        by_layer.setdefault(int(p["layer"]), []).append(p)
-    out = {}
-    for index, rows in by_layer.items():
-        full = collect_attention(model, held, layers=[index])[0]
-        alone_plan = [dict(layer=index, head=int(p["head"]), rank=int(p["rank"])) for p in rows]
-        with truncated_heads(model, alone_plan, layers, factors=factors):
-            alone = collect_attention(model, held, layers=[index])[0]
-        with truncated_heads(model, plan, layers, factors=factors):
-            inside = collect_attention(model, held, layers=[index])[0]
-        held_heads = list(range(full.n_heads)) if full.head_indices is None else list(full.head_indices)
-        widest_errors = None
-        if factors is not None and floor:
-            # the fit's widest model: its own floor (what a head's fit could not reproduce at any rank)
-            widest = [dict(layer=index, head=int(p["head"]), rank=int(p["d_head"])) for p in rows]
-            with truncated_heads(model, widest, layers, factors=factors):
-                widest_errors = _head_errors(full, collect_attention(model, held, layers=[index])[0])
-        for k, ((e_a, tss), (e_i, _), h) in enumerate(zip(_head_errors(full, alone), _head_errors(full, inside),
-                                                          held_heads)):
-            n = e_a.size
-            out[(index, h)] = dict(alone=float(e_a.sum() / tss), alone_se=float(np.sqrt(n) * e_a.std() / tss),
-                                   inside=float(e_i.sum() / tss), inside_se=float(np.sqrt(n) * e_i.std() / tss),
-                                   floor=None if widest_errors is None else float(widest_errors[k][0].sum() / tss))
-    return out
 
 
 def _student_factors(head, rank, epochs, seed):
@@ -311,26 +271,15 @@ def main(argv=None):
 
     # predicted against realised, per head, for each tolerance plan
     heads_cmp = []
-    by_key = {(int(r["layer"]), int(r["head"])): r for r in rows}
     for tol, plan in tol_plans.items():
         for what, factors in (("head's kernel", None), ("fit's model", fitted), ("student", students.get(tol))):
             if what != "head's kernel" and not factors:
                 continue
             real = journal.step(f"realised|{tol:g}|{what}", lambda: {
-                f"{k[0]},{k[1]}": v for k, v in _realised(model, plan, layers, held, collect_attention,
-                                                         truncated_heads, factors,
-                                                         floor=what == "fit's model").items()})
-            for p in plan:
-                key = (int(p["layer"]), int(p["head"]))
-                r, row = real[f"{key[0]},{key[1]}"], by_key[key]
-                point = se = None
-                if row.get("risk_curve_point") is not None and row.get("risk_curve_se") is not None:
-                    # the curve's point estimate at the rank (beyond where it was measured: its last value)
-                    k = min(int(p["rank"]), len(row["risk_curve_point"]) - 1)
-                    point, se = float(row["risk_curve_point"][k]), float(row["risk_curve_se"][k])
-                heads_cmp.append(dict(tolerance=tol, truncated=what, layer=key[0], head=key[1], rank=int(p["rank"]),
-                                      predicted=float(p["predicted_excess"]), predicted_point=point,
-                                      predicted_se=se, **r))
+                f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
+                                                               truncated_heads, factors,
+                                                               floor=what == "fit's model").items()})
+            heads_cmp += predicted_against_realised(plan, rows, real, tol, what)
     elapsed = time.perf_counter() - t0
     if len(journal.done) != n_steps:
         raise RuntimeError(f"the run took {len(journal.done)} steps where {n_steps} were counted")
@@ -350,23 +299,8 @@ def main(argv=None):
         pred = f"{r['predicted_total']:.3f}" if "predicted_total" in r else ""
         lines.append(f"| {r['width_asked'] if r['width_asked'] is not None else '—'} | {r['allocation']} | "
                      f"{r['truncation']} | {r['width']} | {r['loss']:.2e} | {r['min_cosine']:.4f} | {pred} |")
-    lines += ["", "| ε | rank-r model | heads | realised (alone) ≤ predicted + 2 se | within 2 se | Σ predicted | "
-              "Σ realised alone | Σ realised in the model | median realised/predicted (alone) | "
-              "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for tol in tol_plans:
-        for what in ("head's kernel", "fit's model", "student"):
-            hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
-            if not hs:
-                continue
-            below = sum(h["alone"] <= h["predicted"] + 2 * h["alone_se"] for h in hs)
-            within = sum(abs(h["alone"] - h["predicted"]) <= 2 * h["alone_se"] for h in hs)
-            ratio = np.median([h["alone"] / h["predicted"] for h in hs if h["predicted"] > 0])
-            lines.append(f"| {tol:g} | {what} | {len(hs)} | {below} | {within} | "
-                         f"{sum(h['predicted'] for h in hs):.3f} | {sum(h['alone'] for h in hs):.3f} | "
-                         f"{sum(h['inside'] for h in hs):.3f} | {ratio:.2f} | "
-                         + (f"{sum(h['floor'] for h in hs):.3f} |" if hs[0]["floor"] is not None else "— |")
-                         + (f" {_within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |"))
+    lines += [""] + PREDICTED_HEADER
+    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", "fit's model", "student"))
     lines.append(f"\n{elapsed:.0f} s in all (Fisher scores {t_fisher:.0f} s, their loss the {fisher_loss}; "
                  f"Eigen Attention's sweep {t_sweep:.0f} s).")
     if student_runs:
@@ -377,12 +311,6 @@ def main(argv=None):
     (out / "compress.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _figures(results, heads_cmp, full_width, out)
-
-
-def _within_point(hs):
-    """Heads whose realised excess (alone) is within two standard errors of the curve's point estimate, the two
-    errors combined."""
-    return sum(abs(h["alone"] - h["predicted_point"]) <= 2 * np.hypot(h["alone_se"], h["predicted_se"]) for h in hs)
 
 
 def _figures(results, heads_cmp, full_width, out):

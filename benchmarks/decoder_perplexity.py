@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from _runs import Journal, plan_ranks, records
+from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
+                   realised_excess, records)
 from rotary_truncation import load_smollm2
 
 
@@ -104,8 +105,10 @@ def main(argv=None):
     widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     # the steps, counted before any runs (for the time left): the full model, Palu's scores and Eigen Attention's
-    # sweep, then per width the tolerance plans at it, rstar's budget split and the eight other allocations
-    n_steps = 3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
+    # sweep, then per width the tolerance plans at it, rstar's budget split and the eight other allocations, then
+    # each tolerance plan's heads, predicted against realised
+    n_steps = (3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
+               + len(tol_plans))
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, n_calib=args.n_calib,
                   fractions=args.fractions, seed=args.seed)
     journal = Journal(Path(args.out) / "decoder_perplexity.partial.jsonl", record, args.resume, n_steps)
@@ -172,6 +175,14 @@ def main(argv=None):
         mine = windows_of[("rstar budget", W)]
         versus.append(dict(width=W, best_other=best, difference=float(mine.mean() - windows_of[(best, W)].mean()),
                            difference_se=paired_se(mine, windows_of[(best, W)])))
+    # predicted against realised, per head, for each tolerance plan: each head's relative excess on the held-out
+    # windows with its layer's planned heads cut (alone) and inside the model with every planned head cut
+    heads_cmp = []
+    for tol, plan in tol_plans.items():
+        real = journal.step(f"realised|{tol:g}", lambda: {
+            f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
+                                                           truncated_heads, floor=False).items()})
+        heads_cmp += predicted_against_realised(plan, rows, real, tol, "head's kernel")
     elapsed = time.perf_counter() - t0
 
     out = Path(args.out)
@@ -179,7 +190,7 @@ def main(argv=None):
     (out / "decoder_perplexity.json").write_text(json.dumps(dict(
         results=results, versus=versus, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval,
         n_calib=args.n_calib, seed=args.seed, seq_len=T, heads=[list(k) for k in keys], fisher_loss=fisher_loss,
-        eigen_attention_sweep=sweep, seconds=elapsed),
+        eigen_attention_sweep=sweep, head_excess=heads_cmp, seconds=elapsed),
         indent=1))
     names = list(dict.fromkeys(r["allocation"] for r in results if not r["allocation"].startswith("rstar r*")))
     lines = [f"SmolLM2-135M-Instruct, {len(rows)} rotary heads cut (full query–key width {full_width}); excess "
@@ -199,6 +210,10 @@ def main(argv=None):
                  + f" ± {at[n]['excess_se']:.4f}" for n in names]
         lines.append(f"| {W} | {tol} | " + " | ".join(cells)
                      + f" | {vs['difference']:+.4f} ± {vs['difference_se']:.4f} ({vs['best_other']}) |")
+    lines += ["", "Each head's predicted excess (its curve at the plan's rank) against its realised excess on the "
+              "held-out windows, relative to its output's variance (standard errors over windows):", ""]
+    lines += PREDICTED_HEADER
+    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel",))
     lines.append(f"\n{elapsed:.0f} s in all; Palu's scores of the {fisher_loss}.")
     (out / "decoder_perplexity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
