@@ -319,6 +319,14 @@ def test_the_anchors_cut_a_grouped_rotary_head_on_its_key_side_and_leave_its_gro
         np.testing.assert_allclose(inside.Y[:, :, 1], want, atol=1e-4 * np.abs(want).max())
         assert np.abs(inside.Y[:, :, 1] - layer.Y[:, :, 1]).max() > 1e-3
         np.testing.assert_allclose(inside.Y[:, :, [0, 2, 3]], layer.Y[:, :, [0, 2, 3]], atol=1e-5)
+    del attn.num_key_value_groups   # an attention that does not say how it shares its key heads
+    try:
+        with pytest.raises(ValueError, match="has no num_key_value_groups"):
+            with truncated_heads(model, plan, [layer], metric="whitened"):
+                pass
+    finally:
+        attn.num_key_value_groups = 2
+    assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
     # full width is Eigen Attention's no-op; every head of the layer cut is its grouped cut (one key per group)
     with truncated_heads(model, [dict(layer=0, head=h, rank=8) for h in range(4)], [layer], metric="activations"):
         np.testing.assert_allclose(collect_attention(model, ids, layers=[0])[0].Y, layer.Y, atol=1e-5)

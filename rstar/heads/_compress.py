@@ -414,6 +414,10 @@ def _ungrouped_projections(module, new_keys):
     rows) with their own key — so that one query head's key-side cut leaves the rest of its group unchanged."""
     import torch
 
+    if not isinstance(getattr(module, "num_key_value_groups", None), int):
+        raise ValueError(f"{type(module).__name__} has no num_key_value_groups, which its attention reads to share "
+                         "key/value heads: rstar cannot give one query head its own key head there, so a key-side "
+                         "cut ('activations', 'whitened') is refused; cut on the query side ('tokens', 'weights').")
     dh = int(module.head_dim)
     H, H_kv = module.q_proj.out_features // dh, module.k_proj.out_features // dh
     rows = torch.as_tensor((np.arange(H) // (H // H_kv))[:, None] * dh + np.arange(dh)).reshape(-1)
