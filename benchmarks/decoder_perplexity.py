@@ -105,7 +105,7 @@ def main(argv=None):
     widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     # the steps, counted before any runs (for the time left): the full model, Palu's scores and Eigen Attention's
-    # sweep, then per width the tolerance plans at it, rstar's budget split and the eight other allocations, then
+    # sweep, then per width the tolerance plans at it, rstar's budget split and the seven other allocations, then
     # each tolerance plan's heads, predicted against realised
     n_steps = (3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
                + len(tol_plans))

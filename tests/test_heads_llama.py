@@ -319,6 +319,24 @@ def test_the_anchors_cut_a_grouped_rotary_head_on_its_key_side_and_leave_its_gro
         np.testing.assert_allclose(inside.Y[:, :, 1], want, atol=1e-4 * np.abs(want).max())
         assert np.abs(inside.Y[:, :, 1] - layer.Y[:, :, 1]).max() > 1e-3
         np.testing.assert_allclose(inside.Y[:, :, [0, 2, 3]], layer.Y[:, :, [0, 2, 3]], atol=1e-5)
+    # a layer holding some heads only: query head 3 reads key head 1, its own copy cut, head 2 beside it untouched
+    part = layer.select_heads([2, 3])
+    q3, k3 = layer.head(3).factors()
+    with truncated_heads(model, [dict(layer=0, head=3, rank=3)], [part], metric="whitened"):
+        inside = collect_attention(model, ids, layers=[0])[0]
+    want = layer.head(3).output(factors=whitened_factors(q3, k3, Z.T @ Z, 3))
+    np.testing.assert_allclose(inside.Y[:, :, 3], want, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(inside.Y[:, :, :3], layer.Y[:, :, :3], atol=1e-5)
+    # an error inside the block, and a nested key-side cut, leave the module as it was
+    with pytest.raises(RuntimeError, match="inside"):
+        with truncated_heads(model, plan, [layer], metric="activations"):
+            raise RuntimeError("inside")
+    with pytest.raises(ValueError, match="nested key-side cuts are refused"):
+        with truncated_heads(model, plan, [layer], metric="activations"):
+            with truncated_heads(model, plan, [layer], metric="whitened"):
+                pass
+    assert attn.k_proj is k_proj and attn.v_proj is v_proj and attn.num_key_value_groups == 2
+    assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
     del attn.num_key_value_groups   # an attention that does not say how it shares its key heads
     try:
         with pytest.raises(ValueError, match="has no num_key_value_groups"):
@@ -343,7 +361,7 @@ def test_eigen_attention_s_sweep_reads_a_rotary_layer_s_key_spectrum(ids):
     error at a rank is the decoder block's, its heads cut by truncated_heads(metric="activations")."""
     from rstar.heads import eigen_attention_sweep, rotary_key_basis, truncated_heads
 
-    model = _model("llama")
+    model = _model("llama", attn_implementation="eager")   # the causal mask passed to the block as a tensor
     layers = collect_attention(model, ids, layers=[0, 1])
     sweep = eigen_attention_sweep(model, layers, ids, batch_size=8)
     sweep = sweep.to_dict("records") if hasattr(sweep, "to_dict") else sweep

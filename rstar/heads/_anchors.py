@@ -320,7 +320,10 @@ def _block_inputs(model, block, windows, batch_size):
         got.append((args, {k: v for k, v in kwargs.items() if not _is_cache(v)}))
         raise _Stop
 
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    try:
+        extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    except (TypeError, ValueError):   # pragma: no cover - a forward without a signature
+        extra = {}
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
@@ -368,7 +371,7 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
     model : torch.nn.Module
     layers : list of AttentionLayer
         BERT-style or Llama-style layers; the heads held are the ones truncated (the authors truncate every
-        head of a layer; a rotary layer's spectrum is its key heads' whichever are held).
+        head of a layer). A rotary layer's spectrum is that of all the module's key heads, whichever are held.
     windows : ndarray of int, shape (n, T)
         Calibration token ids.
     thresholds : sequence of float, default=EIGEN_ATTENTION_THRESHOLDS

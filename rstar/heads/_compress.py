@@ -296,6 +296,7 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
     try:
         for module, (k_proj, v_proj) in swaps:
             module.k_proj, module.v_proj, module.num_key_value_groups = k_proj, v_proj, 1
+            module._rstar_key_copies = True
         with torch.no_grad():
             for param, index, value in edits:
                 param.data[index] = torch.as_tensor(value, dtype=param.dtype, device=param.device)
@@ -306,6 +307,7 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
                 param.data[index] = value
         for module, k_proj, v_proj, groups in own:
             module.k_proj, module.v_proj, module.num_key_value_groups = k_proj, v_proj, groups
+            module.__dict__.pop("_rstar_key_copies", None)
 
 
 def _layer_tokens(layer, biased):
@@ -414,6 +416,10 @@ def _ungrouped_projections(module, new_keys):
     rows) with their own key — so that one query head's key-side cut leaves the rest of its group unchanged."""
     import torch
 
+    if getattr(module, "_rstar_key_copies", False):
+        raise ValueError(f"{type(module).__name__} already reads one key head per query head inside another "
+                         "truncated_heads block with a key-side cut: nested key-side cuts are refused (their key "
+                         "heads would be read from the copies).")
     if not isinstance(getattr(module, "num_key_value_groups", None), int):
         raise ValueError(f"{type(module).__name__} has no num_key_value_groups, which its attention reads to share "
                          "key/value heads: rstar cannot give one query head its own key head there, so a key-side "
