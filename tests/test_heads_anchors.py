@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _blocks import block_error_by_hand  # noqa: E402
 from rstar.heads import (activation_basis_factors, activation_singular_values, collect_attention,  # noqa: E402
                          eigen_attention_head_curve, eigen_attention_head_rank, eigen_attention_plan,
                          eigen_attention_sweep, eva_plan, fisher_share_plan, head_fisher_scores, truncated_heads,
@@ -165,16 +166,9 @@ def test_eigen_attention_sweep_and_plans(bert):
             assert r["rank"] == max(int(np.sum(np.cumsum(s) < r["threshold"] - 1e-12)) for s in spectra)
     # one error by hand: the block's output with layer 1's heads truncated at the rank, against the full output
     step = next(r for r in sweep if r["layer"] == 1 and 0 < r["rank"] < 8)
-    block = model.encoder.layer[1]
-    got = []
-    handle = block.register_forward_hook(lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o))
-    with torch.no_grad():
-        model(torch.as_tensor(ids))
-        with truncated_heads(model, [dict(layer=1, head=h, rank=step["rank"]) for h in range(2)], layers,
-                             metric="activations"):
-            model(torch.as_tensor(ids))
-    handle.remove()
-    np.testing.assert_allclose(step["error"], float((got[0] - got[1]).norm() / got[0].norm()), rtol=1e-4)
+    plan = [dict(layer=1, head=h, rank=step["rank"]) for h in range(2)]
+    np.testing.assert_allclose(step["error"], block_error_by_hand(model, model.encoder.layer[1], ids, plan, layers),
+                               rtol=1e-4)
     # plans: a tiny error budget keeps every direction; each layer keeps the last threshold under the budget
     assert all(p["rank"] == 8 for p in _records(eigen_attention_plan(sweep, layers, error_budget=1e-12)))
     e = step["error"]

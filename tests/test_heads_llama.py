@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _blocks import block_error_by_hand  # noqa: E402
 from rstar import RotaryPositions, RStarEstimator  # noqa: E402
 from rstar.heads import (collect_attention, eigen_attention_head_curve, estimate_heads,  # noqa: E402
                          kernel_truncation_curve, plane_truncation_curve, truncation_rank)
@@ -359,7 +360,7 @@ def test_the_anchors_cut_a_grouped_rotary_head_on_its_key_side_and_leave_its_gro
 def test_eigen_attention_s_sweep_reads_a_rotary_layer_s_key_spectrum(ids):
     """eigen_attention_sweep on a Llama layer: one spectrum, the layer's key activations before the rotation; the
     error at a rank is the decoder block's, its heads cut by truncated_heads(metric="activations")."""
-    from rstar.heads import eigen_attention_sweep, rotary_key_basis, truncated_heads
+    from rstar.heads import eigen_attention_sweep, rotary_key_basis
 
     model = _model("llama", attn_implementation="eager")   # the causal mask passed to the block as a tensor
     layers = collect_attention(model, ids, layers=[0, 1])
@@ -374,16 +375,9 @@ def test_eigen_attention_s_sweep_reads_a_rotary_layer_s_key_spectrum(ids):
     for r in steps[1:]:
         assert r["rank"] == int(np.sum(np.cumsum(s) < r["threshold"] - 1e-12))
     step = next(r for r in steps if 0 < r["rank"] < 8)
-    block = model.model.layers[1]
-    got = []
-    handle = block.register_forward_hook(lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o))
-    with torch.no_grad():
-        model(torch.as_tensor(ids))
-        with truncated_heads(model, [dict(layer=1, head=h, rank=step["rank"]) for h in range(4)], layers,
-                             metric="activations"):
-            model(torch.as_tensor(ids))
-    handle.remove()
-    np.testing.assert_allclose(step["error"], float((got[0] - got[1]).norm() / got[0].norm()), rtol=1e-4)
+    plan = [dict(layer=1, head=h, rank=step["rank"]) for h in range(4)]
+    np.testing.assert_allclose(step["error"], block_error_by_hand(model, model.model.layers[1], ids, plan, layers),
+                               rtol=1e-4)
 
 
 def test_palu_scores_a_llama_head_by_its_query_rows_and_its_group_s_key_rows(ids):
