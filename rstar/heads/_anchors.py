@@ -364,7 +364,9 @@ def eigen_attention_sweep(model, layers, windows, *, thresholds=EIGEN_ATTENTION_
     (:func:`rotary_key_basis`, the authors' Llama variant), and the rank is that spectrum's. The error is
     ``||B(x) - B_t(x)|| / ||B(x)||`` over ``windows`` for the layer's transformer block B (attention and MLP), its
     heads truncated by ``truncated_heads(metric="activations")`` and its inputs the full model's, as the authors
-    measure it (the block's inputs are read once and the block alone is re-run at each rank).
+    measure it (the block's inputs are read once and the block alone is re-run at each rank). The authors' Llama
+    loop also stops once a layer's key rank falls to 45% of its width; the sweep runs on to the last threshold, so
+    that plans at small total widths (``eigen_attention_plan(budget=...)``) can take the rule further than they do.
 
     Parameters
     ----------
