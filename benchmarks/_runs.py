@@ -15,6 +15,13 @@ def records(table):
     return table.to_dict("records") if hasattr(table, "to_dict") else list(table)
 
 
+def timed_records(fn):
+    """``fn()``'s table as records (:func:`records`) and the seconds it took: a journal step's value."""
+    t = time.perf_counter()
+    value = records(fn())
+    return dict(rows=value, seconds=time.perf_counter() - t)
+
+
 def plan_ranks(plan, keys):
     """The plan's rank of each ``(layer, head)`` in ``keys``, in that order."""
     by = {(int(p["layer"]), int(p["head"])): int(p["rank"]) for p in records(plan)}

@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, records)
+                   realised_excess, records, timed_records)
 
 
 def _embed(model, windows, batch=50):
@@ -175,13 +175,9 @@ def main(argv=None):
     print(f"{len(rows)} heads in {len(layers)} layers, full width {full_width}, {n_steps} steps; calibrating the "
           f"anchors on {len(calib)} windows ...", flush=True)
 
-    def timed(fn):
-        t1 = time.perf_counter()
-        value = records(fn())
-        return dict(rows=value, seconds=time.perf_counter() - t1)
-
-    fisher = journal.step("fisher", lambda: timed(lambda: head_fisher_scores(model, layers, calib, random_state=0)))
-    sweep = journal.step("sweep", lambda: timed(lambda: eigen_attention_sweep(model, layers, calib)))
+    fisher = journal.step("fisher",
+                          lambda: timed_records(lambda: head_fisher_scores(model, layers, calib, random_state=0)))
+    sweep = journal.step("sweep", lambda: timed_records(lambda: eigen_attention_sweep(model, layers, calib)))
     t_fisher, t_sweep = fisher["seconds"], sweep["seconds"]
     fisher_loss = fisher["rows"][0]["fisher_loss"]
     fisher, sweep = fisher["rows"], sweep["rows"]

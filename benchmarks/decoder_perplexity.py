@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, records)
+                   realised_excess, records, timed_records)
 from rotary_truncation import load_smollm2
 
 
@@ -125,13 +125,8 @@ def main(argv=None):
           f"full model: {base:.4f} nats/token (perplexity {np.exp(base):.2f}) on {args.n_eval} held-out windows",
           flush=True)
 
-    def timed(fn):
-        t1 = time.perf_counter()
-        value = records(fn())
-        return dict(rows=value, seconds=time.perf_counter() - t1)
-
-    fisher = journal.step("fisher", lambda: timed(lambda: head_fisher_scores(model, layers, calib)))
-    sweep = journal.step("sweep", lambda: timed(lambda: eigen_attention_sweep(model, layers, calib)))
+    fisher = journal.step("fisher", lambda: timed_records(lambda: head_fisher_scores(model, layers, calib)))
+    sweep = journal.step("sweep", lambda: timed_records(lambda: eigen_attention_sweep(model, layers, calib)))
     print(f"Palu's Fisher scores in {fisher['seconds']:.0f} s, Eigen Attention's sweep in {sweep['seconds']:.0f} s",
           flush=True)
     fisher, sweep = fisher["rows"], sweep["rows"]

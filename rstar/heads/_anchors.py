@@ -19,8 +19,8 @@ import numpy as np
 
 from ..inversions._numerics.rotary import rotate
 from ._collect import attention_rows, centred_sum_of_squares
-from ._compress import (_descending_eigen, _layer_tokens, _module_key_maps, _normalised_singular_values,
-                        activation_singular_values, rotary_key_basis, truncated_heads)
+from ._compress import (_descending_eigen, _layer_key_basis, _normalised_singular_values,
+                        activation_singular_values, truncated_heads)
 from ._plan import _check_budget, _rows, _table, allocate_ranks
 
 __all__ = ["EIGEN_ATTENTION_THRESHOLDS", "eigen_attention_head_curve", "eigen_attention_head_rank",
@@ -415,10 +415,7 @@ def _eigen_attention_spectra(model, layer):
     :func:`rotary_key_basis`)."""
     if layer.style == "llama":
         module = dict(model.named_modules())[layer.name]
-        biased = module.k_proj.bias is not None
-        Z = _layer_tokens(layer, biased)
-        Z = Z.reshape(-1, Z.shape[-1])
-        return [_normalised_singular_values(rotary_key_basis(_module_key_maps(module, biased), Z.T @ Z)[0])]
+        return [_normalised_singular_values(_layer_key_basis(module, layer, module.k_proj.bias is not None)[0])]
     if layer.style != "bert":
         raise ValueError(f"layer {layer.index} ({layer.name}) is {layer.style}-style; eigen_attention_sweep reads "
                          "BERT-style (query, key) and Llama-style (q_proj, k_proj) attention so far.")

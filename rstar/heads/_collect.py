@@ -306,6 +306,17 @@ def _llama_refusal(name, module):
     return None
 
 
+def _llama_kv_groups(module):
+    """Each query head's key/value head in a Llama-style module, shape (H,): groups of consecutive query heads."""
+    dh = int(module.head_dim)
+    H = module.q_proj.out_features // dh
+    H_kv = module.k_proj.out_features // dh
+    if H_kv < 1 or H % H_kv or module.v_proj.out_features != H_kv * dh:
+        raise ValueError(f"{H} query heads and {module.k_proj.out_features} key / {module.v_proj.out_features} "
+                         f"value features of head_dim {dh}: not grouped-query attention rstar can read.")
+    return np.arange(H) // (H // H_kv)
+
+
 def _llama_weights(module):
     """``(query, key, value, kv_groups, has_bias)``: per query head ``[W; b]`` of shape (H, d + 1, d_head), the
     key/value head of each repeated for every query head of its group; the module's logit scale folded into the
@@ -315,10 +326,7 @@ def _llama_weights(module):
     dh = int(module.head_dim)
     H = module.q_proj.out_features // dh
     H_kv = module.k_proj.out_features // dh
-    if H_kv < 1 or H % H_kv or module.v_proj.out_features != H_kv * dh:
-        raise ValueError(f"{H} query heads and {module.k_proj.out_features} key / {module.v_proj.out_features} "
-                         f"value features of head_dim {dh}: not grouped-query attention rstar can read.")
-    groups = np.arange(H) // (H // H_kv)
+    groups = _llama_kv_groups(module)
     out, has_bias = [], False
     with torch.no_grad():
         for lin, heads in ((module.q_proj, H), (module.k_proj, H_kv), (module.v_proj, H_kv)):

@@ -7,6 +7,7 @@ import numpy as np
 from ..inversions._numerics.linalg import factored_svd, psd_power
 from ..inversions._numerics.rotary import family_svd, pair_rotations
 from ..inversions._numerics.softmax_factored import token_metric_roots
+from ._collect import _llama_kv_groups, _llama_weights
 from ._plan import _rows
 
 __all__ = ["activation_basis_factors", "activation_singular_values", "rotary_key_basis", "rotary_query_projection",
@@ -329,25 +330,34 @@ def _llama_query_edits(module, layer, pos, head, rank, metric, roots):
                                 roots.get(layer.index) if metric == "tokens" else None)
     d_head = layer.query.shape[2]
     cols = slice(head * d_head, (head + 1) * d_head)
-    W = module.q_proj.weight.detach().double().cpu().numpy()[cols].T            # (d, d_head), the raw map
-    b = (module.q_proj.bias.detach().double().cpu().numpy()[cols] if biased else np.zeros(d_head))
-    raw = np.vstack([W, b[None]])[rows]
-    new = P @ raw
-    d = W.shape[0]
+    return _query_row_edits(module, cols, P @ _raw_query(module, cols, biased))
+
+
+def _raw_query(module, cols, biased):
+    """A Llama-style head's rows ``cols`` of ``q_proj`` as the raw map on the features: ``[W; b]`` on ``[x, 1]``
+    where ``biased``, else ``W`` on x (no logit scale folded in)."""
+    W = module.q_proj.weight.detach().double().cpu().numpy()[cols].T
+    return np.vstack([W, module.q_proj.bias.detach().double().cpu().numpy()[cols][None]]) if biased else W
+
+
+def _query_row_edits(module, cols, new):
+    """The edits that write a new raw query map (:func:`_raw_query`'s shape) into the rows ``cols`` of ``q_proj``."""
+    d = module.q_proj.in_features
     edits = [(module.q_proj.weight, (cols, slice(None)), new[:d].T)]
-    if biased:
+    if new.shape[0] > d:
         edits.append((module.q_proj.bias, (cols,), new[d]))
     return edits
 
 
-def _module_key_maps(module, biased):
-    """A Llama-style module's key heads as maps on the features, shape (H_kv, p, d_head): ``[W; b]`` on ``[x, 1]``
-    where ``biased``, else ``W`` on x (as the module holds them: no logit scale folded in)."""
-    dh = int(module.head_dim)
-    W = module.k_proj.weight.detach().double().cpu().numpy().T
-    if biased:
-        W = np.vstack([W, module.k_proj.bias.detach().double().cpu().numpy()[None]])
-    return W.reshape(W.shape[0], -1, dh).transpose(1, 0, 2)
+def _layer_key_basis(module, layer, biased):
+    """:func:`rotary_key_basis` of a Llama-style module: its key heads (the collector's reading of ``k_proj``,
+    ``[W; b]`` on ``[x, 1]`` where ``biased``, else ``W``) on the layer's tokens."""
+    _, keys, _, groups, _ = _llama_weights(module)
+    rows = slice(None) if biased else slice(0, -1)
+    keys = keys[np.unique(groups, return_index=True)[1]][:, rows]   # each key head once, not once a query head
+    Z = _layer_tokens(layer, biased)
+    Z = Z.reshape(-1, Z.shape[-1])
+    return rotary_key_basis(keys, Z.T @ Z)
 
 
 def rotary_key_basis(keys, gram):
@@ -388,26 +398,21 @@ def _llama_key_side_cut(module, layer, pos, head, rank, metric, roots):
     key map (p, d_head), Eigen Attention's (``"activations"``: the key on the layer's key basis,
     :func:`rotary_key_basis`) or SVD-LLM's (``"whitened"``)."""
     biased = module.k_proj.bias is not None and (metric == "activations" or module.q_proj.bias is not None)
-    dh = int(module.head_dim)
-    keys = _module_key_maps(module, biased)
+    rows = slice(None) if biased else slice(0, -1)
+    key = layer.key[pos][rows]   # its key head, as read from k_proj (the logit scale is folded into the query)
+    if metric == "activations":
+        if layer.index not in roots:
+            roots[layer.index] = _layer_key_basis(module, layer, biased)[1]
+        U = roots[layer.index][:, :int(rank)]
+        return [], key @ U @ U.T
     if layer.index not in roots:
         Z = _layer_tokens(layer, biased)
         Z = Z.reshape(-1, Z.shape[-1])
-        gram = Z.T @ Z
-        roots[layer.index] = rotary_key_basis(keys, gram)[1] if metric == "activations" else _gram_roots(gram)
-    key = keys[layer.kv_group(pos)]
-    if metric == "activations":
-        U = roots[layer.index][:, :int(rank)]
-        return [], key @ U @ U.T
+        roots[layer.index] = _gram_roots(Z.T @ Z)
+    dh = int(module.head_dim)
     cols = slice(head * dh, (head + 1) * dh)
-    W = module.q_proj.weight.detach().double().cpu().numpy()[cols].T
-    query = np.vstack([W, module.q_proj.bias.detach().double().cpu().numpy()[cols][None]]) if biased else W
-    query, key = _whitened(query, key, roots[layer.index], rank)
-    d = W.shape[0]
-    edits = [(module.q_proj.weight, (cols, slice(None)), query[:d].T)]
-    if biased:
-        edits.append((module.q_proj.bias, (cols,), query[d]))
-    return edits, key
+    query, key = _whitened(_raw_query(module, cols, biased), key, roots[layer.index], rank)
+    return _query_row_edits(module, cols, query), key
 
 
 def _ungrouped_projections(module, new_keys):
@@ -425,8 +430,9 @@ def _ungrouped_projections(module, new_keys):
                          "key/value heads: rstar cannot give one query head its own key head there, so a key-side "
                          "cut ('activations', 'whitened') is refused; cut on the query side ('tokens', 'weights').")
     dh = int(module.head_dim)
-    H, H_kv = module.q_proj.out_features // dh, module.k_proj.out_features // dh
-    rows = torch.as_tensor((np.arange(H) // (H // H_kv))[:, None] * dh + np.arange(dh)).reshape(-1)
+    groups = _llama_kv_groups(module)
+    H = groups.size
+    rows = torch.as_tensor(groups[:, None] * dh + np.arange(dh)).reshape(-1)
     out = []
     with torch.no_grad():
         for lin in (module.k_proj, module.v_proj):
