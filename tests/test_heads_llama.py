@@ -278,10 +278,64 @@ def test_a_rotary_head_is_cut_on_its_query_side_inside_the_model(ids, kind):
     np.testing.assert_allclose(inside.Y[:, :, [0, 2, 3]], layer.Y[:, :, [0, 2, 3]], atol=1e-5)   # full width: a no-op
     assert np.abs(inside.Y[:, :, 1] - layer.Y[:, :, 1]).max() > 1e-3
     assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
-    for metric_name in ("tokens", "activations"):
-        with pytest.raises(ValueError, match="rotary fit's own factors"):
-            with truncated_heads(model, plan, [layer], metric=metric_name, factors={(0, 1): (A, B)}):
+    doubled = (np.hstack([A, A]), np.hstack([B, B]))      # a rotary fit's model: its two halves' heads side by side
+    with pytest.raises(ValueError, match="rotary fit's own factors"):
+        with truncated_heads(model, plan, [layer], factors={(0, 1): doubled}):
+            pass
+    assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_rotary_student_s_factors_replace_its_head_inside_the_model(ids, kind):
+    """A causal rotary student trained on one head of a grouped layer (its value map held fixed) is put back in
+    that head's place: the model computes the student's own predictions there, the other head of its group and the
+    rest unchanged; a narrower plan cuts the student's family to that width; the projections come back on exit.
+    Refused: a rotary fit's doubled factors, a cut the factors do not take, factors of another shape."""
+    from rstar.heads import truncated_heads
+    from rstar.inversions._numerics.rotary import truncated_rotary_head
+    from rstar.inversions._numerics.softmax_factored import token_metric_roots
+    from rstar.students import AttentionStudent
+
+    model = _model(kind)
+    attn = model.model.layers[0].self_attn
+    if kind == "qwen2":
+        with torch.no_grad():
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+                lin.bias.normal_(0.0, 0.5)
+    before = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+    layer = collect_attention(model, ids, layers=[0])[0]
+    head = layer.head(1)            # query head 1 reads key head 0, as head 0 does
+    Z = head.features()
+    student = AttentionStudent(kind="softmax", causal=True, rotary=layer.rotary, rank=3, value_map=head.value_map(),
+                               max_epochs=30, random_state=0).fit(Z, head.Y)
+    A, B = student.query_key_factors_
+    assert A.shape == (Z.shape[-1], 8)
+    predicted = student.predict(Z)
+    with truncated_heads(model, [dict(layer=0, head=1, rank=8)], [layer], factors={(0, 1): (A, B)}):
+        inside = collect_attention(model, ids, layers=[0])[0]
+    assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
+    assert inside.max_abs_error < 1e-4
+    np.testing.assert_allclose(inside.Y[:, :, 1], predicted, atol=1e-4 * np.abs(predicted).max())
+    np.testing.assert_allclose(inside.Y[:, :, [0, 2, 3]], layer.Y[:, :, [0, 2, 3]], atol=1e-5)
+    assert np.abs(inside.Y[:, :, 1] - layer.Y[:, :, 1]).max() > 1e-3
+    # width 2 of the student's width 3: its family cut on both sides in the tokens' metric (keys uncentred)
+    metric = token_metric_roots(Z, keys_centred=False)
+    cut = truncated_rotary_head(metric, pair_rotations(layer.rotary, head.mask()), A, B, 2)
+    with truncated_heads(model, [dict(layer=0, head=1, rank=2)], [layer], factors={(0, 1): (A, B)}):
+        inside = collect_attention(model, ids, layers=[0])[0]
+    want = head.output(factors=cut)
+    np.testing.assert_allclose(inside.Y[:, :, 1], want, atol=1e-4 * np.abs(want).max())
+    assert np.abs(want - predicted).max() > 1e-4
+    plan = [dict(layer=0, head=1, rank=3)]
+    for factors, metric_name, match in [
+            ((np.hstack([A, A]), np.hstack([B, B])), "tokens", "rotary fit's own factors"),
+            ((A, B), "activations", "cut by 'tokens' or 'weights'"),
+            ((A[:, :4], B[:, :4]), "tokens", "must be two finite arrays of shape"),
+            ((np.where(A > 0, np.nan, A), B), "weights", "must be two finite arrays of shape")]:
+        with pytest.raises(ValueError, match=match):
+            with truncated_heads(model, plan, [layer], metric=metric_name, factors={(0, 1): factors}):
                 pass
+    assert attn.num_key_value_groups == 2
     assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
 
 

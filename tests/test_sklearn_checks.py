@@ -48,6 +48,7 @@ STUDENTS = [
     AttentionStudent(kind="linear_proxy", max_epochs=300, random_state=0),
     AttentionStudent(kind="linear_qk", max_epochs=5, random_state=0),
     AttentionStudent(kind="softmax", max_epochs=5, random_state=0),
+    AttentionStudent(kind="softmax", causal=True, max_epochs=5, random_state=0),
 ]
 
 

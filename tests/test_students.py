@@ -389,3 +389,85 @@ def test_query_key_students_run_on_factored_logits(kind, rank):
     ref_grads = torch.autograd.grad(ref.sum(), list(module.parameters()), allow_unused=True)
     for g, h in zip(grads, ref_grads):
         torch.testing.assert_close(g, h, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------ causal and rotary students
+def _rotary_task(width, n=400, seed=1):
+    from rstar import RotaryPositions
+
+    rot = RotaryPositions.from_frequencies(np.array([1.0, 0.3, 0.05]), 8)
+    X, Y, teacher = make_attention_task(n, seq_len=8, n_features=6, rank=width, causal=True, rotary=rot,
+                                        random_state=seed, return_teacher=True, noise=0.05)
+    return rot, X, Y, teacher
+
+
+@pytest.mark.parametrize("width", [0, 2])
+def test_a_rotary_student_reads_a_planted_width_by_its_split_half_test(torch, width):
+    """An over-parameterised causal rotary student on a planted rotary head of width 0 or 2 (d = 6, three planes at
+    1, 0.3 and 0.05 rad a position, 400 windows of 8 tokens, 5% noise, V known): the split-half count of its
+    halves' logit families reads the width, the (2P) singular values beyond it stay below the threshold."""
+    rot, X, Y, teacher = _rotary_task(width)
+    st = AttentionStudent(kind="softmax", causal=True, rotary=rot, value_map=teacher.value_map, random_state=0,
+                          max_epochs=2000, lr=3e-2).fit(X, Y)
+    assert st.fisher_method_ == "split_half" and np.isnan(st.kernel_entry_variance_)
+    assert st.rank_ == width
+    s = st.kernel_singular_values_
+    assert s.shape == (6,) and np.all(s[width:] < st.noise_threshold_)
+    assert np.all(s[:width] > 20 * st.noise_threshold_)
+    assert st.score(X, Y) > 0.98
+    assert st.effective_rank_ == pytest.approx(width, abs=0.2)
+
+
+def test_a_rotary_student_is_the_rotary_head_of_its_factors(torch):
+    """A rank-2 causal rotary student predicts the rotary head of its query_key_factors_ (rstar's convention:
+    rot(x A) rot(x B)^T / sqrt(d), the causal mask), of rank 2 on each side; it pickles, clones with its positions,
+    and refuses windows of another length."""
+    from rstar.inversions._numerics.softmax_factored import causal_mask, factored_outputs
+
+    rot, X, Y, teacher = _rotary_task(4, n=60)
+    st = AttentionStudent(kind="softmax", causal=True, rotary=rot, rank=2, value_map=teacher.value_map,
+                          random_state=0, **FAST).fit(X, Y)
+    A, B = st.query_key_factors_
+    assert A.shape == B.shape == (6, 6)
+    assert np.linalg.matrix_rank(A, tol=1e-6) == 2 and np.linalg.matrix_rank(B, tol=1e-6) == 2
+    want = factored_outputs(X, X @ teacher.value_map, A, B, causal_mask(8), rotary=rot)
+    np.testing.assert_allclose(st.predict(X), want, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(st.kernel_, A @ B.T)
+    again = pickle.loads(pickle.dumps(st))
+    np.testing.assert_array_equal(again.predict(X), st.predict(X))
+    np.testing.assert_array_equal(clone(st).get_params()["rotary"].angles, rot.angles)
+    with pytest.raises(ValueError, match="rotary student turns its 8 positions"):
+        st.predict(X[:, :5])
+
+
+@pytest.mark.parametrize("kind", ["softmax", "block"])
+def test_a_causal_student_does_not_look_ahead(torch, kind):
+    """causal=True: a token's output depends on it and the tokens before it only; the Fisher path (through the
+    masked logits) still gives a finite noise level."""
+    X, Y = make_attention_task(60, seq_len=6, n_features=4, rank=2, causal=True, random_state=0)
+    st = AttentionStudent(kind=kind, causal=True, random_state=0, **FAST).fit(X, Y)
+    later = X.copy()
+    later[:, 3:] += 1.0
+    before, after = st.predict(X), st.predict(later)
+    np.testing.assert_array_equal(before[:, :3], after[:, :3])
+    assert np.abs(before[:, 3:] - after[:, 3:]).max() > 1e-3
+    assert np.isfinite(st.kernel_entry_variance_) and st.fisher_method_ == "exact"
+    bidirectional = AttentionStudent(kind=kind, random_state=0, **FAST).fit(X, Y)
+    assert np.abs(bidirectional.predict(X)[:, :3] - bidirectional.predict(later)[:, :3]).max() > 1e-3
+
+
+def test_causal_and_rotary_students_refuse_what_they_cannot_be(torch):
+    rot, X, Y, _ = _rotary_task(2, n=20)
+    cases = [
+        (dict(kind="linear_qk", causal=True), ValueError, "causal=True masks a softmax's logits"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(kind="linear_qk", rotary=rot), ValueError, "kind must be 'softmax' with rotary"),
+        (dict(kind="softmax", rotary="rope"), TypeError, "rotary must be a RotaryPositions"),
+        (dict(kind="softmax", rotary=rot, fisher="exact"), ValueError, "split-half test; use fisher='auto'"),
+        (dict(kind="softmax", rotary=rot, rank=7), ValueError, r"rank must be <= min\(d, rotary.width\)"),
+    ]
+    for params, error, match in cases:
+        with pytest.raises(error, match=match):
+            AttentionStudent(**params, **FAST).fit(X, Y)
+    with pytest.raises(ValueError, match="rotary has 8 positions, but X has T = 5"):
+        AttentionStudent(kind="softmax", rotary=rot, **FAST).fit(X[:, :5], Y[:, :5])

@@ -5,7 +5,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..inversions._numerics.linalg import factored_svd, psd_power
-from ..inversions._numerics.rotary import family_svd, pair_rotations
+from ..inversions._numerics.rotary import family_svd, pair_rotations, truncated_rotary_head
 from ..inversions._numerics.softmax_factored import token_metric_roots
 from ._collect import _llama_kv_groups, _llama_weights
 from ._plan import _rows
@@ -213,9 +213,11 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
     query and key maps each truncated on its own). So that one query head's cut leaves the others of its group as
     they were, the layer's ``k_proj`` and ``v_proj`` are swapped inside the block for copies with one key/value
     head per query head (exact: every query head reads the same keys and values as before) and the module's
-    ``num_key_value_groups`` set to 1; the module's own projections and count come back on exit. A rotary fit's
-    own ``factors`` are refused there: its model is the mean of its two halves' heads, every plane twice, which one
-    head of the module cannot hold.
+    ``num_key_value_groups`` set to 1; the module's own projections and count come back on exit. ``factors`` of one
+    rotary head (d_head columns: a rotary student's ``query_key_factors_``) replace its query map and its own key
+    copy, cut to the plan's rank on both sides (``"tokens"`` or ``"weights"``). A rotary fit's own factors are
+    refused: its model is the mean of its two halves' heads, every plane twice, which one head of the module
+    cannot hold.
 
     Raises
     ------
@@ -254,10 +256,11 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         module = modules[layer.name]
         if layer.style == "llama":
             if factors is not None and (index, head) in factors:
-                raise ValueError(f"layer {index} head {head}: a rotary fit's own factors are not put back into a "
-                                 "model: its model is the mean of its two halves' heads, every plane twice "
-                                 "(query_key_factors has 2 d_head columns), which one head of the module cannot "
-                                 "hold; truncate the head's own map.")
+                q_edits, new_key = _llama_factor_cut(module, layer, pos, head, rank, metric, roots,
+                                                     factors[(index, head)])
+                edits += q_edits
+                ungroup.setdefault(index, (module, {}))[1][head] = new_key
+                continue
             if metric in ("tokens", "weights"):
                 edits += _llama_query_edits(module, layer, pos, head, rank, metric, roots)
             else:
@@ -413,6 +416,50 @@ def _llama_key_side_cut(module, layer, pos, head, rank, metric, roots):
     cols = slice(head * dh, (head + 1) * dh)
     query, key = _whitened(_raw_query(module, cols, biased), key, roots[layer.index], rank)
     return _query_row_edits(module, cols, query), key
+
+
+def _llama_factor_cut(module, layer, pos, head, rank, metric, roots, pair):
+    """A rotary head ``(A, B)`` in rstar's convention on the head's features (logits ``rot(x~ A) rot(x~ B)^T /
+    sqrt(d~)``, d_head columns: one head, e.g. a rotary student's ``query_key_factors_``) cut to ``rank`` on both
+    sides (:func:`rstar.inversions._numerics.rotary.truncated_rotary_head`: the top directions of its own logit
+    family, in the tokens' metric with the keys uncentred, or in the weights' own for ``"weights"``) and written in
+    one Llama-style head's place: the edits of its ``q_proj`` rows (the logit scale ``sqrt(d_head / d~)`` folded
+    into the query) and its own key map."""
+    if metric not in ("tokens", "weights"):
+        raise ValueError(f"layer {layer.index} head {head}: a model's own factors are cut by 'tokens' or 'weights' "
+                         f"(the top directions of their logit family), not {metric!r}.")
+    A, B = (np.asarray(f, dtype=float) for f in pair)
+    d, d_head = layer.X.shape[-1], int(module.head_dim)
+    if A.ndim == 2 and A.shape == B.shape and A.shape[1] == 2 * d_head:
+        raise ValueError(f"layer {layer.index} head {head}: a rotary fit's own factors are not put back into a "
+                         "model: its model is the mean of its two halves' heads, every plane twice "
+                         "(query_key_factors has 2 d_head columns), which one head of the module cannot hold; "
+                         "truncate the head's own map, or put back a rotary student's factors.")
+    if A.ndim != 2 or A.shape != B.shape or A.shape[0] not in (d, d + 1) or A.shape[1] != d_head \
+            or not np.all(np.isfinite(A)) or not np.all(np.isfinite(B)):
+        raise ValueError(f"layer {layer.index} head {head}: its factors must be two finite arrays of shape "
+                         f"({d} or {d + 1}, {d_head}) (the head's features, its d_head rotated coordinates), got "
+                         f"{A.shape} and {B.shape}.")
+    biased = A.shape[0] == d + 1
+    for name, proj, factor in (("query", module.q_proj, A), ("key", module.k_proj, B)):
+        if biased and proj.bias is None and np.any(factor[d] != 0):
+            raise ValueError(f"layer {layer.index} head {head}: its {name} factor has a bias row, but the module's "
+                             f"{'q_proj' if name == 'query' else 'k_proj'} has no bias to hold it.")
+    key_ = ("factors", layer.index, biased)
+    if metric == "tokens" and key_ not in roots:
+        roots[key_] = token_metric_roots(_layer_tokens(layer, biased), keys_centred=False)
+    pairs = pair_rotations(layer.rotary, layer.head(pos).mask())
+    cut_metric = roots[key_] if metric == "tokens" else (np.eye(A.shape[0]),) * 4
+    A, B = truncated_rotary_head(cut_metric, pairs, A, B, rank)
+    query = A * np.sqrt(d_head / A.shape[0])
+    cols = slice(head * d_head, (head + 1) * d_head)
+    q_rows = query if module.q_proj.bias is not None else query[:d]
+    key = B if module.k_proj.bias is not None else B[:d]
+    if module.q_proj.bias is not None and not biased:
+        q_rows = np.vstack([q_rows, np.zeros((1, d_head))])
+    if module.k_proj.bias is not None and not biased:
+        key = np.vstack([key, np.zeros((1, d_head))])
+    return _query_row_edits(module, cols, q_rows), key
 
 
 def _ungrouped_projections(module, new_keys):

@@ -18,7 +18,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["LinearProxy", "LinearQK", "LinearQKFull", "SoftmaxAttention", "AttentionBlock", "build_module"]
+__all__ = ["LinearProxy", "LinearQK", "LinearQKFull", "SoftmaxAttention", "RotarySoftmaxAttention", "AttentionBlock",
+           "build_module"]
 
 
 def _normal(shape, std, generator):
@@ -130,17 +131,74 @@ class LinearQKFull(LinearQK):
         super().__init__(n_features, value_dim, None, init_scale, generator, normalizer, full=True)
 
 
-class SoftmaxAttention(_QueryKey):
-    """B2, ``Y = softmax(X W_Q W_K^T X^T / sqrt(d)) X V`` (row softmax)."""
+def _causal(S):
+    """The logits S (..., T, T) with every key after its query masked out (-inf: weight 0 after the softmax)."""
+    T = S.shape[-1]
+    keep = torch.ones(T, T, dtype=torch.bool, device=S.device).tril()
+    return S.masked_fill(~keep, float("-inf"))
 
-    def __init__(self, n_features, value_dim, rank, init_scale, generator):
+
+class SoftmaxAttention(_QueryKey):
+    """B2, ``Y = softmax(X W_Q W_K^T X^T / sqrt(d)) X V`` (row softmax); with ``causal`` each token attends to
+    itself and the tokens before it."""
+
+    def __init__(self, n_features, value_dim, rank, init_scale, generator, causal=False):
         super().__init__()
         self._init_operator(n_features, n_features, rank, init_scale, generator)
         self.V = _normal((n_features, value_dim), 1.0 / math.sqrt(n_features), generator)
         self.logit_scale = 1.0 / math.sqrt(n_features)   # the logits X K X^T / sqrt(d)
+        self.causal = bool(causal)
 
     def forward_with_logits(self, X, S):
-        return torch.softmax(S, dim=-1) @ (X @ self.V)
+        return torch.softmax(_causal(S) if self.causal else S, dim=-1) @ (X @ self.V)
+
+
+class RotarySoftmaxAttention(SoftmaxAttention):
+    """B2 with rotary positions: ``logit_ts = rot_t(x_t A) . rot_s(x_s B) / sqrt(d)``, A and B (d x 2P) in the
+    rotate-half layout of :mod:`rstar.inversions._numerics.rotary`, turned by the positions' angles (the T of
+    ``fit``). Of width r (``rank``): ``A = L G_q``, ``B = R G_k`` with L, R of d x r (drawn at ``init_scale``) and
+    G of r x 2P (drawn at ``1 / sqrt(r)``, so that A's entries start at about ``init_scale`` as an
+    over-parameterised student's do); None is over-parameterised: A and B of d x 2P themselves.
+
+    The logits are not linear in one d x d kernel (each offset has its own, ``A R(delta) B^T``), so the Fisher
+    path (:meth:`forward_with_operator`) does not exist; :meth:`operator` is the zero-offset member ``A B^T``."""
+
+    def __init__(self, n_features, value_dim, rank, init_scale, generator, rotary, causal=False):
+        _QueryKey.__init__(self)
+        width = int(rotary.width)
+        inner = width if rank is None else int(rank)
+        self.L = _normal((n_features, inner), init_scale, generator)
+        self.R = _normal((n_features, inner), init_scale, generator)
+        if rank is not None:
+            self.G_q = _normal((inner, width), 1.0 / math.sqrt(inner), generator)
+            self.G_k = _normal((inner, width), 1.0 / math.sqrt(inner), generator)
+        self.factored, self.full = rank is not None, False
+        self.V = _normal((n_features, value_dim), 1.0 / math.sqrt(n_features), generator)
+        self.logit_scale = 1.0 / math.sqrt(n_features)
+        self.causal = bool(causal)
+        self.register_buffer("cos", torch.as_tensor(rotary.cos, dtype=torch.float64).clone())
+        self.register_buffer("sin", torch.as_tensor(rotary.sin, dtype=torch.float64).clone())
+
+    def query_key_factors(self):
+        """``(A, B)``, each d x 2P."""
+        if self.factored:
+            return self.L @ self.G_q, self.R @ self.G_k
+        return self.L, self.R
+
+    def operator(self):
+        A, B = self.query_key_factors()
+        return A @ B.T
+
+    def query_key_logits(self, X):
+        from .._torch_backend.factored import rotate_tensor
+
+        A, B = self.query_key_factors()
+        rot = (self.cos, self.sin)
+        return (rotate_tensor(X @ A, rot) @ rotate_tensor(X @ B, rot).transpose(-1, -2)) * self.logit_scale
+
+    def forward_with_operator(self, X, K):
+        raise ValueError("a rotary student's logits are not linear in one d x d kernel (each offset has its own), "
+                         "so it has no Fisher path through one; its rank is read by the split-half test.")
 
 
 class AttentionBlock(SoftmaxAttention):
@@ -152,8 +210,8 @@ class AttentionBlock(SoftmaxAttention):
     ``ffn_mult * d`` (Vaswani et al. 2017, post-LN variant).
     """
 
-    def __init__(self, n_features, value_dim, rank, init_scale, generator, ffn_mult=4):
-        super().__init__(n_features, n_features, rank, init_scale, generator)
+    def __init__(self, n_features, value_dim, rank, init_scale, generator, ffn_mult=4, causal=False):
+        super().__init__(n_features, n_features, rank, init_scale, generator, causal=causal)
         d, h = n_features, ffn_mult * n_features
         self.ln1 = nn.LayerNorm(d, dtype=torch.float64)
         self.ln2 = nn.LayerNorm(d, dtype=torch.float64)
@@ -165,12 +223,13 @@ class AttentionBlock(SoftmaxAttention):
         self.b_out = nn.Parameter(torch.zeros(value_dim, dtype=torch.float64))
 
     def forward_with_logits(self, X, S):
-        H = self.ln1(X + torch.softmax(S, dim=-1) @ (X @ self.V))
+        H = self.ln1(X + torch.softmax(_causal(S) if self.causal else S, dim=-1) @ (X @ self.V))
         F = torch.nn.functional.gelu(H @ self.W1 + self.b1) @ self.W2 + self.b2
         return self.ln2(H + F) @ self.W_out + self.b_out
 
 
-def build_module(kind, *, seq_len, n_features, value_dim, rank, init_scale, generator, value_map=None):
+def build_module(kind, *, seq_len, n_features, value_dim, rank, init_scale, generator, value_map=None, causal=False,
+                 rotary=None):
     """Construct the module of a student class (float64, on the CPU).
 
     Parameters
@@ -184,6 +243,10 @@ def build_module(kind, *, seq_len, n_features, value_dim, rank, init_scale, gene
     value_map : array-like of shape (n_features, value_dim) or None
         A known value map: ``V`` is then this fixed buffer, not a trained parameter (not for ``"block"``, whose
         value map is d x d inside the block). The initial draws of the other weights are the same either way.
+    causal : bool, default=False
+        ``"softmax"`` and ``"block"``: each token attends to itself and the tokens before it.
+    rotary : RotaryPositions or None, default=None
+        ``"softmax"`` only: a rotary head at these positions (:class:`RotarySoftmaxAttention`).
 
     Returns
     -------
@@ -194,13 +257,15 @@ def build_module(kind, *, seq_len, n_features, value_dim, rank, init_scale, gene
     elif kind == "block":
         if value_map is not None:
             raise ValueError("a block student's value map is d x d inside the block: it cannot be fixed.")
-        return AttentionBlock(n_features, value_dim, rank, init_scale, generator)
+        return AttentionBlock(n_features, value_dim, rank, init_scale, generator, causal=causal)
     elif kind == "linear_qk":
         module = LinearQK(n_features, value_dim, rank, init_scale, generator, math.sqrt(seq_len * n_features))
     elif kind == "linear_qk_full":
         module = LinearQKFull(n_features, value_dim, init_scale, generator, math.sqrt(seq_len * n_features))
+    elif kind == "softmax" and rotary is not None:
+        module = RotarySoftmaxAttention(n_features, value_dim, rank, init_scale, generator, rotary, causal=causal)
     elif kind == "softmax":
-        module = SoftmaxAttention(n_features, value_dim, rank, init_scale, generator)
+        module = SoftmaxAttention(n_features, value_dim, rank, init_scale, generator, causal=causal)
     else:
         raise ValueError(f"unknown student kind {kind!r}")
     if value_map is not None:

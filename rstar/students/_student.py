@@ -113,15 +113,25 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         Bytes the student may hold at once beyond its data. Given, a training batch whose activations would take
         more than half of it is refused before training with a one-line error (lower ``batch_size``); None: the
         calibration's ``memory_budget`` (512 MiB) for the Fisher information only, and training that runs out of
-        memory stops with that one-line error. With ``fisher="auto"`` the operator's Fisher information is computed exactly where its
-        ``m x m`` matrix (m = d^2 entries, T^2 for B0) fits in half of it, else by its nearest Kronecker factors.
+        memory stops with that one-line error. With ``fisher="auto"`` the operator's Fisher information is
+        computed exactly where its ``m x m`` matrix (m = d^2 entries, T^2 for B0) fits in half of it, else by its
+        nearest Kronecker factors.
     fisher : {"auto", "exact", "kronecker"}, default="auto"
         How the operator's Fisher information is computed (see Notes). ``"exact"`` beyond the memory budget is
-        refused; ``"kronecker"`` needs a query-key student (not B0).
+        refused; ``"kronecker"`` needs a query-key student (not B0). A rotary student takes ``"auto"`` only: its
+        noise level is the split-half test's.
     value_map : array-like of shape (d, d_v) or None, default=None
         A known value map ``V``, held fixed while the rest trains (as :class:`rstar.RStarEstimator`'s
         ``value_map``): the student then learns only its operator, on the same task the estimator's V-known fit
         reads. None learns V with the rest. Not for ``"block"`` (its value map is d x d inside the block).
+    causal : bool, default=False
+        ``"softmax"`` and ``"block"``: each token attends to itself and the tokens before it (a decoder head, as
+        :class:`rstar.RStarEstimator`'s ``causal``).
+    rotary : rstar.RotaryPositions or None, default=None
+        ``"softmax"`` only: a rotary head at these positions (one angle per plane and token of the T in ``fit``;
+        ``collect_attention`` reads a model's), ``logit_ts = rot_t(x_t A) . rot_s(x_s B) / sqrt(d)`` with A, B of
+        d x 2P (``2P = rotary.width``). ``rank`` is then the head's width (``A = L G_q``, ``B = R G_k`` through
+        an r-dimensional space; 1 <= r <= min(d, 2P)) and ``rank_`` is read by the split-half test (see Notes).
 
     Attributes
     ----------
@@ -141,10 +151,14 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     noise_threshold_ : float
         The finite-sample noise level tau of the operator's singular values.
     kernel_entry_variance_ : float
-        Average per-entry variance s^2 of the operator's estimation error.
-    fisher_method_ : {"exact", "kronecker"}
-        How the operator's Fisher information was computed (see Notes); ``"kronecker"`` chosen by ``"auto"`` is
-        warned.
+        Average per-entry variance s^2 of the operator's estimation error (nan for a rotary student: its noise
+        level is the split-half test's).
+    fisher_method_ : {"exact", "kronecker", "split_half"}
+        How the operator's noise level was computed (see Notes); ``"kronecker"`` chosen by ``"auto"`` is
+        warned; ``"split_half"`` for rotary students.
+    query_key_factors_ : tuple of two ndarrays of shape (d, k), softmax kinds only
+        ``(A, B)`` with the logits ``x_t A (x_s B)^T / sqrt(d)`` (turned by the positions for a rotary student):
+        what a model's head would take in place of its own query and key maps (k = r, d or 2P).
     noise_variance_ : float
         Per-entry residual variance of the training targets.
     history_ : list of float
@@ -185,6 +199,13 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     in ``O(d^2)`` memory; ``fisher_method_`` says which was used. Where both can run they were compared in
     ``tests/test_students.py``.
 
+    A rotary student's logits are not linear in one d x d kernel (offset delta has its own, ``A R(delta) B^T``),
+    and its width is the rank of that family (:mod:`rstar.inversions.softmax_rotary`). Its ``rank_`` is the
+    split-half test rstar's rotary fit reads: two more students, trained the same way from the same initial
+    weights on the samples of odd and of even index, and the family of their mean against the family of their
+    half-difference (in the tokens' metric, over the window's offsets); ``rank_`` counts the directions of the
+    first above the calibration's ``split_half_margin`` times the largest of the second (``noise_threshold_``),
+    ``kernel_singular_values_`` are the first's. It costs two more trainings on half the samples each.
     Examples
     --------
     >>> from rstar.datasets import make_attention_task
@@ -203,7 +224,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     def __init__(self, kind="linear_qk", rank=None, max_epochs=3000, lr=1e-2, init_scale=1e-2, batch_size=None,
                  device="auto", random_state=None, verbose=0, tol=1e-4, patience=100, max_lr_drops=3,
                  weight_decay=0.0, alpha=0.01, dtype="float32", calibration=None, memory_budget=None,
-                 fisher="auto", value_map=None):
+                 fisher="auto", value_map=None, causal=False, rotary=None):
         self.kind = kind
         self.rank = rank
         self.max_epochs = max_epochs
@@ -223,6 +244,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         self.memory_budget = memory_budget
         self.fisher = fisher
         self.value_map = value_map
+        self.causal = causal
+        self.rotary = rotary
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, T, d):
@@ -233,6 +256,25 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
             raise ValueError("kind='linear_qk_full' (B1c) has an unconstrained d x d kernel: rank must be None, "
                              f"got {self.rank!r}. Use kind='linear_qk' for a rank-constrained kernel.")
         limit, what = (T, "T (A is T x T)") if self.kind == "linear_proxy" else (d, "d (K is d x d)")
+        if not isinstance(self.causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}.")
+        if self.causal and self.kind not in ("softmax", "block"):
+            raise ValueError(f"causal=True masks a softmax's logits: kind must be 'softmax' or 'block', got "
+                             f"{self.kind!r}.")
+        if self.rotary is not None:
+            from ..inversions._numerics.rotary import RotaryPositions
+
+            if not isinstance(self.rotary, RotaryPositions):
+                raise TypeError(f"rotary must be a RotaryPositions or None, got {type(self.rotary).__name__}.")
+            if self.kind != "softmax":
+                raise ValueError(f"rotary positions are a softmax head's: kind must be 'softmax' with rotary, got "
+                                 f"{self.kind!r}.")
+            if self.rotary.length != T:
+                raise ValueError(f"rotary has {self.rotary.length} positions, but X has T = {T} tokens.")
+            if self.fisher != "auto":
+                raise ValueError(f"fisher={self.fisher!r}: a rotary student's logits are not linear in one d x d "
+                                 "kernel, so its rank is read by the split-half test; use fisher='auto'.")
+            limit, what = min(d, self.rotary.width), f"min(d, rotary.width) = min({d}, {self.rotary.width})"
         if rank is not None and rank > limit:
             raise ValueError(f"rank must be <= {what} = {limit} for kind={self.kind!r}, got {rank}.")
         check_int(self.max_epochs, "max_epochs", 1)
@@ -292,7 +334,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         gen = torch.Generator().manual_seed(seed)
 
-        self._module_args_ = dict(kind=self.kind, seq_len=T, n_features=d, value_dim=d_v, rank=rank)
+        self._module_args_ = dict(kind=self.kind, seq_len=T, n_features=d, value_dim=d_v, rank=rank,
+                                  causal=bool(self.causal), rotary=self.rotary)
         self._fixed_value_map = value_map is not None
         module = build_module(**self._module_args_, init_scale=self.init_scale, generator=gen, value_map=value_map)
         module = module.to(device=device, dtype=dtype)
@@ -323,6 +366,12 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
         with torch.no_grad():
             self.kernel_ = module.operator().detach().cpu().double().numpy()
+            if self.kind in ("softmax", "block"):
+                factors = module.query_key_factors() if self.rotary is not None else (module.L, module.R)
+                self.query_key_factors_ = tuple(f.detach().cpu().double().numpy() for f in factors)
+        if self.rotary is not None:
+            self._split_half_rank(X, Y, value_map, seed, device, dtype, torch)
+            return self
         size = T if self.kind == "linear_proxy" else d
         exact_fits = budget.allows_kernel_matrix(size)
         if self.fisher == "exact" and not exact_fits:
@@ -359,6 +408,40 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
     def _calibration(self):
         return DEFAULT_CALIBRATION if self.calibration is None else self.calibration
+
+    def _split_half_rank(self, X, Y, value_map, seed, device, dtype, torch):
+        """A rotary student's rank (see Notes): two students trained from the fit's initial weights on the samples
+        of odd and even index, the split-half count of their logit families."""
+        from ..inversions._numerics.rotary import pair_rotations
+        from ..inversions._numerics.softmax_factored import causal_mask, token_metric_roots_of_halves
+        from ..inversions._statistic import split_half_counts
+        from ..inversions.softmax_rotary import family_split_half
+        from ..spectral import energy_effective_rank_from_singular_values
+        from ._modules import build_module
+
+        halves = [(X[0::2], Y[0::2]), (X[1::2], Y[1::2])]
+        factors = []
+        for Xh, Yh in halves:
+            gen = torch.Generator().manual_seed(seed)
+            half = build_module(**self._module_args_, init_scale=self.init_scale, generator=gen, value_map=value_map)
+            half = half.to(device=device, dtype=dtype)
+            self._train(half, torch.as_tensor(Xh, dtype=dtype, device=device),
+                        torch.as_tensor(Yh, dtype=dtype, device=device), gen, torch)
+            with torch.no_grad():
+                factors.append(tuple(f.detach().cpu().double().numpy() for f in half.query_key_factors()))
+        T = X.shape[1]
+        metric = token_metric_roots_of_halves(halves, calibration=self._calibration())
+        pairs = pair_rotations(self.rotary, causal_mask(T) if self.causal else None)
+        width = factors[0][0].shape[1]
+        s, sd, _, _ = family_split_half(metric, factors, pairs, width)
+        margin = self._calibration().split_half_margin
+        self.noise_threshold_ = float(margin * sd[0])
+        self.rank_ = split_half_counts(s, float(sd[0]), margin)[0]
+        self.kernel_singular_values_ = s
+        self.kernel_entry_variance_ = float("nan")
+        self.fisher_method_ = "split_half"
+        self.effective_rank_ = float(energy_effective_rank_from_singular_values(s[:self.rank_]))
+        self.raw_effective_rank_ = float(energy_effective_rank_from_singular_values(s))
 
     def _budget(self):
         memory = self._calibration().memory_budget if self.memory_budget is None else int(self.memory_budget)
@@ -520,6 +603,10 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
             raise ValueError(f"X has {X.shape[2]} features, but AttentionStudent is expecting {self.n_features_in_} "
                              f"features as input (per token: X must have shape (n_samples, T, "
                              f"{self.n_features_in_})).")
+        if self.rotary is not None and X.shape[1] != self.seq_len_:
+            raise ValueError(f"X has T = {X.shape[1]} tokens, but the rotary student turns its {self.seq_len_} "
+                             f"positions' tokens: X must have shape (n_samples, {self.seq_len_}, "
+                             f"{self.n_features_in_}).")
         if self.kind == "linear_proxy" and X.shape[1] != self.seq_len_:
             raise ValueError(f"X has T = {X.shape[1]} tokens, but the linear_proxy student mixes tokens with a "
                              f"fixed {self.seq_len_} x {self.seq_len_} matrix A: X must have shape "
