@@ -432,7 +432,7 @@ def test_a_rotary_student_is_the_rotary_head_of_its_factors(torch):
     assert np.linalg.matrix_rank(A, tol=1e-6) == 2 and np.linalg.matrix_rank(B, tol=1e-6) == 2
     want = factored_outputs(X, X @ teacher.value_map, A, B, causal_mask(8), rotary=rot)
     np.testing.assert_allclose(st.predict(X), want, atol=1e-5 * np.abs(want).max())
-    np.testing.assert_allclose(st.kernel_, A @ B.T)
+    np.testing.assert_allclose(st.kernel_, A @ B.T, atol=1e-6 * np.abs(A @ B.T).max())   # float32 products
     again = pickle.loads(pickle.dumps(st))
     np.testing.assert_array_equal(again.predict(X), st.predict(X))
     np.testing.assert_array_equal(clone(st).get_params()["rotary"].angles, rot.angles)

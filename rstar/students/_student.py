@@ -356,7 +356,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
         module.eval()
         with torch.no_grad():
-            sse = sum(float(((module(xb) - yb) ** 2).sum()) for xb, yb in self._batches(Xt, Yt, 4096))
+            sse = sum(float(((module(xb) - yb) ** 2).sum()) for xb, yb, _ in self._batches(Xt, Yt, 4096))
         self.train_risk_ = sse / n
         self.noise_variance_ = sse / (n * T * d_v)
         self.module_ = module
@@ -508,17 +508,21 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         return A.cpu().numpy() * (n / m), B.cpu().numpy()
 
     @staticmethod
-    def _batches(Xt, Yt, size, order=None):
-        """Consecutive batches of ``size`` samples, in ``order`` (a permutation) when given."""
+    def _batches(Xt, Yt, size, order=None, Zt=None):
+        """Consecutive batches ``(X, Y, Z)`` of ``size`` samples, in ``order`` (a permutation) when given (Z None
+        where ``Zt`` is)."""
         for start in range(0, Xt.shape[0], size):
-            if order is None:
-                yield Xt[start:start + size], Yt[start:start + size]
-            else:
-                sel = order[start:start + size]
-                yield Xt[sel], Yt[sel]
+            sel = slice(start, start + size) if order is None else order[start:start + size]
+            yield Xt[sel], Yt[sel], None if Zt is None else Zt[sel]
 
     def _train(self, module, Xt, Yt, gen, torch):
         n = Xt.shape[0]
+        Zt = None
+        if getattr(self, "_fixed_value_map", False):
+            # a value map held fixed: X V is the same at every epoch, computed once (a third of a rotary student's
+            # epoch at SmolLM2's size went to it)
+            with torch.no_grad():
+                Zt = torch.cat([xb @ module.V for xb, _, _ in self._batches(Xt, Yt, 4096)])
         per_sample = Yt.shape[1] * Yt.shape[2]  # mean over entries -> per-sample sum
         batch = n if self.batch_size is None else min(int(self.batch_size), n)
         lr = float(self.lr)
@@ -533,9 +537,9 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
             for _ in range(int(self.max_epochs)):
                 order = None if batch >= n else torch.randperm(n, generator=gen).to(Xt.device)
                 total = 0.0
-                for xb, yb in self._batches(Xt, Yt, batch, order):
+                for xb, yb, zb in self._batches(Xt, Yt, batch, order, Zt):
                     opt.zero_grad(set_to_none=True)
-                    loss = torch.mean((module(xb) - yb) ** 2)
+                    loss = torch.mean((module(xb, zb) - yb) ** 2)
                     loss.backward()
                     opt.step()
                     total += float(loss.detach()) * xb.shape[0]
