@@ -195,3 +195,49 @@ def predicted_rows(heads_cmp, tolerances, models):
                          + (f"{sum(h['floor'] for h in hs):.3f} |" if hs[0]["floor"] is not None else "— |")
                          + (f" {within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |"))
     return lines
+
+
+def student_factors(head, rank, epochs, seed=0):
+    """A rank-``rank`` softmax student trained on the head's (X, Y) with the head's value map held fixed (the task the
+    V-known fits read; the model keeps that W_V), causal and rotary as the head is
+    (:class:`rstar.students.AttentionStudent`): its query–key factors ``(A, B)`` in rstar's convention (logits
+    ``x~ A B^T x~'^T / sqrt(d~)``, turned by the positions for a rotary head) and what its training reports."""
+    import warnings
+
+    from rstar.students import AttentionStudent
+
+    X, Y = head.features(), head.Y
+    t = time.perf_counter()
+    student = AttentionStudent(kind="softmax", rank=int(rank), device="auto", max_epochs=int(epochs),
+                               random_state=seed, value_map=head.value_map(), causal=bool(head.causal),
+                               rotary=head.rotary)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        student.fit(X, Y)
+    if head.rotary is not None:   # one rotary head: its own factors (a kernel's SVD would lose the planes)
+        A, B = student.query_key_factors_
+    else:
+        U, sv, Wt = np.linalg.svd(student.kernel_)
+        A, B = U[:, :rank] * sv[:rank], Wt[:rank].T
+    info = dict(seconds=time.perf_counter() - t, fit_seconds=float(student.fit_time_), epochs=int(student.n_iter_),
+                train_r2=float(student.score(X, Y)), student_rank=int(student.rank_), device=student.device_,
+                warnings=sorted({f"{w.category.__name__}: {w.message}"[:200] for w in caught}))
+    return A, B, info
+
+
+def student_step(journal, folder, tol, key, rank, head_of, epochs):
+    """One journal step: the student of ``head_of(key)`` at ``rank`` (:func:`student_factors`), its factors saved
+    under ``folder`` as it finishes (read back on a resumed run); returns ``(info, (A, B))``."""
+    path = Path(folder) / f"tol{tol:g}_layer{key[0]}_head{key[1]}.npz"
+
+    def train():
+        A, B, info = student_factors(head_of(key), rank, epochs, seed=0)
+        np.savez(path, A=A, B=B)
+        return dict(info, layer=key[0], head=key[1], rank=rank, tolerance=tol, path=str(path))
+
+    info = journal.step(f"student|{tol:g}|{key[0]},{key[1]}", train)
+    with np.load(info["path"]) as f:
+        factors = (f["A"], f["B"])
+    print(f"  student layer {key[0]} head {key[1]} at rank {rank}: {info['seconds']:.0f} s, {info['epochs']} epochs, "
+          f"training R^2 {info['train_r2']:.4f}, its rank {info['student_rank']}", flush=True)
+    return info, factors

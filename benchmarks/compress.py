@@ -56,13 +56,12 @@ interrupted run continues with ``--resume`` (same options).
 import argparse
 import json
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, records, timed_records)
+                   realised_excess, records, student_step, timed_records)
 
 
 def _embed(model, windows, batch=50):
@@ -74,27 +73,6 @@ def _embed(model, windows, batch=50):
             h = model(torch.as_tensor(windows[s:s + batch])).last_hidden_state.mean(dim=1)
             out.append(torch.nn.functional.normalize(h, dim=1).double().numpy())
     return np.concatenate(out)
-
-
-def _student_factors(head, rank, epochs, seed):
-    """A rank-``rank`` softmax student trained on the head's (X, Y) with the head's value map held fixed (the task the
-    V-known fits read; the model keeps that W_V): its query–key factors ``(A, B)`` in rstar's convention (logits
-    ``x~ A B^T x~'^T / sqrt(d~)``, the student's own) and what its training reports."""
-    from rstar.students import AttentionStudent
-
-    X, Y = head.features(), head.Y
-    t = time.perf_counter()
-    student = AttentionStudent(kind="softmax", rank=int(rank), device="auto", max_epochs=int(epochs),
-                               random_state=seed, value_map=head.value_map())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        student.fit(X, Y)
-    U, sv, Wt = np.linalg.svd(student.kernel_)
-    A, B = U[:, :rank] * sv[:rank], Wt[:rank].T
-    info = dict(seconds=time.perf_counter() - t, fit_seconds=float(student.fit_time_), epochs=int(student.n_iter_),
-                train_r2=float(student.score(X, Y)), student_rank=int(student.rank_), device=student.device_,
-                warnings=sorted({f"{w.category.__name__}: {w.message}"[:200] for w in caught}))
-    return A, B, info
 
 
 def main(argv=None):
@@ -247,19 +225,9 @@ def main(argv=None):
                 if rank == 0:   # nothing to train: the head attends uniformly
                     factors[key] = (np.zeros((head.features().shape[-1], 0)),) * 2
                     continue
-                path = folder_s / f"tol{tol:g}_layer{key[0]}_head{key[1]}.npz"
-
-                def train(head=head, rank=rank, path=path, key=key):
-                    A, B, info = _student_factors(head, rank, args.student_epochs, seed=0)
-                    np.savez(path, A=A, B=B)
-                    return dict(info, layer=key[0], head=key[1], rank=rank, tolerance=tol, path=str(path))
-
-                info = journal.step(f"student|{tol:g}|{key[0]},{key[1]}", train)
+                info, factors[key] = student_step(journal, folder_s, tol, key, rank, heads_by_key.__getitem__,
+                                                  args.student_epochs)
                 student_runs.append(info)
-                with np.load(info["path"]) as f:
-                    factors[key] = (f["A"], f["B"])
-                print(f"  student layer {key[0]} head {key[1]} at rank {rank}: {info['seconds']:.0f} s, "
-                      f"{info['epochs']} epochs, training R^2 {info['train_r2']:.4f}", flush=True)
             students[tol] = factors
             W = sum(int(p["rank"]) for p in plan)
             total = dict(predicted_total=float(sum(p["predicted_excess"] for p in plan)))

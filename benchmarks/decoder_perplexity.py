@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, records, timed_records)
+                   realised_excess, records, student_step, timed_records)
 from rotary_truncation import load_smollm2
 
 
@@ -92,27 +92,6 @@ def _fit_windows(path):
     record = json.loads(Path(path).read_text())
     record = record if isinstance(record, dict) else {}
     return int(record.get("n_samples") or 500), int(record.get("seed") or 0)
-
-
-def _student_factors(head, rank, epochs, seed=0):
-    """A width-``rank`` causal rotary student trained on the head's (X, Y) with its value map held fixed: its factors
-    in rstar's convention (:attr:`AttentionStudent.query_key_factors_`) and what its training reports."""
-    import warnings
-
-    from rstar.students import AttentionStudent
-
-    X, Y = head.features(), head.Y
-    t = time.perf_counter()
-    student = AttentionStudent(kind="softmax", causal=True, rotary=head.rotary, rank=int(rank), device="auto",
-                               max_epochs=int(epochs), random_state=seed, value_map=head.value_map())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        student.fit(X, Y)
-    A, B = student.query_key_factors_
-    info = dict(seconds=time.perf_counter() - t, fit_seconds=float(student.fit_time_), epochs=int(student.n_iter_),
-                train_r2=float(student.score(X, Y)), student_rank=int(student.rank_), device=student.device_,
-                warnings=sorted({f"{w.category.__name__}: {w.message}"[:200] for w in caught}))
-    return A, B, info
 
 
 def main(argv=None):
@@ -245,20 +224,8 @@ def main(argv=None):
                 key, rank = (int(q["layer"]), int(q["head"])), int(q["rank"])
                 if rank == 0:   # nothing to train: the head's own map cut to width 0 (uniform attention)
                     continue
-                path = folder_s / f"tol{tol:g}_layer{key[0]}_head{key[1]}.npz"
-
-                def train(key=key, rank=rank, path=path):
-                    A, B, info = _student_factors(fitted_head(key), rank, args.student_epochs)
-                    np.savez(path, A=A, B=B)
-                    return dict(info, layer=key[0], head=key[1], rank=rank, tolerance=tol, path=str(path))
-
-                info = journal.step(f"student|{tol:g}|{key[0]},{key[1]}", train)
+                info, factors[key] = student_step(journal, folder_s, tol, key, rank, fitted_head, args.student_epochs)
                 student_runs.append(info)
-                with np.load(info["path"]) as f:
-                    factors[key] = (f["A"], f["B"])
-                print(f"  student layer {key[0]} head {key[1]} at width {rank}: {info['seconds']:.0f} s, "
-                      f"{info['epochs']} epochs, training R^2 {info['train_r2']:.4f}, its rank {info['student_rank']}",
-                      flush=True)
             W = sum(int(q["rank"]) for q in plan)
             evaluate(f"rstar r*({tol:g}) (students)", plan, W, factors=factors)
             real = journal.step(f"realised|{tol:g}|student", lambda: {
