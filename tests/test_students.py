@@ -471,3 +471,23 @@ def test_causal_and_rotary_students_refuse_what_they_cannot_be(torch):
             AttentionStudent(**params, **FAST).fit(X, Y)
     with pytest.raises(ValueError, match="rotary has 8 positions, but X has T = 5"):
         AttentionStudent(kind="softmax", rotary=rot, **FAST).fit(X[:, :5], Y[:, :5])
+
+
+def test_early_stopping_keeps_the_epoch_with_the_lowest_held_out_risk(torch):
+    """validation_fraction: that share of the samples is held out, the plateau rule reads their risk, and the weights
+    kept are those of the epoch where it was lowest (here an over-parameterised student on 60 noisy samples, whose
+    held-out risk rises again before the plateau stops it)."""
+    X, Y = make_attention_task(80, seq_len=6, n_features=8, rank=2, noise=0.3, random_state=0)
+    st = AttentionStudent(kind="softmax", validation_fraction=0.25, max_epochs=600, patience=20, lr=3e-2,
+                          random_state=0).fit(X, Y)
+    held = st.validation_samples_
+    assert held.size == 20 and np.unique(held).size == 20
+    assert len(st.validation_history_) == len(st.history_) == st.n_iter_
+    assert min(st.validation_history_) < st.validation_history_[-1]
+    kept = np.sum((Y[held] - st.predict(X[held])) ** 2) / held.size
+    assert kept == pytest.approx(min(st.validation_history_), rel=1e-4)
+    assert not hasattr(AttentionStudent(kind="softmax", **FAST).fit(X, Y), "validation_history_")
+    with pytest.raises(ValueError, match=r"validation_fraction must be a finite number in \(0, 0.5\)"):
+        AttentionStudent(validation_fraction=0.5, **FAST).fit(X, Y)
+    with pytest.raises(ValueError, match="holds out 0: at least one sample"):
+        AttentionStudent(validation_fraction=0.001, **FAST).fit(X, Y)

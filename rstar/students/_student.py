@@ -132,6 +132,12 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         ``collect_attention`` reads a model's), ``logit_ts = rot_t(x_t A) . rot_s(x_s B) / sqrt(d)`` with A, B of
         d x 2P (``2P = rotary.width``). ``rank`` is then the head's width (``A = L G_q``, ``B = R G_k`` through
         an r-dimensional space; 1 <= r <= min(d, 2P)) and ``rank_`` is read by the split-half test (see Notes).
+    validation_fraction : float in (0, 0.5) or None, default=None
+        Early stopping on held-out samples: this share of the samples (drawn with ``random_state``) is not trained
+        on; the plateau rule (``tol``, ``patience``, ``max_lr_drops``) reads their risk instead of the training
+        risk, and the weights of the epoch with the lowest held-out risk are kept. None trains on every sample to
+        the training risk's plateau — which on noise-free targets (a real head's outputs) can fit directions other
+        windows do not share.
 
     Attributes
     ----------
@@ -163,6 +169,10 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         Per-entry residual variance of the training targets.
     history_ : list of float
         Training risk (mean per-sample ``||Y - Y_hat||_F^2``) at each epoch.
+    validation_history_ : list of float, with ``validation_fraction`` only
+        The held-out samples' risk at each epoch.
+    validation_samples_ : ndarray of int, with ``validation_fraction`` only
+        The indices of the held-out samples.
     train_risk_ : float
         Final training risk, comparable with the noise floor ``sigma^2 T d_v``.
     n_iter_ : int
@@ -224,7 +234,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     def __init__(self, kind="linear_qk", rank=None, max_epochs=3000, lr=1e-2, init_scale=1e-2, batch_size=None,
                  device="auto", random_state=None, verbose=0, tol=1e-4, patience=100, max_lr_drops=3,
                  weight_decay=0.0, alpha=0.01, dtype="float32", calibration=None, memory_budget=None,
-                 fisher="auto", value_map=None, causal=False, rotary=None):
+                 fisher="auto", value_map=None, causal=False, rotary=None, validation_fraction=None):
         self.kind = kind
         self.rank = rank
         self.max_epochs = max_epochs
@@ -246,6 +256,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         self.value_map = value_map
         self.causal = causal
         self.rotary = rotary
+        self.validation_fraction = validation_fraction
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, T, d):
@@ -256,6 +267,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
             raise ValueError("kind='linear_qk_full' (B1c) has an unconstrained d x d kernel: rank must be None, "
                              f"got {self.rank!r}. Use kind='linear_qk' for a rank-constrained kernel.")
         limit, what = (T, "T (A is T x T)") if self.kind == "linear_proxy" else (d, "d (K is d x d)")
+        if self.validation_fraction is not None:
+            check_positive(self.validation_fraction, "validation_fraction", allow_none=False, upper=0.5)
         if not isinstance(self.causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}.")
         if self.causal and self.kind not in ("softmax", "block"):
@@ -342,9 +355,21 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         Xt = torch.as_tensor(X, dtype=dtype, device=device)
         Yt = torch.as_tensor(Y, dtype=dtype, device=device)
 
+        validation = None
+        if self.validation_fraction is not None:
+            n_held = int(round(float(self.validation_fraction) * n))
+            if not 1 <= n_held <= n - 2:
+                raise ValueError(f"validation_fraction={self.validation_fraction!r} of {n} samples holds out "
+                                 f"{n_held}: at least one sample must be held out and two trained on.")
+            validation = np.sort(check_random_state(seed).permutation(n)[:n_held])
         t0 = time.perf_counter()
         try:
-            self.history_ = self._train(module, Xt, Yt, gen, torch)
+            trained = self._train(module, Xt, Yt, gen, torch, validation)
+            if validation is None:
+                self.history_ = trained
+            else:
+                self.history_, self.validation_history_ = trained
+                self.validation_samples_ = validation
         except (RuntimeError, MemoryError) as error:
             if not isinstance(error, MemoryError) and "memory" not in str(error).lower():
                 raise
@@ -425,8 +450,12 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
             gen = torch.Generator().manual_seed(seed)
             half = build_module(**self._module_args_, init_scale=self.init_scale, generator=gen, value_map=value_map)
             half = half.to(device=device, dtype=dtype)
+            validation, m = None, Xh.shape[0]
+            if self.validation_fraction is not None and 1 <= round(self.validation_fraction * m) <= m - 2:
+                # each half stops as the fit does: on its own held-out share
+                validation = np.sort(check_random_state(seed).permutation(m)[:int(round(self.validation_fraction * m))])
             self._train(half, torch.as_tensor(Xh, dtype=dtype, device=device),
-                        torch.as_tensor(Yh, dtype=dtype, device=device), gen, torch)
+                        torch.as_tensor(Yh, dtype=dtype, device=device), gen, torch, validation)
             with torch.no_grad():
                 factors.append(tuple(f.detach().cpu().double().numpy() for f in half.query_key_factors()))
         T = X.shape[1]
@@ -515,19 +544,29 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
             sel = slice(start, start + size) if order is None else order[start:start + size]
             yield Xt[sel], Yt[sel], None if Zt is None else Zt[sel]
 
-    def _train(self, module, Xt, Yt, gen, torch):
-        n = Xt.shape[0]
+    def _train(self, module, Xt, Yt, gen, torch, validation=None):
+        """Adam to the plateau rule's stop; with ``validation`` (indices of held-out samples) the rule reads their
+        risk, the best epoch's weights are kept, and ``(history, validation_history)`` is returned."""
         Zt = None
         if getattr(self, "_fixed_value_map", False):
             # a value map held fixed: X V is the same at every epoch, computed once (a third of a rotary student's
             # epoch at SmolLM2's size went to it)
             with torch.no_grad():
                 Zt = torch.cat([xb @ module.V for xb, _, _ in self._batches(Xt, Yt, 4096)])
+        held = None
+        if validation is not None:
+            keep = np.ones(Xt.shape[0], dtype=bool)
+            keep[validation] = False
+            pick = torch.as_tensor(np.flatnonzero(keep), device=Xt.device)
+            out = torch.as_tensor(np.asarray(validation), device=Xt.device)
+            held = (Xt[out], Yt[out], None if Zt is None else Zt[out])
+            Xt, Yt, Zt = Xt[pick], Yt[pick], None if Zt is None else Zt[pick]
+        n = Xt.shape[0]
         per_sample = Yt.shape[1] * Yt.shape[2]  # mean over entries -> per-sample sum
         batch = n if self.batch_size is None else min(int(self.batch_size), n)
         lr = float(self.lr)
         opt = torch.optim.Adam(module.parameters(), lr=lr, weight_decay=float(self.weight_decay))
-        history, best, since_best, drops = [], np.inf, 0, 0
+        history, held_history, best, since_best, drops, best_state = [], [], np.inf, 0, 0, None
         bar = None
         if self.verbose:
             from tqdm.auto import tqdm
@@ -548,11 +587,19 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
                     raise FloatingPointError(
                         f"training diverged (loss {risk}) at epoch {len(history) + 1}; lower lr (now {self.lr!r}).")
                 history.append(risk)
+                watched = risk
+                if held is not None:
+                    with torch.no_grad():
+                        watched = sum(float(((module(xb, zb) - yb) ** 2).sum()) for xb, yb, zb
+                                      in self._batches(*held[:2], 4096, None, held[2])) / held[0].shape[0]
+                    held_history.append(watched)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(risk=f"{risk:.4g}", lr=f"{lr:.2g}")
-                if risk < best * (1 - self.tol):
-                    best, since_best = risk, 0
+                if held is not None and watched < min(held_history[:-1], default=np.inf):
+                    best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+                if watched < best * (1 - self.tol):
+                    best, since_best = watched, 0
                 else:
                     since_best += 1
                 if since_best >= self.patience:
@@ -564,7 +611,11 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         finally:
             if bar is not None:
                 bar.close()
-        return history
+        if held is None:
+            return history
+        if best_state is not None:
+            module.load_state_dict(best_state)
+        return history, held_history
 
     def _operator_fisher(self, module, Xt, gen, torch):
         """``J^T J`` of the predictions w.r.t. the operator's entries, rescaled to all n samples."""
