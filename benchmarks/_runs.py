@@ -197,11 +197,12 @@ def predicted_rows(heads_cmp, tolerances, models):
     return lines
 
 
-def student_factors(head, rank, epochs, seed=0):
+def student_factors(head, rank, epochs, seed=0, validation_fraction=None):
     """A rank-``rank`` softmax student trained on the head's (X, Y) with the head's value map held fixed (the task the
     V-known fits read; the model keeps that W_V), causal and rotary as the head is
     (:class:`rstar.students.AttentionStudent`): its query–key factors ``(A, B)`` in rstar's convention (logits
-    ``x~ A B^T x~'^T / sqrt(d~)``, turned by the positions for a rotary head) and what its training reports."""
+    ``x~ A B^T x~'^T / sqrt(d~)``, turned by the positions for a rotary head) and what its training reports; with
+    ``validation_fraction`` it stops on that share of the windows held out."""
     import warnings
 
     from rstar.students import AttentionStudent
@@ -210,7 +211,7 @@ def student_factors(head, rank, epochs, seed=0):
     t = time.perf_counter()
     student = AttentionStudent(kind="softmax", rank=int(rank), device="auto", max_epochs=int(epochs),
                                random_state=seed, value_map=head.value_map(), causal=bool(head.causal),
-                               rotary=head.rotary)
+                               rotary=head.rotary, validation_fraction=validation_fraction)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         student.fit(X, Y)
@@ -225,13 +226,13 @@ def student_factors(head, rank, epochs, seed=0):
     return A, B, info
 
 
-def student_step(journal, folder, tol, key, rank, head_of, epochs):
+def student_step(journal, folder, tol, key, rank, head_of, epochs, validation_fraction=None):
     """One journal step: the student of ``head_of(key)`` at ``rank`` (:func:`student_factors`), its factors saved
     under ``folder`` as it finishes (read back on a resumed run); returns ``(info, (A, B))``."""
     path = Path(folder) / f"tol{tol:g}_layer{key[0]}_head{key[1]}.npz"
 
     def train():
-        A, B, info = student_factors(head_of(key), rank, epochs, seed=0)
+        A, B, info = student_factors(head_of(key), rank, epochs, seed=0, validation_fraction=validation_fraction)
         np.savez(path, A=A, B=B)
         return dict(info, layer=key[0], head=key[1], rank=rank, tolerance=tol, path=str(path))
 

@@ -90,6 +90,8 @@ def main(argv=None):
     p.add_argument("--students", action="store_true",
                    help="also put back rank-r*(eps) softmax students trained on each head's (X, Y) (rstar.students)")
     p.add_argument("--student-epochs", type=int, default=3000, help="the students' max_epochs")
+    p.add_argument("--student-validation", type=float, default=None, metavar="FRACTION",
+                   help="stop each student on this share of its windows held out (validation_fraction)")
     p.add_argument("--out", default="benchmarks/out/compress")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --out (its compress.partial.jsonl) instead of starting over")
@@ -138,7 +140,8 @@ def main(argv=None):
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
                   fractions=args.fractions, error_budgets=args.error_budgets, fitted=bool(fitted))
     if args.students:   # (a run without students keeps its record, so that it resumes as before)
-        record.update(students=True, student_epochs=args.student_epochs, student_value_map="known")
+        record.update(students=True, student_epochs=args.student_epochs, student_value_map="known",
+                      **({} if args.student_validation is None else dict(student_validation=args.student_validation)))
     journal = Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume, n_steps)
 
     model, tok = load_minilm()
@@ -226,7 +229,7 @@ def main(argv=None):
                     factors[key] = (np.zeros((head.features().shape[-1], 0)),) * 2
                     continue
                 info, factors[key] = student_step(journal, folder_s, tol, key, rank, heads_by_key.__getitem__,
-                                                  args.student_epochs)
+                                                  args.student_epochs, args.student_validation)
                 student_runs.append(info)
             students[tol] = factors
             W = sum(int(p["rank"]) for p in plan)

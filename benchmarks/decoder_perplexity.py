@@ -108,6 +108,8 @@ def main(argv=None):
     p.add_argument("--students", action="store_true",
                    help="also put back the tolerance plans with a rotary student per head (rstar.students)")
     p.add_argument("--student-epochs", type=int, default=3000, help="the students' max_epochs")
+    p.add_argument("--student-validation", type=float, default=None, metavar="FRACTION",
+                   help="stop each student on this share of its windows held out (validation_fraction)")
     args = p.parse_args(argv)
 
     from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
@@ -133,7 +135,8 @@ def main(argv=None):
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, n_calib=args.n_calib,
                   fractions=args.fractions, seed=args.seed)
     if args.students:   # (a run without students keeps its record, so that it resumes as before)
-        record.update(students=True, student_epochs=args.student_epochs)
+        record.update(students=True, student_epochs=args.student_epochs,
+                      **({} if args.student_validation is None else dict(student_validation=args.student_validation)))
     journal = Journal(Path(args.out) / "decoder_perplexity.partial.jsonl", record, args.resume, n_steps)
 
     model, tok = load_smollm2()
@@ -224,7 +227,8 @@ def main(argv=None):
                 key, rank = (int(q["layer"]), int(q["head"])), int(q["rank"])
                 if rank == 0:   # nothing to train: the head's own map cut to width 0 (uniform attention)
                     continue
-                info, factors[key] = student_step(journal, folder_s, tol, key, rank, fitted_head, args.student_epochs)
+                info, factors[key] = student_step(journal, folder_s, tol, key, rank, fitted_head, args.student_epochs,
+                                                  args.student_validation)
                 student_runs.append(info)
             W = sum(int(q["rank"]) for q in plan)
             evaluate(f"rstar r*({tol:g}) (students)", plan, W, factors=factors)
