@@ -487,6 +487,8 @@ def test_early_stopping_keeps_the_epoch_with_the_lowest_held_out_risk(torch):
     kept = np.sum((Y[held] - st.predict(X[held])) ** 2) / held.size
     assert kept == pytest.approx(min(st.validation_history_), rel=1e-4)
     assert not hasattr(AttentionStudent(kind="softmax", **FAST).fit(X, Y), "validation_history_")
+    refit = st.set_params(validation_fraction=None, kind="linear_qk", **FAST).fit(X, Y)   # no leftovers of a refit
+    assert not hasattr(refit, "validation_samples_") and not hasattr(refit, "query_key_factors_")
     with pytest.raises(ValueError, match=r"validation_fraction must be a finite number in \(0, 0.5\)"):
         AttentionStudent(validation_fraction=0.5, **FAST).fit(X, Y)
     with pytest.raises(ValueError, match="holds out 0: at least one sample"):

@@ -355,6 +355,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         Xt = torch.as_tensor(X, dtype=dtype, device=device)
         Yt = torch.as_tensor(Y, dtype=dtype, device=device)
 
+        for stale in ("validation_history_", "validation_samples_", "query_key_factors_"):   # a refit's leftovers
+            self.__dict__.pop(stale, None)
         validation = None
         if self.validation_fraction is not None:
             n_held = int(round(float(self.validation_fraction) * n))
