@@ -216,6 +216,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     half-difference (in the tokens' metric, over the window's offsets); ``rank_`` counts the directions of the
     first above the calibration's ``split_half_margin`` times the largest of the second (``noise_threshold_``),
     ``kernel_singular_values_`` are the first's. It costs two more trainings on half the samples each.
+
     Examples
     --------
     >>> from rstar.datasets import make_attention_task
