@@ -51,7 +51,9 @@ from rotary_truncation import load_smollm2
 
 def read_table(path):
     """The heads' rows (``layer, head, d_head, risk_curve``) from ``rstar heads``' heads.json or
-    ``rotary_real_heads.py``'s JSON, and the T they were read at."""
+    ``rotary_real_heads.py``'s JSON, the T they were read at, and the windows they were fitted on: the record's
+    ``n_samples`` and ``seed`` (500 and 0 where it has none, as ``rotary_real_heads.py`` and ``rstar heads``
+    default)."""
     record = json.loads(Path(path).read_text())
     rows = record["rows"] if isinstance(record, dict) and "rows" in record else record
     if not isinstance(rows, list):
@@ -59,8 +61,8 @@ def read_table(path):
     keep = [r for r in rows if r.get("risk_curve") is not None]
     if len(keep) != len(rows):
         raise SystemExit(f"{path}: {len(rows) - len(keep)} heads have no risk curve; the plans need every head's.")
-    seq_len = record.get("seq_len", 32) if isinstance(record, dict) else 32
-    return keep, int(seq_len)
+    record = record if isinstance(record, dict) else {}
+    return keep, int(record.get("seq_len", 32)), (int(record.get("n_samples") or 500), int(record.get("seed") or 0))
 
 
 def cross_entropy(model, windows, batch_size=16):
@@ -86,14 +88,6 @@ def paired_se(a, b):
     return float(diff.std(ddof=1) / np.sqrt(diff.size))
 
 
-def _fit_windows(path):
-    """The windows the table's heads were fitted on: its record's ``n_samples`` and ``seed`` (500 and 0 where it has
-    none, as ``rotary_real_heads.py`` and ``rstar heads`` default)."""
-    record = json.loads(Path(path).read_text())
-    record = record if isinstance(record, dict) else {}
-    return int(record.get("n_samples") or 500), int(record.get("seed") or 0)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--table", required=True, help="heads.json of rstar heads, or rotary_real_heads.py's JSON")
@@ -117,7 +111,7 @@ def main(argv=None):
                              uniform_plan, weight_energy_plan)
 
     t0 = time.perf_counter()
-    rows, T = read_table(args.table)
+    rows, T, (n_fit, fit_seed) = read_table(args.table)
     keys = [(int(r["layer"]), int(r["head"])) for r in rows]
     full_width = sum(int(r["d_head"]) for r in rows)
     tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
@@ -209,7 +203,6 @@ def main(argv=None):
     # collected at a time), its factors saved as it finishes; the plan put back with them, and their heads realised
     student_runs = []
     if args.students:
-        n_fit, fit_seed = _fit_windows(args.table)
         fit_windows = text_windows(tok, T, n_fit, random_state=fit_seed)
         folder_s = Path(args.out) / "students"
         folder_s.mkdir(parents=True, exist_ok=True)

@@ -469,6 +469,9 @@ def test_causal_and_rotary_students_refuse_what_they_cannot_be(torch):
     for params, error, match in cases:
         with pytest.raises(error, match=match):
             AttentionStudent(**params, **FAST).fit(X, Y)
+    # 5% of 20 windows holds out one, but each half-student's 10 would hold out none: refused before any training
+    with pytest.raises(ValueError, match="validation_fraction=0.05 of 10 samples holds out 0"):
+        AttentionStudent(kind="softmax", rotary=rot, validation_fraction=0.05, **FAST).fit(X, Y)
     with pytest.raises(ValueError, match="rotary has 8 positions, but X has T = 5"):
         AttentionStudent(kind="softmax", rotary=rot, **FAST).fit(X[:, :5], Y[:, :5])
 

@@ -326,14 +326,22 @@ def _llama_query_edits(module, layer, pos, head, rank, metric, roots):
     # value), else W on x alone
     biased = module.q_proj.bias is not None
     rows = slice(None) if biased else slice(0, -1)
-    if metric == "tokens" and layer.index not in roots:
-        roots[layer.index] = token_metric_roots(_layer_tokens(layer, biased), keys_centred=False)
     pairs = pair_rotations(layer.rotary, layer.head(pos).mask())
     P = rotary_query_projection(layer.query[pos][rows], layer.key[pos][rows], rank, pairs,
-                                roots.get(layer.index) if metric == "tokens" else None)
+                                _uncentred_roots(roots, layer, biased) if metric == "tokens" else None)
     d_head = layer.query.shape[2]
     cols = slice(head * d_head, (head + 1) * d_head)
     return _query_row_edits(module, cols, P @ _raw_query(module, cols, biased))
+
+
+def _uncentred_roots(roots, layer, biased):
+    """The token metric's roots of a rotary layer (keys uncentred), on ``[x, 1]`` where ``biased``: computed once per
+    call of :func:`truncated_heads` (``roots`` its cache) for the heads' own maps and for factors put in their
+    place alike."""
+    key = ("uncentred", layer.index, biased)
+    if key not in roots:
+        roots[key] = token_metric_roots(_layer_tokens(layer, biased), keys_centred=False)
+    return roots[key]
 
 
 def _raw_query(module, cols, biased):
@@ -445,21 +453,16 @@ def _llama_factor_cut(module, layer, pos, head, rank, metric, roots, pair):
         if biased and proj.bias is None and np.any(factor[d] != 0):
             raise ValueError(f"layer {layer.index} head {head}: its {name} factor has a bias row, but the module's "
                              f"{'q_proj' if name == 'query' else 'k_proj'} has no bias to hold it.")
-    key_ = ("factors", layer.index, biased)
-    if metric == "tokens" and key_ not in roots:
-        roots[key_] = token_metric_roots(_layer_tokens(layer, biased), keys_centred=False)
     pairs = pair_rotations(layer.rotary, layer.head(pos).mask())
-    cut_metric = roots[key_] if metric == "tokens" else (np.eye(A.shape[0]),) * 4
+    cut_metric = _uncentred_roots(roots, layer, biased) if metric == "tokens" else (np.eye(A.shape[0]),) * 4
     A, B = truncated_rotary_head(cut_metric, pairs, A, B, rank)
-    query = A * np.sqrt(d_head / A.shape[0])
+    def held(proj, factor):   # the rows the projection holds: [W; b] where it has a bias (0 for factors without)
+        if proj.bias is None:
+            return factor[:d]
+        return factor if biased else np.vstack([factor, np.zeros((1, d_head))])
+
     cols = slice(head * d_head, (head + 1) * d_head)
-    q_rows = query if module.q_proj.bias is not None else query[:d]
-    key = B if module.k_proj.bias is not None else B[:d]
-    if module.q_proj.bias is not None and not biased:
-        q_rows = np.vstack([q_rows, np.zeros((1, d_head))])
-    if module.k_proj.bias is not None and not biased:
-        key = np.vstack([key, np.zeros((1, d_head))])
-    return _query_row_edits(module, cols, q_rows), key
+    return _query_row_edits(module, cols, held(module.q_proj, A * np.sqrt(d_head / A.shape[0]))), held(module.k_proj, B)
 
 
 def _ungrouped_projections(module, new_keys):

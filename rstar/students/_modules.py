@@ -153,8 +153,16 @@ class SoftmaxAttention(_QueryKey):
         self.logit_scale = 1.0 / math.sqrt(n_features)   # the logits X K X^T / sqrt(d)
         self.causal = bool(causal)
 
+    def query_key_factors(self):
+        """``(W_Q, W_K)``, the kernel's factors (d x r, or d x d over-parameterised)."""
+        return self.L, self.R
+
+    def attention(self, S):
+        """The row softmax of the logits S, the later keys masked where causal."""
+        return torch.softmax(_causal(S) if self.causal else S, dim=-1)
+
     def forward_with_logits(self, X, S, values=None):
-        return torch.softmax(_causal(S) if self.causal else S, dim=-1) @ self._values(X, values)
+        return self.attention(S) @ self._values(X, values)
 
 
 class RotarySoftmaxAttention(SoftmaxAttention):
@@ -232,7 +240,7 @@ class AttentionBlock(SoftmaxAttention):
         self.b_out = nn.Parameter(torch.zeros(value_dim, dtype=torch.float64))
 
     def forward_with_logits(self, X, S, values=None):
-        H = self.ln1(X + torch.softmax(_causal(S) if self.causal else S, dim=-1) @ self._values(X, values))
+        H = self.ln1(X + self.attention(S) @ self._values(X, values))
         F = torch.nn.functional.gelu(H @ self.W1 + self.b1) @ self.W2 + self.b2
         return self.ln2(H + F) @ self.W_out + self.b_out
 

@@ -358,13 +358,9 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
         for stale in ("validation_history_", "validation_samples_", "query_key_factors_"):   # a refit's leftovers
             self.__dict__.pop(stale, None)
-        validation = None
-        if self.validation_fraction is not None:
-            n_held = int(round(float(self.validation_fraction) * n))
-            if not 1 <= n_held <= n - 2:
-                raise ValueError(f"validation_fraction={self.validation_fraction!r} of {n} samples holds out "
-                                 f"{n_held}: at least one sample must be held out and two trained on.")
-            validation = np.sort(check_random_state(seed).permutation(n)[:n_held])
+        validation = self._validation_samples(n, seed)
+        if self.rotary is not None:
+            self._validation_samples(n // 2, seed)   # the split-half students' halves must hold some out too
         t0 = time.perf_counter()
         try:
             trained = self._train(module, Xt, Yt, gen, torch, validation)
@@ -395,8 +391,7 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         with torch.no_grad():
             self.kernel_ = module.operator().detach().cpu().double().numpy()
             if self.kind in ("softmax", "block"):
-                factors = module.query_key_factors() if self.rotary is not None else (module.L, module.R)
-                self.query_key_factors_ = tuple(f.detach().cpu().double().numpy() for f in factors)
+                self.query_key_factors_ = tuple(f.detach().cpu().double().numpy() for f in module.query_key_factors())
         if self.rotary is not None:
             self._split_half_rank(X, Y, value_map, seed, device, dtype, torch)
             return self
@@ -437,6 +432,17 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     def _calibration(self):
         return DEFAULT_CALIBRATION if self.calibration is None else self.calibration
 
+    def _validation_samples(self, n, seed):
+        """The sorted indices of the ``validation_fraction`` of n samples held out (drawn with ``seed``), or None
+        without early stopping; refused where that holds out none or leaves fewer than two to train on."""
+        if self.validation_fraction is None:
+            return None
+        n_held = int(round(float(self.validation_fraction) * n))
+        if not 1 <= n_held <= n - 2:
+            raise ValueError(f"validation_fraction={self.validation_fraction!r} of {n} samples holds out {n_held}: "
+                             "at least one sample must be held out and two trained on.")
+        return np.sort(check_random_state(seed).permutation(n)[:n_held])
+
     def _split_half_rank(self, X, Y, value_map, seed, device, dtype, torch):
         """A rotary student's rank (see Notes): two students trained from the fit's initial weights on the samples
         of odd and even index, the split-half count of their logit families."""
@@ -453,12 +459,10 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
             gen = torch.Generator().manual_seed(seed)
             half = build_module(**self._module_args_, init_scale=self.init_scale, generator=gen, value_map=value_map)
             half = half.to(device=device, dtype=dtype)
-            validation, m = None, Xh.shape[0]
-            if self.validation_fraction is not None and 1 <= round(self.validation_fraction * m) <= m - 2:
-                # each half stops as the fit does: on its own held-out share
-                validation = np.sort(check_random_state(seed).permutation(m)[:int(round(self.validation_fraction * m))])
+            # each half stops as the fit does: on its own held-out share
             self._train(half, torch.as_tensor(Xh, dtype=dtype, device=device),
-                        torch.as_tensor(Yh, dtype=dtype, device=device), gen, torch, validation)
+                        torch.as_tensor(Yh, dtype=dtype, device=device), gen, torch,
+                        self._validation_samples(Xh.shape[0], seed))
             with torch.no_grad():
                 factors.append(tuple(f.detach().cpu().double().numpy() for f in half.query_key_factors()))
         T = X.shape[1]
@@ -569,7 +573,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         batch = n if self.batch_size is None else min(int(self.batch_size), n)
         lr = float(self.lr)
         opt = torch.optim.Adam(module.parameters(), lr=lr, weight_decay=float(self.weight_decay))
-        history, held_history, best, since_best, drops, best_state = [], [], np.inf, 0, 0, None
+        history, held_history, best, since_best, drops = [], [], np.inf, 0, 0
+        lowest, best_state = np.inf, None   # the lowest held-out risk and its epoch's weights
         bar = None
         if self.verbose:
             from tqdm.auto import tqdm
@@ -599,8 +604,8 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(risk=f"{risk:.4g}", lr=f"{lr:.2g}")
-                if held is not None and watched < min(held_history[:-1], default=np.inf):
-                    best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+                if held is not None and watched < lowest:
+                    lowest, best_state = watched, {k: v.detach().clone() for k, v in module.state_dict().items()}
                 if watched < best * (1 - self.tol):
                     best, since_best = watched, 0
                 else:
