@@ -7,7 +7,7 @@ they carry the ``poor_score`` tag.
 """
 
 import pytest
-from sklearn.utils.estimator_checks import parametrize_with_checks
+from sklearn.utils.estimator_checks import check_param_validation, parametrize_with_checks
 
 from rstar import (
     EnergyRankEstimator,
@@ -56,3 +56,12 @@ STUDENTS = [
 def test_sklearn_compatible_student(estimator, check):
     pytest.importorskip("torch")
     check(estimator)
+
+
+# scikit-learn runs check_param_validation on its own estimators only: every parameter a constraint names, and each
+# constraint refusing what it should, with InvalidParameterError before any work.
+@pytest.mark.parametrize("estimator", ESTIMATORS + STUDENTS, ids=lambda est: type(est).__name__)
+def test_parameter_constraints_cover_every_parameter(estimator):
+    if isinstance(estimator, AttentionStudent):
+        pytest.importorskip("torch")
+    check_param_validation(type(estimator).__name__, estimator)

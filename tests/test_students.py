@@ -152,22 +152,29 @@ def test_clone_and_params(torch):
 
 
 @pytest.mark.parametrize("params, match", [
-    (dict(kind="mlp"), "kind must be one of"),
-    (dict(rank=0), "rank must be"),
-    (dict(rank=2.5), "rank must be"),
+    (dict(kind="mlp"), "'kind' parameter of AttentionStudent must be a str among"),
+    (dict(rank=0), "'rank' parameter of AttentionStudent must be an int in the range \\[1, inf\\) or None"),
+    (dict(rank=2.5), "'rank' parameter"),
     (dict(rank=7), "rank must be <= d"),
     (dict(kind="linear_proxy", rank=9), "rank must be <= T"),
     (dict(kind="linear_qk_full", rank=2), "rank must be None"),
-    (dict(lr=0), "lr must be"),
-    (dict(init_scale=-1.0), "init_scale must be"),
-    (dict(max_epochs=0), "max_epochs must be"),
-    (dict(batch_size=0), "batch_size must be"),
-    (dict(alpha=1.5), "alpha must be"),
-    (dict(dtype="float16"), "dtype must be"),
+    (dict(lr=0), "'lr' parameter"),
+    (dict(init_scale=-1.0), "'init_scale' parameter"),
+    (dict(max_epochs=0), "'max_epochs' parameter"),
+    (dict(batch_size=0), "'batch_size' parameter"),
+    (dict(alpha=1.5), "'alpha' parameter"),
+    (dict(dtype="float16"), "'dtype' parameter"),
     (dict(device="tpu"), "device must be"),
-    (dict(fisher="fast"), "fisher must be 'auto', 'exact' or 'kronecker'"),
+    (dict(fisher="fast"), "'fisher' parameter .* among \\{.*'exact'"),
     (dict(kind="linear_proxy", fisher="kronecker"), "fisher='kronecker' needs a query-key student"),
-    (dict(memory_budget=0), "memory_budget must be"),
+    (dict(memory_budget=0), "'memory_budget' parameter"),
+    (dict(rank=True), "rank must be None or an integer"),   # a bool passes the constraints as an int
+    (dict(max_epochs=float("inf")), "'max_epochs' parameter"),
+    (dict(tol=float("nan")), "'tol' parameter"),
+    (dict(causal="yes"), "'causal' parameter of AttentionStudent must be an instance of 'bool'"),
+    (dict(rotary=np.zeros((8, 2))), "'rotary' parameter of AttentionStudent must be an instance of"),
+    (dict(validation_fraction=0.5), "'validation_fraction' parameter .* range \\(0(\\.0)?, 0\\.5\\)"),
+    (dict(calibration={"fisher_samples": 8}), "'calibration' parameter"),
     (dict(value_map=np.ones((6, 5))), "value_map must have shape \\(d, d_v\\) = \\(6, 6\\)"),
     (dict(value_map=np.full((6, 6), np.nan)), "value_map contains NaN"),
     (dict(kind="block", value_map=np.eye(6)), "a block student's is d x d inside the block"),
@@ -460,9 +467,9 @@ def test_causal_and_rotary_students_refuse_what_they_cannot_be(torch):
     rot, X, Y, _ = _rotary_task(2, n=20)
     cases = [
         (dict(kind="linear_qk", causal=True), ValueError, "causal=True masks a softmax's logits"),
-        (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(causal=1), TypeError, "'causal' parameter of AttentionStudent must be an instance of 'bool'"),
         (dict(kind="linear_qk", rotary=rot), ValueError, "kind must be 'softmax' with rotary"),
-        (dict(kind="softmax", rotary="rope"), TypeError, "rotary must be a RotaryPositions"),
+        (dict(kind="softmax", rotary="rope"), TypeError, "'rotary' parameter .* instance of 'rstar.*RotaryPositions'"),
         (dict(kind="softmax", rotary=rot, fisher="exact"), ValueError, "split-half test; use fisher='auto'"),
         (dict(kind="softmax", rotary=rot, rank=7), ValueError, r"rank must be <= min\(d, rotary.width\)"),
     ]
@@ -492,7 +499,7 @@ def test_early_stopping_keeps_the_epoch_with_the_lowest_held_out_risk(torch):
     assert not hasattr(AttentionStudent(kind="softmax", **FAST).fit(X, Y), "validation_history_")
     refit = st.set_params(validation_fraction=None, kind="linear_qk", **FAST).fit(X, Y)   # no leftovers of a refit
     assert not hasattr(refit, "validation_samples_") and not hasattr(refit, "query_key_factors_")
-    with pytest.raises(ValueError, match=r"validation_fraction must be a finite number in \(0, 0.5\)"):
+    with pytest.raises(ValueError, match=r"'validation_fraction' parameter of AttentionStudent must be a float in the range \(0(\.0)?, 0\.5\)"):
         AttentionStudent(validation_fraction=0.5, **FAST).fit(X, Y)
     with pytest.raises(ValueError, match="holds out 0: at least one sample"):
         AttentionStudent(validation_fraction=0.001, **FAST).fit(X, Y)

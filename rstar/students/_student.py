@@ -3,17 +3,20 @@
 import copy
 import time
 import warnings
+from numbers import Integral, Real
 
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted
 
 from .._validation import (check_int, check_positive, check_random_state, check_tokens, check_value_map,
                            check_X_Y_and_y_ndim)
-from ..calibration import DEFAULT_CALIBRATION
+from ..calibration import DEFAULT_CALIBRATION, Calibration
 from ..metrics import token_r2_score
 from ..budgets import CostBudget
 from ..exceptions import InversionFallbackWarning
+from ..inversions._numerics.rotary import RotaryPositions
 from ._rank import kronecker_entry_variance, mp_corrected_rank, operator_entry_variance
 
 __all__ = ["AttentionStudent", "KINDS"]
@@ -232,6 +235,31 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
     (200, 8, 6)
     """
 
+    _parameter_constraints = {
+        "kind": [StrOptions(set(KINDS))],
+        "rank": [Interval(Integral, 1, None, closed="left"), None],
+        "max_epochs": [Interval(Integral, 1, None, closed="left")],
+        "lr": [Interval(Real, 0, None, closed="neither")],
+        "init_scale": [Interval(Real, 0, None, closed="neither")],
+        "batch_size": [Interval(Integral, 1, None, closed="left"), None],
+        "device": "no_validation",   # resolved by rstar._torch_backend.resolve_torch_device (imports torch)
+        "random_state": ["random_state"],
+        "verbose": [Interval(Integral, 0, None, closed="left")],
+        "tol": [Interval(Real, 0, None, closed="left")],
+        "patience": [Interval(Integral, 1, None, closed="left")],
+        "max_lr_drops": [Interval(Integral, 0, None, closed="left")],
+        "weight_decay": [Interval(Real, 0, None, closed="left")],
+        "alpha": [Interval(Real, 0, 1, closed="neither")],
+        "dtype": [StrOptions({"float32", "float64"})],
+        "calibration": [Calibration, None],
+        "memory_budget": [Interval(Integral, 1, None, closed="left"), None],
+        "fisher": [StrOptions({"auto", "exact", "kronecker"})],
+        "value_map": ["array-like", None],
+        "causal": ["boolean"],
+        "rotary": [RotaryPositions, None],
+        "validation_fraction": [Interval(Real, 0, 0.5, closed="neither"), None],
+    }
+
     def __init__(self, kind="linear_qk", rank=None, max_epochs=3000, lr=1e-2, init_scale=1e-2, batch_size=None,
                  device="auto", random_state=None, verbose=0, tol=1e-4, patience=100, max_lr_drops=3,
                  weight_decay=0.0, alpha=0.01, dtype="float32", calibration=None, memory_budget=None,
@@ -261,25 +289,18 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, T, d):
-        if not isinstance(self.kind, str) or self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {list(KINDS)}, got {self.kind!r}.")
+        """The single parameters by ``_parameter_constraints`` (scikit-learn's), then what they leave: bools where
+        integers belong, infinities, and the parameters' combinations with each other and with the data's shape."""
+        self._validate_params()
         rank = check_int(self.rank, "rank", 1, allow_none=True)
         if self.kind == "linear_qk_full" and rank is not None:
             raise ValueError("kind='linear_qk_full' (B1c) has an unconstrained d x d kernel: rank must be None, "
                              f"got {self.rank!r}. Use kind='linear_qk' for a rank-constrained kernel.")
         limit, what = (T, "T (A is T x T)") if self.kind == "linear_proxy" else (d, "d (K is d x d)")
-        if self.validation_fraction is not None:
-            check_positive(self.validation_fraction, "validation_fraction", allow_none=False, upper=0.5)
-        if not isinstance(self.causal, (bool, np.bool_)):
-            raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}.")
         if self.causal and self.kind not in ("softmax", "block"):
             raise ValueError(f"causal=True masks a softmax's logits: kind must be 'softmax' or 'block', got "
                              f"{self.kind!r}.")
         if self.rotary is not None:
-            from ..inversions._numerics.rotary import RotaryPositions
-
-            if not isinstance(self.rotary, RotaryPositions):
-                raise TypeError(f"rotary must be a RotaryPositions or None, got {type(self.rotary).__name__}.")
             if self.kind != "softmax":
                 raise ValueError(f"rotary positions are a softmax head's: kind must be 'softmax' with rotary, got "
                                  f"{self.kind!r}.")
@@ -302,13 +323,9 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
         check_positive(self.weight_decay, "weight_decay", allow_none=False, strict=False)
         check_positive(self.alpha, "alpha", allow_none=False, upper=1.0)
         check_int(self.memory_budget, "memory_budget", 1, allow_none=True)
-        if not isinstance(self.fisher, str) or self.fisher not in ("auto", "exact", "kronecker"):
-            raise ValueError(f"fisher must be 'auto', 'exact' or 'kronecker', got {self.fisher!r}.")
         if self.fisher == "kronecker" and self.kind == "linear_proxy":
             raise ValueError("fisher='kronecker' needs a query-key student: the linear_proxy (B0) operator does "
                              "not enter through logits; use fisher='exact' or 'auto'.")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}.")
         return rank
 
     # --------------------------------------------------------------- fitting
