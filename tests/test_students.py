@@ -499,7 +499,8 @@ def test_early_stopping_keeps_the_epoch_with_the_lowest_held_out_risk(torch):
     assert not hasattr(AttentionStudent(kind="softmax", **FAST).fit(X, Y), "validation_history_")
     refit = st.set_params(validation_fraction=None, kind="linear_qk", **FAST).fit(X, Y)   # no leftovers of a refit
     assert not hasattr(refit, "validation_samples_") and not hasattr(refit, "query_key_factors_")
-    with pytest.raises(ValueError, match=r"'validation_fraction' parameter of AttentionStudent must be a float in the range \(0(\.0)?, 0\.5\)"):
+    with pytest.raises(ValueError, match=r"'validation_fraction' parameter of AttentionStudent must be a float in "
+                                         r"the range \(0(\.0)?, 0\.5\)"):
         AttentionStudent(validation_fraction=0.5, **FAST).fit(X, Y)
     with pytest.raises(ValueError, match="holds out 0: at least one sample"):
         AttentionStudent(validation_fraction=0.001, **FAST).fit(X, Y)
