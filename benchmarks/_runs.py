@@ -197,6 +197,17 @@ def predicted_rows(heads_cmp, tolerances, models):
     return lines
 
 
+def head_student(head, rank, epochs, seed=0, value_map_known=True, validation_fraction=None):
+    """An unfitted softmax student of width ``rank`` for ``head`` (:class:`rstar.students.AttentionStudent`), causal
+    and rotary as the head is, with the head's value map held fixed where ``value_map_known`` (the task the V-known
+    fits read), on the device ``"auto"`` picks."""
+    from rstar.students import AttentionStudent
+
+    return AttentionStudent(kind="softmax", rank=int(rank), device="auto", max_epochs=int(epochs), random_state=seed,
+                            value_map=head.value_map() if value_map_known else None, causal=bool(head.causal),
+                            rotary=head.rotary, validation_fraction=validation_fraction)
+
+
 def student_factors(head, rank, epochs, seed=0, validation_fraction=None):
     """A rank-``rank`` softmax student trained on the head's (X, Y) with the head's value map held fixed (the task the
     V-known fits read; the model keeps that W_V), causal and rotary as the head is
@@ -205,13 +216,9 @@ def student_factors(head, rank, epochs, seed=0, validation_fraction=None):
     ``validation_fraction`` it stops on that share of the windows held out."""
     import warnings
 
-    from rstar.students import AttentionStudent
-
     X, Y = head.features(), head.Y
     t = time.perf_counter()
-    student = AttentionStudent(kind="softmax", rank=int(rank), device="auto", max_epochs=int(epochs),
-                               random_state=seed, value_map=head.value_map(), causal=bool(head.causal),
-                               rotary=head.rotary, validation_fraction=validation_fraction)
+    student = head_student(head, rank, epochs, seed=seed, validation_fraction=validation_fraction)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         student.fit(X, Y)

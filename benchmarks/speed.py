@@ -331,17 +331,6 @@ def _load_model(name):
     return load_smollm2()
 
 
-def _sweep_student(head, rank, epochs, seed):
-    """One student of the distilled sweep on ``head``: a softmax student of width ``rank`` (a rotary head's: causal,
-    at the head's positions, its value map held fixed as the data-only fit holds it; rstar.students)."""
-    from rstar.students import AttentionStudent
-
-    if head.rotary is None:
-        return AttentionStudent(kind="softmax", rank=rank, device="auto", max_epochs=epochs, random_state=seed)
-    return AttentionStudent(kind="softmax", rank=rank, causal=bool(head.causal), rotary=head.rotary,
-                            value_map=head.value_map(), device="auto", max_epochs=epochs, random_state=seed)
-
-
 def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=False, model_name="minilm",
               student_ranks=None):
     """Part 5: a real model's heads (MiniLM at the README's size, T = 32, n = 500 by default; or SmolLM2's rotary
@@ -350,6 +339,7 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
     trained."""
     import torch
 
+    from _runs import head_student
     from rstar.heads import collect_attention, estimate_heads, text_windows
 
     from threadpoolctl import threadpool_limits
@@ -426,10 +416,14 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
         full = list(range(1, target + 2))
         trained = full if student_ranks is None else [r for r in student_ranks
                                                       if 1 <= r <= min(head.d_head, target + 1)]
+        dropped = sorted(set(student_ranks or ()) - set(trained))
+        if dropped:
+            print(f"student widths {dropped} are outside the sweep 1 ... {len(full)}: not trained", flush=True)
         X, Y = head.features(), head.Y
         sweep = []
         for rank in trained:
-            st = _sweep_student(head, rank, student_epochs, seed).fit(X, Y)
+            # a rotary head's students hold its value map fixed, as its data-only fit does; MiniLM's learn it
+            st = head_student(head, rank, student_epochs, seed, value_map_known=head.rotary is not None).fit(X, Y)
             sweep.append(dict(rank=rank, seconds=float(st.fit_time_), epochs=int(st.n_iter_),
                               r2=float(st.score(X, Y))))
             print(f"student rank {rank}: {sweep[-1]['seconds']:.1f} s of training ({sweep[-1]['epochs']} epochs), "
@@ -437,8 +431,8 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
         if sweep:
             spent = sum(s["seconds"] for s in sweep)
             res["student_sweep"] = dict(layer=layer.index, head=first["head"], ranks=sweep, widths=len(full),
-                                        epochs=student_epochs, extrapolated=len(sweep) < len(full),
-                                        seconds=spent if len(sweep) == len(full) else spent / len(sweep) * len(full))
+                                        epochs=student_epochs, extrapolated=len(sweep) < len(full), dropped=dropped,
+                                        seconds=spent / len(sweep) * len(full))
     return res
 
 

@@ -456,6 +456,7 @@ def _llama_factor_cut(module, layer, pos, head, rank, metric, roots, pair):
     pairs = pair_rotations(layer.rotary, layer.head(pos).mask())
     cut_metric = _uncentred_roots(roots, layer, biased) if metric == "tokens" else (np.eye(A.shape[0]),) * 4
     A, B = truncated_rotary_head(cut_metric, pairs, A, B, rank)
+
     def held(proj, factor):   # the rows the projection holds: [W; b] where it has a bias (0 for factors without)
         if proj.bias is None:
             return factor[:d]

@@ -289,8 +289,9 @@ class AttentionStudent(RegressorMixin, BaseEstimator):
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, T, d):
-        """The single parameters by ``_parameter_constraints`` (scikit-learn's), then what they leave: bools where
-        integers belong, infinities, and the parameters' combinations with each other and with the data's shape."""
+        """The single parameters by ``_parameter_constraints`` (scikit-learn's), then what they leave: bools (which
+        its Integral and Real intervals accept) and the parameters' combinations with each other and with the data's
+        shape."""
         self._validate_params()
         rank = check_int(self.rank, "rank", 1, allow_none=True)
         if self.kind == "linear_qk_full" and rank is not None:
