@@ -285,7 +285,8 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         self.noise_floor_interval_ = interval
         self.verdicts_ = list(gates) + [v for v in res.warnings if isinstance(v, identifiability.Verdict)]
         for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_distance_",
-                     "risk_curve_resolution_", "_risk_curve_full_rank", "_tolerance_gates"):
+                     "risk_curve_resolution_", "risk_curve_floor_", "risk_curve_floor_in_sample_",
+                     "_risk_curve_full_rank", "_tolerance_gates"):
             self.__dict__.pop(attr, None)
         rank = res.rank if self.rank is None else self.rank
         if self.tolerance is not None:
@@ -323,7 +324,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         reading = tolerance_reading(self._inv, self._stats, ws, samples, self.tolerance, self.tolerance_level,
                                     noise_floor=(int(res.rank), int(res.rank_interval[1])), **kw)
         for name in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_distance_",
-                     "risk_curve_resolution_"):
+                     "risk_curve_resolution_", "risk_curve_floor_", "risk_curve_floor_in_sample_"):
             setattr(self, name, getattr(reading, name.rstrip("_")))
         self._risk_curve_full_rank = reading.full_rank
         # what the gates read, kept so that rank_at_tolerance reads another tolerance through them
@@ -630,6 +631,22 @@ _FITTED_DOC = """
         difference over Var(Y) (a half model's excess risk over their mean).
         Above half the tolerance the reading is warned and
         ``rank_interval_`` reaches d. None elsewhere.
+    risk_curve_floor_ : float
+        Only with a ``tolerance``: the unconstrained model's residual sum
+        of squares over the total that ``risk_curve_`` subtracts (each
+        point is ``RSS(r) / TSS - risk_curve_floor_``): out of sample where
+        the curve is cross-fitted (each half's full model on the other
+        half), in sample elsewhere.
+    risk_curve_floor_in_sample_ : float or None
+        Only with a ``tolerance``, where the curve is cross-fitted: the same
+        full models on the halves they were fitted on. The best
+        unconstrained model's risk is at most ``risk_curve_floor_`` in
+        expectation, and at least this where the fit minimises the squared
+        error on Y (the factored least squares; the log-attention fits
+        minimise another loss), so the curve, measured against the held-out
+        side, may understate the excess by up to their difference (on
+        SmolLM2's noise-free heads, 0.0006–0.0016 of Var(Y) held out against
+        1e-5 in sample; ``benchmarks/curve_floor.py``). None elsewhere.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)

@@ -144,6 +144,15 @@ class ToleranceReading:
         and the distance of ``predict``'s models from the curve's (None where they are the same models).
     risk_curve_resolution : float or None
         The halves' disagreement (the factored least squares), relative to Var(Y).
+    risk_curve_floor : float
+        The unconstrained model's residual sum of squares that the curve subtracts, ``RSS(full) / TSS``: out of
+        sample where the curve is cross-fitted (each half's full model on the other half), in sample elsewhere.
+    risk_curve_floor_in_sample : float or None
+        Where the curve is cross-fitted: the same full models on the halves they were fitted on, ``RSS / TSS``.
+        The best unconstrained model's risk is at most the held-out side in expectation (any fitted model does
+        worse on other samples), and at least the in-sample side where the fit minimises the squared error on Y
+        (the factored least squares; a fit on the log-attention minimises another loss), so the curve, measured
+        against the held-out side, may understate the excess by up to their difference. None elsewhere.
     full_rank : int or None
         d where the curve reached the rank beyond which its models no longer change without reaching the
         tolerance (only the full model is then known to reach it).
@@ -156,6 +165,8 @@ class ToleranceReading:
     risk_curve_upper: np.ndarray
     risk_curve_distance: object
     risk_curve_resolution: object
+    risk_curve_floor: float
+    risk_curve_floor_in_sample: object
     full_rank: object
 
 
@@ -193,6 +204,10 @@ def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise
     full, rss = rss[0], rss[1:]
     full_parts, parts = (parts[0], parts[1:]) if per_sample else (None, None)
     tss = total_sum_of_squares(inv.risk_samples(stats, ws, samples).map_sum(centred_sums, 1))
+    # the floor the curve subtracts, and (cross-fitted curves) the same full models on their own samples
+    in_sample = inv.full_model_in_sample_residual_samples(stats, ws)
+    floor = full / tss if tss > 0 else 0.0
+    floor_in_sample = None if in_sample is None else (float(np.sum(in_sample)) / tss if tss > 0 else 0.0)
     # where the curve is measured on other models than predict's (the factored fit's halves): predict's rank-r
     # model's output distance from its full one, per sample; the rank is read where both bounds reach it
     distance_parts = inv.rank_output_distance_samples(stats, ws, list(range(len(rss))))
@@ -223,6 +238,7 @@ def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise
                             risk_curve=curve,
                             risk_curve_se=se if per_sample else None, risk_curve_upper=upper,
                             risk_curve_distance=distance, risk_curve_resolution=inv.half_disagreement(stats, ws),
+                            risk_curve_floor=float(floor), risk_curve_floor_in_sample=floor_in_sample,
                             # a curve that reaches the limit and not a tolerance: only the full model (rank d) is
                             # known to reach it
                             full_rank=int(ws.dim) if len(curve) > limit else None)

@@ -129,6 +129,13 @@ class Inversion:
         (a list of arrays of shape (n,), in the order of :meth:`risk_samples`); None here."""
         return None
 
+    def full_model_in_sample_residual_samples(self, stats, ws):
+        """Where the curve's full model is measured out of sample (the factored fit's half models, each scored on
+        the other half): each sample's residual sum of squares under the full model fitted on its own half (an
+        array of shape (n,), its samples in any order: only its sum is read); None here (the curve is measured in
+        sample)."""
+        return None
+
     def half_disagreement(self, stats, ws):
         """Where the curve is measured on models fitted on half the samples: how far the two halves' full models
         disagree, relative to Var(Y) (the curve's resolution); None here."""

@@ -422,6 +422,18 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         return residuals(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
                          per_sample=True, calibration=self.calibration)
 
+    def full_model_in_sample_residual_samples(self, stats, ws):
+        """The factored run's half models, each on the half it was fitted on (None for the other runs): the
+        in-sample side of the floor the cross-fitted curve subtracts (``risk_curve_floor_in_sample_``)."""
+        if ws.inversion != self.factored_name:
+            return None
+        halves, mask, rotary = self._halves(stats), self._mask(stats), ws.null.rotary
+        models = sf.half_models(ws.null.half_kernels, halves, self.value_map, mask, calibration=self.calibration,
+                                rotary=rotary)
+        return np.concatenate([sf.factored_sample_rss(X, X @ V, Y, A, B, mask, calibration=self.calibration,
+                                                      rotary=rotary)
+                               for (X, Y), (A, B, V) in zip(halves, models)])
+
     def half_disagreement(self, stats, ws):
         """The factored run's :func:`factored_half_disagreement` (None for the other runs)."""
         if ws.inversion != self.factored_name:

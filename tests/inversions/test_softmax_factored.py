@@ -555,3 +555,33 @@ def test_query_key_factors_are_the_predict_model_and_its_token_metric_truncation
     for bad in (-1, 97, 2.5, True):
         with pytest.raises(ValueError, match="rank must be a whole number"):
             est.query_key_factors(bad)
+
+
+def test_the_cross_fitted_curve_reports_the_floor_it_subtracts_and_its_in_sample_side():
+    # the curve's excess is RSS(r) / TSS minus the full models' held-out RSS / TSS; the same models on their own
+    # halves fit better, and the noise (the best model's risk) lies between the two
+    X, Y, teacher = _task(3, seed=1, noise=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnidentifiableRankWarning)
+        est = RStarEstimator(value_map=teacher.value_map, tolerance=0.05).fit(X, Y)
+    halves = est._inv._halves(est._stats)
+    V = est._inv.value_map
+    kernels = est.statistic_.null.half_kernels
+
+    def rss(Xh, Yh, A, B):
+        return float(np.sum((sf._attention(Xh, A, B) @ (Xh @ V) - Yh) ** 2))
+
+    tss = total_sum_of_squares(centred_sums(None, np.concatenate([Yh for _, Yh in halves])))
+    held = sum(rss(*halves[1 - h], *kernels[h]) for h in range(2)) / tss
+    own = sum(rss(*halves[h], *kernels[h]) for h in range(2)) / tss
+    assert est.risk_curve_floor_ == pytest.approx(held, rel=1e-8)
+    assert est.risk_curve_floor_in_sample_ == pytest.approx(own, rel=1e-8)
+    noise = len(X) * teacher.noise_floor / total_sum_of_squares(centred_sums(X, Y))
+    assert est.risk_curve_floor_in_sample_ < noise < est.risk_curve_floor_
+    # each point of the curve is its rank's held-out RSS over TSS less that floor
+    full = est.risk_curve_[-1] + est.risk_curve_floor_
+    assert full == pytest.approx(held, rel=1e-6)
+    # closed-form curves are measured in sample: no second side
+    Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
+    lin = RStarEstimator("linear_qk", tolerance=0.05).fit(Xq, Yq)
+    assert lin.risk_curve_floor_in_sample_ is None and 0 < lin.risk_curve_floor_ < 1
