@@ -173,6 +173,9 @@ def test_gpt2_style_is_causal_and_fitted_with_its_mask(ids):
     assert row["inversion"] == "softmax_factored_least_squares"
     assert row["rank_at_0.05"] <= row["truncation_rank_at_0.05"]
     assert row["seconds"] > 0   # each head's own time, for budgeting a whole model
+    # the floor its curve subtracts (the half models held out) above their in-sample side: the head's output
+    # carries no noise, so both are estimation error and fit
+    assert 0 <= row["risk_curve_floor_in_sample"] < row["risk_curve_floor"] < 0.05
 
 
 def test_a_module_that_differs_is_refused(ids):

@@ -265,8 +265,10 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         ``risk_curve`` (a list, None without tolerances) is the head's predicted relative excess at ranks
         0 ... d_head, the upper bound ``rank_at_<ε>`` is read from (``risk_curve_upper_``), which
         :func:`rank_plan` splits a total width by; ``risk_curve_point`` and ``risk_curve_se`` are the curve's
-        point estimate and standard error (``risk_curve_``, ``risk_curve_se_``; None where not measured);
-        ``seconds`` is the head's wall-clock time (its fit, readings and truncation columns).
+        point estimate and standard error (``risk_curve_``, ``risk_curve_se_``; None where not measured), and
+        ``risk_curve_floor`` and ``risk_curve_floor_in_sample`` the floor that curve subtracts and its in-sample
+        side (``risk_curve_floor_``, ``risk_curve_floor_in_sample_``: their gap bounds how far the curve may
+        understate the excess); ``seconds`` is the head's wall-clock time (its fit, readings and truncation columns).
     """
     tolerances = tuple(float(t) for t in tolerances)
     probe = RStarEstimator() if estimator is None else estimator
@@ -410,6 +412,10 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
     for key, attr in (("risk_curve_point", "risk_curve_"), ("risk_curve_se", "risk_curve_se_")):
         value = None if row["risk_curve"] is None else getattr(est, attr, None)
         row[key] = None if value is None else [float(v) for v in np.asarray(value)[:head.d_head + 1]]
+    for key, attr in (("risk_curve_floor", "risk_curve_floor_"),
+                      ("risk_curve_floor_in_sample", "risk_curve_floor_in_sample_")):
+        value = None if row["risk_curve"] is None else getattr(est, attr, None)
+        row[key] = None if value is None else float(value)
     sv = head.kernel_singular_values()
     row["kernel_rank"] = int(np.sum(sv > sv[0] * 1e-10)) if sv.size and sv[0] > 0 else 0
     if truncation:
