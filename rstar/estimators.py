@@ -645,8 +645,8 @@ _FITTED_DOC = """
         error on Y (the factored least squares; the log-attention fits
         minimise another loss), so the curve, measured against the held-out
         side, may understate the excess by up to their difference (on
-        SmolLM2's noise-free heads, 0.0006–0.0016 of Var(Y) held out against
-        1e-5 in sample; ``benchmarks/curve_floor.py``). None elsewhere.
+        SmolLM2's noise-free heads, 0.0003–0.0105 of Var(Y) held out against
+        at most 4e-5 in sample; ``benchmarks/curve_floor.py``). None elsewhere.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)
