@@ -440,8 +440,8 @@ def _heads(args):
     order = {key: k for k, key in enumerate((layer.index, head.head) for layer in probes
                                              for head in layer.heads())}
     rows = sorted(done + fitted, key=lambda r: order.get((int(r["layer"]), int(r["head"])), len(order)))
-    # the curves go to heads.json and the plan
-    shown = [key for key in rows[0] if key not in ("risk_curve", "risk_curve_point", "risk_curve_se")]
+    # the curves (and their floors) go to heads.json and the plan
+    shown = [key for key in rows[0] if not key.startswith("risk_curve")]
     print(markdown_table(rows, shown))
     (out / "heads.json").write_text(json.dumps({"command": sys.argv, **record, "rows": rows,
                                                 "elapsed_s": time.perf_counter() - t0}, indent=1, default=float))
