@@ -129,7 +129,7 @@ def rules_summary(rows):
                             ("+ gap (in-sample floor)", 1.0)):
             total = fit_ok = trunc_ok = either = within = both = 0
             for r in rows:
-                gap = r["floor"] - (r["floor_in_sample"] or r["floor"])
+                gap = 0.0 if r["floor_in_sample"] is None else r["floor"] - r["floor_in_sample"]
                 point = np.asarray(r["risk_curve"]) + share * gap + z * np.asarray(r["risk_curve_se"])
                 upper = np.maximum(np.asarray(r["risk_curve_upper"]), point)
                 d = len(r["realised"]) - 1
