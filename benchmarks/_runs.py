@@ -105,6 +105,25 @@ class PeakResidentMemory:
         return False
 
 
+def layer_reader(model, windows, n_samples):
+    """``heads(layer, h)``: the head on the first ``n_samples`` windows (fitted) and on the rest (held out); a
+    layer's heads read once, when the first of its heads is asked for (inside the caller's step, so its time
+    counts), the previous layer's dropped."""
+    from rstar.heads import collect_attention
+
+    read = {}
+
+    def heads(layer_index, h):
+        if read.get("index") != layer_index:
+            read.clear()
+            read.update(index=layer_index,
+                        fit=collect_attention(model, windows[:n_samples], layers=[layer_index])[0],
+                        held=collect_attention(model, windows[n_samples:], layers=[layer_index])[0])
+        return read["fit"].head(h), read["held"].head(h)
+
+    return heads
+
+
 def head_errors(full, trunc):
     """Per head: each window's squared error of the truncated head's output (n,), and the head's TSS."""
     out = []

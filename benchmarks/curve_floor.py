@@ -37,6 +37,8 @@ import warnings
 
 import numpy as np
 
+from _runs import layer_reader
+
 TOLERANCES = (0.01, 0.05)
 PREDICTIONS = ("held-out floor (the curve)", "midpoint floor", "in-sample floor")
 
@@ -177,7 +179,7 @@ def main():
         return
     if not (args.model and args.heads):
         p.error("give --model and --heads (or --replot JSON)")
-    from rstar.heads import collect_attention, load_minilm, text_windows
+    from rstar.heads import load_minilm, text_windows
 
     if args.model == "smollm2":
         from rotary_truncation import load_smollm2
@@ -187,13 +189,9 @@ def main():
     pairs = [tuple(int(v) for v in item.split(":")) for item in args.heads.split(",")]
     out = args.out or os.path.join("benchmarks", "out", f"curve_floor_{args.model}.json")
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
-    rows, read = [], {}
+    heads, rows = layer_reader(model, windows, args.n_samples), []
     for layer, h in pairs:
-        if read.get("index") != layer:
-            read = dict(index=layer, fit=collect_attention(model, windows[:args.n_samples], layers=[layer])[0],
-                        held=collect_attention(model, windows[args.n_samples:], layers=[layer])[0])
-        row = dict(layer=layer, **fit_head(read["fit"].head(h), read["held"].head(h), args.model == "smollm2",
-                                          args.seed, args.curves))
+        row = dict(layer=layer, **fit_head(*heads(layer, h), args.model == "smollm2", args.seed, args.curves))
         rows.append(row)
         _save(out, args, rows)
         print(f"layer {layer} head {h}: floor {row['floor']:.3g} held out, {row['floor_in_sample']:.3g} in sample; "

@@ -45,7 +45,7 @@ import warnings
 
 import numpy as np
 
-from _runs import Journal
+from _runs import Journal, layer_reader
 from rotary_truncation import load_smollm2, save_json
 
 TOLERANCES = (0.01, 0.05)
@@ -320,26 +320,8 @@ def figure(rows, path):
     print(f"wrote {path}")
 
 
-def _layer_reader(model, windows, args):
-    """``heads(layer, h)``: the head on the fitted and on the held-out windows; a layer's heads read once, when the
-    first of its heads not in the journal is computed (inside that step, so its time counts)."""
-    from rstar.heads import collect_attention
-
-    read = {}
-
-    def heads(layer_index, h):
-        if read.get("index") != layer_index:
-            read.clear()
-            read.update(index=layer_index,
-                        fit=collect_attention(model, windows[:args.n_samples], layers=[layer_index])[0],
-                        held=collect_attention(model, windows[args.n_samples:], layers=[layer_index])[0])
-        return read["fit"].head(h), read["held"].head(h)
-
-    return heads
-
-
 def _run_anchors(args, model, pairs, journal, windows):
-    heads = _layer_reader(model, windows, args)
+    heads = layer_reader(model, windows, args.n_samples)
     anchors = []
     for layer_index, h in sorted(pairs):
         fresh = f"{layer_index},{h}" not in journal.done
@@ -356,7 +338,7 @@ def _run_anchors(args, model, pairs, journal, windows):
 
 
 def _run_judge(args, model, pairs, journal, windows):
-    heads = _layer_reader(model, windows, args)
+    heads = layer_reader(model, windows, args.n_samples)
     judged = [journal.step(f"{layer_index},{h}", lambda: _judge_row(*heads(layer_index, h)))
               for layer_index, h in sorted(pairs)]
     fits = args.out if os.path.exists(args.out) else args.out + ".partial.jsonl"
@@ -426,7 +408,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in journal.done.values():
         _print_row(row)
-    heads = _layer_reader(model, windows, args)
+    heads = layer_reader(model, windows, args.n_samples)
 
     done = {}
     for layer_index, h in sorted(pairs):
