@@ -165,10 +165,10 @@ def realised_excess(model, plan, layers, held, collect_attention, truncated_head
     return out
 
 
-def within_point(hs):
-    """Heads whose realised excess (alone) is within two standard errors of the curve's point estimate, the two
-    errors combined."""
-    return sum(abs(h["alone"] - h["predicted_point"]) <= 2 * np.hypot(h["alone_se"], h["predicted_se"]) for h in hs)
+def within_point(hs, key="predicted_point"):
+    """Heads whose realised excess (alone) is within two standard errors of the curve's point estimate (or of the
+    prediction under ``key``), the two errors combined."""
+    return sum(abs(h["alone"] - h[key]) <= 2 * np.hypot(h["alone_se"], h["predicted_se"]) for h in hs)
 
 
 def predicted_against_realised(plan, rows, realised, tolerance, truncated):
@@ -180,21 +180,27 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated):
     for p in plan:
         key = (int(p["layer"]), int(p["head"]))
         real, row = realised[f"{key[0]},{key[1]}"], by_key[key]
-        point = se = None
+        point = se = own = None
         if row.get("risk_curve_point") is not None and row.get("risk_curve_se") is not None:
             # the curve's point estimate at the rank (beyond where it was measured: its last value)
             k = min(int(p["rank"]), len(row["risk_curve_point"]) - 1)
             point, se = float(row["risk_curve_point"][k]), float(row["risk_curve_se"][k])
+            if row.get("risk_curve_floor") is not None and row.get("risk_curve_floor_in_sample") is not None:
+                # the fit's own model: its held-out risk over the noise, the curve with its floor moved from the
+                # full half models held out (their estimation error in it) to the same models in sample
+                own = point + float(row["risk_curve_floor"]) - float(row["risk_curve_floor_in_sample"])
         out.append(dict(tolerance=tolerance, truncated=truncated, layer=key[0], head=key[1], rank=int(p["rank"]),
-                        predicted=float(p["predicted_excess"]), predicted_point=point, predicted_se=se, **real))
+                        predicted=float(p["predicted_excess"]), predicted_point=point, predicted_se=se,
+                        predicted_own_model=own, **real))
     return out
 
 
 #: The header of :func:`predicted_rows`' table.
 PREDICTED_HEADER = ["| ε | rank-r model | heads | realised (alone) ≤ predicted + 2 se | within 2 se | "
                     "Σ predicted | Σ realised alone | Σ realised in the model | median realised/predicted (alone) | "
-                    "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) |",
-                    "|---|---|---|---|---|---|---|---|---|---|---|"]
+                    "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) | "
+                    "fit's own model, in-sample floor: within 2 se (both) · Σ predicted |",
+                    "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def predicted_rows(heads_cmp, tolerances, models):
@@ -212,7 +218,11 @@ def predicted_rows(heads_cmp, tolerances, models):
                          f"{sum(h['predicted'] for h in hs):.3f} | {sum(h['alone'] for h in hs):.3f} | "
                          f"{sum(h['inside'] for h in hs):.3f} | {ratio:.2f} | "
                          + (f"{sum(h['floor'] for h in hs):.3f} |" if hs[0]["floor"] is not None else "— |")
-                         + (f" {within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |"))
+                         + (f" {within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |")
+                         + (f" {within_point(hs, 'predicted_own_model')} · "
+                            f"{sum(h['predicted_own_model'] for h in hs):.3f} |"
+                            if what == "fit's model" and all(h.get("predicted_own_model") is not None for h in hs)
+                            else " — |"))
     return lines
 
 

@@ -204,3 +204,28 @@ def test_a_head_projected_on_all_its_token_directions_is_the_head():
     assert np.all(np.diff(w) <= 1e-12)
     excess = subspace.projected_excess(head, U, [1, 4, U.shape[1]])
     assert excess[2] < 1e-20 and excess[0] > excess[1] > 1e-3
+
+
+def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
+    """compress.py's predicted-against-realised rows: a head's own fitted model is predicted by the curve's point
+    estimate with its floor moved from the full half models held out to the same models in sample (the curve plus
+    the gap); the head's kernel keeps the curve, and a row without the floors predicts nothing more."""
+    runs = pytest.importorskip("_runs")
+    rows = [dict(layer=0, head=0, risk_curve_point=[0.5, 0.02, 0.004], risk_curve_se=[0.01, 0.001, 0.001],
+                 risk_curve_floor=0.0065, risk_curve_floor_in_sample=0.0005),
+            dict(layer=0, head=1, risk_curve_point=[0.4, 0.01], risk_curve_se=[0.01, 0.001])]
+    plan = [dict(layer=0, head=0, rank=2, predicted_excess=0.005), dict(layer=0, head=1, rank=5, predicted_excess=0.01)]
+    real = {"0,0": dict(alone=0.0097, alone_se=0.0005, inside=0.01, inside_se=0.0005, floor=0.0),
+            "0,1": dict(alone=0.01, alone_se=0.0005, inside=0.01, inside_se=0.0005, floor=0.0)}
+    own = runs.predicted_against_realised(plan, rows, real, 0.01, "fit's model")
+    assert own[0]["predicted_own_model"] == pytest.approx(0.004 + 0.0065 - 0.0005)
+    assert own[1]["predicted_point"] == 0.01 and own[1]["predicted_own_model"] is None  # rank past the curve's end
+    # the first head is 2 se away from its curve's point (0.0057 > 2 * hypot(0.0005, 0.001)) but within 2 of
+    # the prediction for its own model (0.0003); both heads must carry it for the column to be counted
+    assert runs.within_point(own[:1]) == 0 and runs.within_point(own[:1], "predicted_own_model") == 1
+    line = runs.predicted_rows(own[:1], [0.01], ("fit's model",))[0]
+    assert line.endswith("| 1 · 0.010 |") and line.count("|") == runs.PREDICTED_HEADER[0].count("|")
+    assert runs.predicted_rows(own, [0.01], ("fit's model",))[0].endswith("| — |")
+    kernel = runs.predicted_rows(runs.predicted_against_realised(plan, rows, real, 0.01, "head's kernel")[:1],
+                                 [0.01], ("head's kernel",))[0]
+    assert kernel.endswith("| 0 | — |")
