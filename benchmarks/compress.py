@@ -40,7 +40,10 @@ For each tolerance plan: each head's predicted excess at r*(ε) (its risk curve:
 and the point estimate with its standard error) against the realised excess of its truncated kernel (and of the
 fit's own rank-r model, and of the student) on the held-out windows, the head alone (its layer truncated, the
 layers before it intact) and inside the whole truncated model (the layers before it truncated too), with the
-realised excess's standard error over windows.
+realised excess's standard error over windows. The fit's own model is also predicted by the curve with its floor
+moved in sample (``risk_curve_point + risk_curve_floor - risk_curve_floor_in_sample``, where the table's rows
+carry both floors): the curve subtracts the full half models held out, whose estimation error the fit's model
+does not share.
 
 Usage::
 
@@ -336,6 +339,9 @@ def _figures(results, heads_cmp, full_width, out):
             ax.plot(x[over], np.full(over.sum(), top), "^", color=color, ms=5)
             ax.plot(x, np.minimum(inside, top), "x", color=color, alpha=0.5, ms=4,
                     label=f"{what}: inside the truncated model")
+            if what == "fit's model" and all(h.get("predicted_own_model") is not None for h in hs):
+                ax.plot(x, np.minimum([h["predicted_own_model"] for h in hs], top), "_", color=color, ms=7, mew=1.5,
+                        label="fit's model: predicted (the curve, floor in sample)")
         hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == "head's kernel"]
         ax.plot(np.arange(len(hs)), [h["predicted"] for h in hs], "_", color="k", ms=9, mew=2,
                 label="predicted (risk curve at r*(ε))")
