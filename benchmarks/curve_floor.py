@@ -27,6 +27,9 @@ Usage::
     python benchmarks/curve_floor.py --model minilm --heads 0:0,1:3,1:8,2:5,3:7
     python benchmarks/curve_floor.py --model smollm2 --heads 0:0,1:1,...,29:2 --curves --out results/curve_floor_diag.json
     python benchmarks/curve_floor.py --replot results/curve_floor_diag.json
+
+Each head is a step of a journal (``OUT.partial.jsonl``): the time left is printed after each, and an interrupted
+run continues with ``--resume`` (same options).
 """
 
 import argparse
@@ -37,7 +40,7 @@ import warnings
 
 import numpy as np
 
-from _runs import layer_reader
+from _runs import Journal, layer_reader
 
 TOLERANCES = (0.01, 0.05)
 PREDICTIONS = ("held-out floor (the curve)", "midpoint floor", "in-sample floor")
@@ -168,6 +171,8 @@ def main():
                    help="also keep each head's curves and, at every rank, the realised excess of the fit's model and "
                         "the head's truncation (held out and fitted): rules can then be judged without refitting")
     p.add_argument("--out", default=None, help="JSON of the rows (default: benchmarks/out/curve_floor_MODEL.json)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from OUT.partial.jsonl (same options; heads may be added)")
     args = p.parse_args()
     if args.replot:
         with open(args.replot) as fh:
@@ -190,8 +195,13 @@ def main():
     out = args.out or os.path.join("benchmarks", "out", f"curve_floor_{args.model}.json")
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
     heads, rows = layer_reader(model, windows, args.n_samples), []
+    # one journal step per head: the time left after each, and --resume continues where a run stopped
+    record = dict(model=args.model, seq_len=args.seq_len, n_samples=args.n_samples, n_held=args.n_held,
+                  seed=args.seed, curves=bool(args.curves))
+    journal = Journal(out + ".partial.jsonl", record, args.resume, len(pairs))
     for layer, h in pairs:
-        row = dict(layer=layer, **fit_head(*heads(layer, h), args.model == "smollm2", args.seed, args.curves))
+        row = journal.step(f"{layer}:{h}", lambda: dict(
+            layer=layer, **fit_head(*heads(layer, h), args.model == "smollm2", args.seed, args.curves)))
         rows.append(row)
         _save(out, args, rows)
         print(f"layer {layer} head {h}: floor {row['floor']:.3g} held out, {row['floor_in_sample']:.3g} in sample; "
