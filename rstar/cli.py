@@ -458,7 +458,9 @@ def _heads(args):
         if args.budget is not None:
             plans[f"budget={args.budget}"] = rank_plan(table, budget=args.budget)
         (out / "plan.json").write_text(json.dumps(
-            {name: {"heads": _rows(plan), "rank_pattern": rank_pattern(plan, probes)}
+            {name: {"heads": [{k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
+                              for row in _rows(plan)],   # a missing prediction (NaN in the frame) as null
+                    "rank_pattern": rank_pattern(plan, probes)}
              for name, plan in plans.items()}, indent=1, default=float))
     try:
         import matplotlib

@@ -328,6 +328,10 @@ def test_heads_writes_rank_plans_with_their_rank_pattern(tmp_path, capsys):
     name = "encoder.layer.0.attention.self"
     assert tol["rank_pattern"] == {f"{name}.query": width, f"{name}.key": width}
     assert sum(h["rank"] for h in plans["budget=20"]["heads"]) <= 20
+    # the fit's own model predicted with the floor moved in sample: the curve plus the gap between the floors
+    for h, r in zip(tol["heads"], rows):
+        gap = r["risk_curve_floor"] - r["risk_curve_floor_in_sample"]
+        assert h["predicted_excess_fitted_model"] == pytest.approx(h["predicted_excess"] + max(gap, 0.0))
     # the fits' own factors, put into the model at the plan's ranks: the installed kernel is the fit's model
     # truncated in the tokens' metric, in rstar's convention (logits x~ A B^T x~^T / sqrt(d~))
     from rstar.heads import collect_attention, load_minilm, text_windows, truncated_head_factors, truncated_heads

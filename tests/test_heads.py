@@ -562,6 +562,29 @@ def test_rank_plan_by_tolerance_and_by_budget_and_its_rank_pattern(ids):
         rank_plan([dict(r, risk_curve=[np.nan] * 3) for r in rows], budget=4)
 
 
+def test_rank_plan_predicts_the_fit_s_own_model_with_the_floor_in_sample():
+    """The plan's second prediction: the curve it reads plus the gap between the held-out and in-sample floors
+    (the estimation error the curve's floor carries and the fit's own model does not subtract); none for a row
+    without both floors, and a negative gap counts as none."""
+    from rstar.heads import rank_plan
+
+    curve = [0.4, 0.1, 0.03, 0.01, 0.004]
+    rows = [dict(layer=0, head=0, d_head=4, risk_curve=curve, risk_curve_floor=0.012, risk_curve_floor_in_sample=0.002),
+            dict(layer=0, head=1, d_head=4, risk_curve=curve, risk_curve_floor=0.01, risk_curve_floor_in_sample=None),
+            dict(layer=0, head=2, d_head=4, risk_curve=curve, risk_curve_floor=0.001, risk_curve_floor_in_sample=0.003),
+            dict(layer=0, head=3, d_head=4, risk_curve=curve)]
+    plan = rank_plan(rows, tolerance=0.05)
+    plan = plan.to_dict("records") if hasattr(plan, "to_dict") else plan
+    assert [p["rank"] for p in plan] == [2, 2, 2, 2]
+    assert plan[0]["predicted_excess_fitted_model"] == pytest.approx(0.03 + 0.01)
+    assert plan[2]["predicted_excess_fitted_model"] == pytest.approx(0.03)
+    assert all(p["predicted_excess_fitted_model"] is None or np.isnan(p["predicted_excess_fitted_model"])
+               for p in (plan[1], plan[3]))
+    budgeted = rank_plan(rows[:1], budget=3)
+    budgeted = budgeted.to_dict("records") if hasattr(budgeted, "to_dict") else budgeted
+    assert budgeted[0]["predicted_excess_fitted_model"] == pytest.approx(0.01 + 0.01)
+
+
 def test_truncated_heads_put_the_planned_ranks_into_the_model_and_take_them_out(ids):
     from rstar.heads import truncated_heads
     from rstar.inversions._numerics.softmax_factored import token_metric_roots

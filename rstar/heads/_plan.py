@@ -34,6 +34,16 @@ def _check_budget(budget):
     return int(budget)
 
 
+def _floor_gap(row):
+    """How far the head's cross-fitted curve may understate its fit's own model: its held-out floor less the same
+    full models in sample (``risk_curve_floor - risk_curve_floor_in_sample``, at least 0); None where the row has
+    no such pair (a table without the floors, or a curve measured in sample)."""
+    pair = [row.get("risk_curve_floor"), row.get("risk_curve_floor_in_sample")]
+    if any(v is None or not np.isfinite(float(v)) for v in pair):
+        return None
+    return max(float(pair[0]) - float(pair[1]), 0.0)
+
+
 def _curve(row):
     """The head's predicted excess at ranks 0 ... d_head (the curve its r*(ε) is read from), non-increasing."""
     curve = row.get("risk_curve")
@@ -116,12 +126,18 @@ def rank_plan(table, *, tolerance=None, budget=None):
       outputs, which the per-head curves do not model).
 
     The predicted excess is each head's ``risk_curve`` (the upper bound its r*(ε) is read from, cross-fitted;
-    beyond the rank where the fit stopped measuring it, its last value; made non-increasing).
+    beyond the rank where the fit stopped measuring it, its last value; made non-increasing). It predicts the
+    head's own kernel cut to that rank. The fit's own rank-r model (``--save-factors``, ``truncated_heads(factors=)``)
+    is predicted by ``predicted_excess_fitted_model``: the same curve with its floor moved from the full half models
+    held out to the same models in sample (``+ risk_curve_floor - risk_curve_floor_in_sample``), since the held-out
+    floor carries estimation error the fit's model does not subtract; None where the table has no such pair (a
+    curve measured in sample).
 
     Returns
     -------
     plan : pandas.DataFrame, or list of dict without pandas
-        One row per head: ``layer, head, d_head, rank, predicted_excess, reached``; in tolerance mode also
+        One row per head: ``layer, head, d_head, rank, predicted_excess, predicted_excess_fitted_model,
+        reached``; in tolerance mode also
         ``rank_interval``, the reading's interval where the table has it (``rank_interval_at_<ε>``; None
         otherwise).
 
@@ -147,7 +163,9 @@ def rank_plan(table, *, tolerance=None, budget=None):
         ranks = allocate_ranks(curves, budget)
         reached = [True] * len(rows)
     plan = [dict(layer=int(r["layer"]), head=int(r["head"]), d_head=int(r["d_head"]), rank=k,
-                 predicted_excess=float(c[k]), reached=ok) for r, c, k, ok in zip(rows, curves, ranks, reached)]
+                 predicted_excess=float(c[k]),
+                 predicted_excess_fitted_model=None if _floor_gap(r) is None else float(c[k]) + _floor_gap(r),
+                 reached=ok) for r, c, k, ok in zip(rows, curves, ranks, reached)]
     if tolerance is not None:
         # the reading's interval where the table has it at this tolerance (estimate_heads' rank_interval_at_<ε>):
         # a head whose interval is wide is one the data did not pin down
