@@ -457,6 +457,13 @@ def _heads(args):
         plans = {f"tolerance={t:g}": rank_plan(table, tolerance=t) for t in args.tolerance}
         if args.budget is not None:
             plans[f"budget={args.budget}"] = rank_plan(table, budget=args.budget)
+        if args.save_factors:
+            # the widths at which the saved factors themselves are predicted within each tolerance
+            try:
+                plans.update({f"tolerance={t:g} (fitted models)": rank_plan(table, tolerance=t, model="fitted")
+                              for t in args.tolerance})
+            except ValueError as exc:
+                print(f"(no plan for the fitted models: {exc})", file=sys.stderr)
         (out / "plan.json").write_text(json.dumps(
             {name: {"heads": [{k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
                               for row in _rows(plan)],   # a missing prediction (NaN in the frame) as null

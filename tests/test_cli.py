@@ -321,8 +321,11 @@ def test_heads_writes_rank_plans_with_their_rank_pattern(tmp_path, capsys):
     assert "risk_curve" not in capsys.readouterr().out and "risk_curve" not in (out / "heads.csv").read_text()
     rows = json.loads((out / "heads.json").read_text())["rows"]
     plans = json.loads((out / "plan.json").read_text())
-    assert set(plans) == {"tolerance=0.05", "budget=20"}
+    assert set(plans) == {"tolerance=0.05", "budget=20", "tolerance=0.05 (fitted models)"}
     tol = plans["tolerance=0.05"]
+    own = plans["tolerance=0.05 (fitted models)"]["heads"]
+    assert all(o["rank"] >= t["rank"] for o, t in zip(own, tol["heads"]))
+    assert all(o["predicted_excess_fitted_model"] <= 0.05 or not o["reached"] for o in own)
     assert [h["rank"] for h in tol["heads"]] == [r["rank_at_0.05"] for r in rows]
     width = sum(h["rank"] for h in tol["heads"])
     name = "encoder.layer.0.attention.self"

@@ -584,6 +584,26 @@ def test_rank_plan_predicts_the_fit_s_own_model_with_the_floor_in_sample():
     budgeted = budgeted.to_dict("records") if hasattr(budgeted, "to_dict") else budgeted
     assert budgeted[0]["predicted_excess_fitted_model"] == pytest.approx(0.01 + 0.01)
 
+    # ranks chosen for the fit's own models: the curve plus the gap must reach the tolerance
+    def records(plan):
+        return plan.to_dict("records") if hasattr(plan, "to_dict") else plan
+
+    far = dict(rows[0], head=4, risk_curve_floor=0.06)   # a gap of 0.058: no rank is predicted within 0.03
+    with_floors = [rows[0], rows[2], far]
+    kernel = records(rank_plan(with_floors, tolerance=0.03))
+    fitted = records(rank_plan(with_floors, tolerance=0.03, model="fitted"))
+    assert [p["rank"] for p in kernel] == [2, 2, 2] and all(p["reached"] for p in kernel)
+    assert [p["rank"] for p in fitted] == [3, 2, 4] and [p["reached"] for p in fitted] == [True, True, False]
+    assert fitted[0]["predicted_excess"] == pytest.approx(0.01)
+    assert fitted[0]["predicted_excess_fitted_model"] == pytest.approx(0.02)
+    # a constant shift per head: the budget's split is the same
+    assert ([p["rank"] for p in records(rank_plan(with_floors, budget=6, model="fitted"))]
+            == [p["rank"] for p in records(rank_plan(with_floors, budget=6))])
+    with pytest.raises(ValueError, match="layer 0 head 1 has not both"):
+        rank_plan(rows, tolerance=0.03, model="fitted")
+    with pytest.raises(ValueError, match="model must be 'kernel'"):
+        rank_plan(rows, tolerance=0.03, model="student")
+
 
 def test_truncated_heads_put_the_planned_ranks_into_the_model_and_take_them_out(ids):
     from rstar.heads import truncated_heads

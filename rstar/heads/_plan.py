@@ -113,7 +113,7 @@ def allocate_ranks(curves, budget):
     return ranks[::-1]
 
 
-def rank_plan(table, *, tolerance=None, budget=None):
+def rank_plan(table, *, tolerance=None, budget=None, model="kernel"):
     """Each head's query–key rank, from the table of :func:`rstar.heads.estimate_heads` (with tolerances).
 
     Give exactly one of
@@ -133,39 +133,55 @@ def rank_plan(table, *, tolerance=None, budget=None):
     floor carries estimation error the fit's model does not subtract; None where the table has no such pair (a
     curve measured in sample).
 
+    ``model`` says which of the two the ranks are chosen by: ``"kernel"`` (the head's kernel cut, the curve itself:
+    each head's r*(ε)) or ``"fitted"`` (the fit's own models, to be put back in the heads' place: the curve plus
+    the floors' gap, so a head whose fit's model is not predicted within ε at any rank gets ``d_head``, flagged
+    ``reached=False``; every row needs both floors). In budget mode the gaps shift each head's curve by a constant,
+    so the split is the same either way.
+
     Returns
     -------
     plan : pandas.DataFrame, or list of dict without pandas
         One row per head: ``layer, head, d_head, rank, predicted_excess, predicted_excess_fitted_model,
-        reached``; in tolerance mode also
+        reached`` (whichever ``model`` chose the ranks, both predictions at them); in tolerance mode also
         ``rank_interval``, the reading's interval where the table has it (``rank_interval_at_<ε>``; None
         otherwise).
 
     Raises
     ------
     ValueError
-        Neither or both of tolerance and budget, a tolerance outside (0, 1), a negative budget, or a table without
-        risk curves.
+        Neither or both of tolerance and budget, a tolerance outside (0, 1), a negative budget, a table without
+        risk curves, an unknown ``model``, or ``model="fitted"`` on a row without both floors.
     """
     if (tolerance is None) == (budget is None):
         raise ValueError("give exactly one of tolerance (each head's r*(tolerance)) and budget (a total width).")
+    if model not in ("kernel", "fitted"):
+        raise ValueError(f"model must be 'kernel' (the heads' kernels cut) or 'fitted' (the fits' own models), "
+                         f"got {model!r}.")
     rows = _rows(table, ("layer", "head", "d_head", "risk_curve"))
     if not rows:
         raise ValueError("the table has no heads.")
-    curves = [_curve(r) for r in rows]
+    curves, gaps = [_curve(r) for r in rows], [_floor_gap(r) for r in rows]
+    chosen = curves   # the curves the ranks are chosen by
+    if model == "fitted":
+        missing = next((r for r, g in zip(rows, gaps) if g is None), None)
+        if missing is not None:
+            raise ValueError(f"model='fitted' needs each head's risk_curve_floor and risk_curve_floor_in_sample; "
+                             f"layer {missing['layer']} head {missing['head']} has not both (a table of an older "
+                             "rstar, or a curve measured in sample): use model='kernel'.")
+        chosen = [c + g for c, g in zip(curves, gaps)]
     if tolerance is not None:
         tol = float(tolerance)
         if not 0.0 < tol < 1.0:
             raise ValueError(f"tolerance must be in (0, 1), got {tolerance}.")
-        ranks = [int(np.argmax(c <= tol)) if np.any(c <= tol) else c.size - 1 for c in curves]
-        reached = [bool(np.any(c <= tol)) for c in curves]
+        ranks = [int(np.argmax(c <= tol)) if np.any(c <= tol) else c.size - 1 for c in chosen]
+        reached = [bool(np.any(c <= tol)) for c in chosen]
     else:
-        ranks = allocate_ranks(curves, budget)
+        ranks = allocate_ranks(chosen, budget)
         reached = [True] * len(rows)
     plan = [dict(layer=int(r["layer"]), head=int(r["head"]), d_head=int(r["d_head"]), rank=k,
-                 predicted_excess=float(c[k]),
-                 predicted_excess_fitted_model=None if _floor_gap(r) is None else float(c[k]) + _floor_gap(r),
-                 reached=ok) for r, c, k, ok in zip(rows, curves, ranks, reached)]
+                 predicted_excess=float(c[k]), predicted_excess_fitted_model=None if g is None else float(c[k]) + g,
+                 reached=ok) for r, c, g, k, ok in zip(rows, curves, gaps, ranks, reached)]
     if tolerance is not None:
         # the reading's interval where the table has it at this tolerance (estimate_heads' rank_interval_at_<ε>):
         # a head whose interval is wide is one the data did not pin down
