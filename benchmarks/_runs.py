@@ -221,7 +221,8 @@ def predicted_rows(heads_cmp, tolerances, models):
                          + (f" {within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |")
                          + (f" {within_point(hs, 'predicted_own_model')} · "
                             f"{sum(h['predicted_own_model'] for h in hs):.3f} |"
-                            if what == "fit's model" and all(h.get("predicted_own_model") is not None for h in hs)
+                            if what.startswith("fit's model")
+                            and all(h.get("predicted_own_model") is not None for h in hs)
                             else " — |"))
     return lines
 

@@ -43,7 +43,10 @@ layers before it intact) and inside the whole truncated model (the layers before
 realised excess's standard error over windows. The fit's own model is also predicted by the curve with its floor
 moved in sample (``risk_curve_point + risk_curve_floor - risk_curve_floor_in_sample``, where the table's rows
 carry both floors): the curve subtracts the full half models held out, whose estimation error the fit's model
-does not share.
+does not share. With the fits' own models saved and both floors in the rows, each tolerance also gets the plan
+chosen by that prediction (``rank_plan(model="fitted")``: each head at the smallest width where its fit's own model
+is predicted within ε), put back with those models (``rstar tolerance ε (fit's models at their widths)``), every
+allocation also run at its total width, and its per-head realised excess (``fit's model at its width``).
 
 Usage::
 
@@ -128,7 +131,12 @@ def main(argv=None):
 
     tolerances = sorted(float(k[len("rank_at_"):]) for k in rows[0] if k.startswith("rank_at_"))
     tol_plans = {tol: records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
-    widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
+    # the widths at which the fits' own models are predicted within each tolerance (the curve plus the floors'
+    # gap: rank_plan(model="fitted")), where the run saved them and its rows carry both floors
+    own_plans = {}
+    if fitted and all(r.get("risk_curve_floor_in_sample") is not None for r in rows):
+        own_plans = {tol: records(rank_plan(rows, tolerance=tol, model="fitted")) for tol in tolerances}
+    widths = sorted({sum(p["rank"] for p in plan) for plan in (*tol_plans.values(), *own_plans.values())}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     budgets = [float(v) for v in args.error_budgets.split(",") if v]
     # the steps, counted before any runs (for the time left): the two calibrations, then per width the tolerance
@@ -136,7 +144,8 @@ def main(argv=None):
     # comparisons
     models = 2 if fitted else 1
     n_steps = (2 + sum(models * sum(sum(p["rank"] for p in plan) == W for plan in tol_plans.values())
-                       + models + 7 for W in widths) + len(budgets) + models * len(tol_plans))
+                       + sum(sum(p["rank"] for p in plan) == W for plan in own_plans.values())
+                       + models + 7 for W in widths) + len(budgets) + models * len(tol_plans) + len(own_plans))
     if args.students:
         # per tolerance plan: one student per head of rank > 0, the plan put back with them, their realised excess
         n_steps += sum(sum(int(p["rank"]) > 0 for p in plan) + 2 for plan in tol_plans.values())
@@ -199,6 +208,11 @@ def main(argv=None):
                 if fitted:
                     evaluate(f"rstar tolerance {tol:g} (fit's models)", plan_ranks(plan, keys), "tokens", W, total,
                              fitted)
+        for tol, plan in own_plans.items():
+            if sum(p["rank"] for p in plan) == W:
+                total = dict(predicted_total=float(sum(p["predicted_excess_fitted_model"] for p in plan)))
+                evaluate(f"rstar tolerance {tol:g} (fit's models at their widths)", plan_ranks(plan, keys),
+                         "tokens", W, total, fitted)
         budget_plan = records(rank_plan(rows, budget=W))
         total = dict(predicted_total=float(sum(p["predicted_excess"] for p in budget_plan)))
         evaluate("rstar budget", plan_ranks(budget_plan, keys), "tokens", W, total)
@@ -250,6 +264,12 @@ def main(argv=None):
                                                                truncated_heads, factors,
                                                                floor=what == "fit's model").items()})
             heads_cmp += predicted_against_realised(plan, rows, real, tol, what)
+    for tol, plan in own_plans.items():
+        what = "fit's model at its width"
+        real = journal.step(f"realised|{tol:g}|{what}", lambda: {
+            f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
+                                                           truncated_heads, fitted, floor=False).items()})
+        heads_cmp += predicted_against_realised(plan, rows, real, tol, what)
     elapsed = time.perf_counter() - t0
     if len(journal.done) != n_steps:
         raise RuntimeError(f"the run took {len(journal.done)} steps where {n_steps} were counted")
@@ -270,7 +290,8 @@ def main(argv=None):
         lines.append(f"| {r['width_asked'] if r['width_asked'] is not None else '—'} | {r['allocation']} | "
                      f"{r['truncation']} | {r['width']} | {r['loss']:.2e} | {r['min_cosine']:.4f} | {pred} |")
     lines += [""] + PREDICTED_HEADER
-    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", "fit's model", "student"))
+    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", "fit's model", "fit's model at its width",
+                                                    "student"))
     lines.append(f"\n{elapsed:.0f} s in all (Fisher scores {t_fisher:.0f} s, their loss the {fisher_loss}; "
                  f"Eigen Attention's sweep {t_sweep:.0f} s).")
     if student_runs:
@@ -307,9 +328,15 @@ def _figures(results, heads_cmp, full_width, out):
     for r in results:
         if r["allocation"].startswith("rstar tolerance"):
             own, student = r["allocation"].endswith("(fit's models)"), r["allocation"].endswith("(students)")
-            ax.plot(r["width"], r["loss"], "P" if student else "*", color="k" if student else "C3",
-                    markersize=11 if student else 14, markerfacecolor="none" if own else None)
-            if not own:
+            at_width = r["allocation"].endswith("(fit's models at their widths)")
+            ax.plot(r["width"], r["loss"], "P" if student else "p" if at_width else "*",
+                    color="k" if student else "C3", markersize=11 if student or at_width else 14,
+                    markerfacecolor="none" if own or at_width else None)
+            if at_width:
+                ax.annotate(f"fit's models at their r*({float(r['allocation'].split()[2]):.0%}) widths",
+                            (r["width"], r["loss"]), textcoords="offset points", xytext=(-4, -14), fontsize=7,
+                            ha="right")
+            if not own and not at_width:
                 what = ", students" if student else ""
                 ax.annotate(f"r*({float(r['allocation'].split()[2]):.0%}){what}", (r["width"], r["loss"]),
                             textcoords="offset points", xytext=(6, -12 if student else 6))
