@@ -171,9 +171,10 @@ def within_point(hs, key="predicted_point"):
     return sum(abs(h["alone"] - h[key]) <= 2 * np.hypot(h["alone_se"], h["predicted_se"]) for h in hs)
 
 
-def predicted_against_realised(plan, rows, realised, tolerance, truncated):
-    """One dict per head of a tolerance plan: its predicted excess (the curve the plan read, its upper bound; the
-    point estimate and its standard error where the row has them) beside the realised ones of
+def predicted_against_realised(plan, rows, realised, tolerance, truncated, predicted_key="predicted_excess"):
+    """One dict per head of a tolerance plan: its predicted excess (the plan's ``predicted_key``: the curve the plan
+    read, its upper bound, or that of the fit's own model; the point estimate and its standard error where the row
+    has them, and the point estimate for the fit's own model where it has both floors) beside the realised ones of
     :func:`realised_excess` (``realised`` keyed ``"layer,head"``)."""
     by_key = {(int(r["layer"]), int(r["head"])): r for r in rows}
     out = []
@@ -188,9 +189,9 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated):
             if row.get("risk_curve_floor") is not None and row.get("risk_curve_floor_in_sample") is not None:
                 # the fit's own model: its held-out risk over the noise, the curve with its floor moved from the
                 # full half models held out (their estimation error in it) to the same models in sample
-                own = point + float(row["risk_curve_floor"]) - float(row["risk_curve_floor_in_sample"])
+                own = point + max(float(row["risk_curve_floor"]) - float(row["risk_curve_floor_in_sample"]), 0.0)
         out.append(dict(tolerance=tolerance, truncated=truncated, layer=key[0], head=key[1], rank=int(p["rank"]),
-                        predicted=float(p["predicted_excess"]), predicted_point=point, predicted_se=se,
+                        predicted=float(p[predicted_key]), predicted_point=point, predicted_se=se,
                         predicted_own_model=own, **real))
     return out
 

@@ -172,7 +172,7 @@ def main():
                         "the head's truncation (held out and fitted): rules can then be judged without refitting")
     p.add_argument("--out", default=None, help="JSON of the rows (default: benchmarks/out/curve_floor_MODEL.json)")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run from OUT.partial.jsonl (same options; heads may be added)")
+                   help="continue an interrupted run from OUT.partial.jsonl (the same options and heads)")
     args = p.parse_args()
     if args.replot:
         with open(args.replot) as fh:
@@ -196,8 +196,8 @@ def main():
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
     heads, rows = layer_reader(model, windows, args.n_samples), []
     # one journal step per head: the time left after each, and --resume continues where a run stopped
-    record = dict(model=args.model, seq_len=args.seq_len, n_samples=args.n_samples, n_held=args.n_held,
-                  seed=args.seed, curves=bool(args.curves))
+    record = dict(model=args.model, heads=args.heads, seq_len=args.seq_len, n_samples=args.n_samples,
+                  n_held=args.n_held, seed=args.seed, curves=bool(args.curves))
     journal = Journal(out + ".partial.jsonl", record, args.resume, len(pairs))
     for layer, h in pairs:
         row = journal.step(f"{layer}:{h}", lambda: dict(

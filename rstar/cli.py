@@ -465,9 +465,7 @@ def _heads(args):
             except ValueError as exc:
                 print(f"(no plan for the fitted models: {exc})", file=sys.stderr)
         (out / "plan.json").write_text(json.dumps(
-            {name: {"heads": [{k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
-                              for row in _rows(plan)],   # a missing prediction (NaN in the frame) as null
-                    "rank_pattern": rank_pattern(plan, probes)}
+            {name: {"heads": _json_rows(_rows(plan)), "rank_pattern": rank_pattern(plan, probes)}
              for name, plan in plans.items()}, indent=1, default=float))
     try:
         import matplotlib
@@ -479,6 +477,11 @@ def _heads(args):
         print('(matplotlib is not installed: no heatmap; pip install "rstar[plot]")')
     print(f"\n[{len(rows)} heads ({len(fitted)} fitted now) in {time.perf_counter() - t0:.1f} s; wrote {out}/]")
     return 0
+
+
+def _json_rows(rows):
+    """Rows for JSON: a missing value (NaN, as a DataFrame holds None in a float column) as null, not NaN."""
+    return [{k: None if isinstance(v, float) and v != v else v for k, v in row.items()} for row in rows]
 
 
 def main(argv=None):

@@ -219,7 +219,8 @@ def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
             "0,1": dict(alone=0.01, alone_se=0.0005, inside=0.01, inside_se=0.0005, floor=0.0)}
     own = runs.predicted_against_realised(plan, rows, real, 0.01, "fit's model")
     assert own[0]["predicted_own_model"] == pytest.approx(0.004 + 0.0065 - 0.0005)
-    assert own[1]["predicted_point"] == 0.01 and own[1]["predicted_own_model"] is None  # rank past the curve's end
+    # past the curve's end its last value; no floors, no prediction for the fit's own model
+    assert own[1]["predicted_point"] == 0.01 and own[1]["predicted_own_model"] is None
     # the first head is 2 se away from its curve's point (0.0057 > 2 * hypot(0.0005, 0.001)) but within 2 of
     # the prediction for its own model (0.0003); both heads must carry it for the column to be counted
     assert runs.within_point(own[:1]) == 0 and runs.within_point(own[:1], "predicted_own_model") == 1
@@ -229,3 +230,11 @@ def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
     kernel = runs.predicted_rows(runs.predicted_against_realised(plan, rows, real, 0.01, "head's kernel")[:1],
                                  [0.01], ("head's kernel",))[0]
     assert kernel.endswith("| 0 | — |")
+    # a negative gap (the in-sample side above the held-out one) moves nothing, as in rank_plan
+    swapped = [dict(rows[0], risk_curve_floor=0.0005, risk_curve_floor_in_sample=0.0065)]
+    assert runs.predicted_against_realised(plan[:1], swapped, real, 0.01, "fit's model")[0][
+        "predicted_own_model"] == pytest.approx(0.004)
+    # a plan's own prediction read where asked (the fitted-model plan's)
+    fitted_plan = [dict(plan[0], predicted_excess_fitted_model=0.011)]
+    assert runs.predicted_against_realised(fitted_plan, rows, real, 0.01, "fit's model at its width",
+                                           "predicted_excess_fitted_model")[0]["predicted"] == 0.011

@@ -354,6 +354,14 @@ def test_heads_writes_rank_plans_with_their_rank_pattern(tmp_path, capsys):
         np.testing.assert_allclose(inside.head(h).kernel(), q @ k.T, atol=1e-5 * np.abs(q @ k.T).max())
 
 
+def test_plan_rows_write_a_missing_prediction_as_null():
+    """plan.json: a head without the floors (NaN in the plan's frame) gets null, which every JSON reader takes."""
+    rows = cli._json_rows([dict(rank=3, predicted_excess=0.01, predicted_excess_fitted_model=float("nan"),
+                                rank_interval=[1, 4])])
+    assert rows == [dict(rank=3, predicted_excess=0.01, predicted_excess_fitted_model=None, rank_interval=[1, 4])]
+    assert "NaN" not in json.dumps(rows)
+
+
 def test_heads_bad_device_is_a_one_line_error(tmp_path, capsys):
     assert cli.main(["heads", "--device", "nonsense", "--out", str(tmp_path / "h")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

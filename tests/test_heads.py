@@ -601,6 +601,13 @@ def test_rank_plan_predicts_the_fit_s_own_model_with_the_floor_in_sample():
             == [p["rank"] for p in records(rank_plan(with_floors, budget=6))])
     with pytest.raises(ValueError, match="layer 0 head 1 has not both"):
         rank_plan(rows, tolerance=0.03, model="fitted")
+    # a DataFrame holds a missing floor as NaN: the same plans (the CLI's path)
+    pd = pytest.importorskip("pandas")
+    assert rank_plan(pd.DataFrame(with_floors), tolerance=0.03, model="fitted").to_dict("records") == fitted
+    framed = rank_plan(pd.DataFrame(rows), tolerance=0.05).to_dict("records")
+    assert np.isnan(framed[1]["predicted_excess_fitted_model"]) and np.isnan(framed[3]["predicted_excess_fitted_model"])
+    with pytest.raises(ValueError, match="layer 0 head 1 has not both"):
+        rank_plan(pd.DataFrame(rows), tolerance=0.03, model="fitted")
     with pytest.raises(ValueError, match="model must be 'kernel'"):
         rank_plan(rows, tolerance=0.03, model="student")
 

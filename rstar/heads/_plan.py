@@ -130,8 +130,8 @@ def rank_plan(table, *, tolerance=None, budget=None, model="kernel"):
     head's own kernel cut to that rank. The fit's own rank-r model (``--save-factors``, ``truncated_heads(factors=)``)
     is predicted by ``predicted_excess_fitted_model``: the same curve with its floor moved from the full half models
     held out to the same models in sample (``+ risk_curve_floor - risk_curve_floor_in_sample``), since the held-out
-    floor carries estimation error the fit's model does not subtract; None where the table has no such pair (a
-    curve measured in sample).
+    floor carries estimation error the fit's model does not subtract (a negative gap counts as none); None (NaN in
+    a DataFrame) where the table has no such pair (a curve measured in sample).
 
     ``model`` says which of the two the ranks are chosen by: ``"kernel"`` (the head's kernel cut, the curve itself:
     each head's r*(ε)) or ``"fitted"`` (the fit's own models, to be put back in the heads' place: the curve plus
