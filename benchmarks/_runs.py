@@ -174,7 +174,8 @@ def within_point(hs, key="predicted_point"):
 def predicted_against_realised(plan, rows, realised, tolerance, truncated, predicted_key="predicted_excess"):
     """One dict per head of a tolerance plan: its predicted excess (the plan's ``predicted_key``: the curve the plan
     read, its upper bound, or that of the fit's own model; the point estimate and its standard error where the row
-    has them, and the point estimate for the fit's own model where it has both floors) beside the realised ones of
+    has them, and the point estimate for the fit's own model where the plan predicts that model) beside the
+    realised ones of
     :func:`realised_excess` (``realised`` keyed ``"layer,head"``)."""
     by_key = {(int(r["layer"]), int(r["head"])): r for r in rows}
     out = []
@@ -186,10 +187,11 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated, predi
             # the curve's point estimate at the rank (beyond where it was measured: its last value)
             k = min(int(p["rank"]), len(row["risk_curve_point"]) - 1)
             point, se = float(row["risk_curve_point"][k]), float(row["risk_curve_se"][k])
-            if row.get("risk_curve_floor") is not None and row.get("risk_curve_floor_in_sample") is not None:
-                # the fit's own model: its held-out risk over the noise, the curve with its floor moved from the
-                # full half models held out (their estimation error in it) to the same models in sample
-                own = point + max(float(row["risk_curve_floor"]) - float(row["risk_curve_floor_in_sample"]), 0.0)
+            fitted = p.get("predicted_excess_fitted_model")
+            if fitted is not None and np.isfinite(fitted):
+                # the fit's own model: the point estimate with its floor moved in sample, by the gap rank_plan put
+                # between the plan's two predictions (rstar.heads.rank_plan: the floors' gap, at least 0)
+                own = point + float(fitted) - float(p["predicted_excess"])
         out.append(dict(tolerance=tolerance, truncated=truncated, layer=key[0], head=key[1], rank=int(p["rank"]),
                         predicted=float(p[predicted_key]), predicted_point=point, predicted_se=se,
                         predicted_own_model=own, **real))

@@ -214,7 +214,9 @@ def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
     rows = [dict(layer=0, head=0, risk_curve_point=[0.5, 0.02, 0.004], risk_curve_se=[0.01, 0.001, 0.001],
                  risk_curve_floor=0.0065, risk_curve_floor_in_sample=0.0005),
             dict(layer=0, head=1, risk_curve_point=[0.4, 0.01], risk_curve_se=[0.01, 0.001])]
-    plan = [dict(layer=0, head=0, rank=2, predicted_excess=0.005), dict(layer=0, head=1, rank=5, predicted_excess=0.01)]
+    # rank_plan's rows: the fit's own model predicted by the curve plus the floors' gap (none without the floors)
+    plan = [dict(layer=0, head=0, rank=2, predicted_excess=0.005, predicted_excess_fitted_model=0.005 + 0.006),
+            dict(layer=0, head=1, rank=5, predicted_excess=0.01, predicted_excess_fitted_model=float("nan"))]
     real = {"0,0": dict(alone=0.0097, alone_se=0.0005, inside=0.01, inside_se=0.0005, floor=0.0),
             "0,1": dict(alone=0.01, alone_se=0.0005, inside=0.01, inside_se=0.0005, floor=0.0)}
     own = runs.predicted_against_realised(plan, rows, real, 0.01, "fit's model")
@@ -231,8 +233,13 @@ def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
                                  [0.01], ("head's kernel",))[0]
     assert kernel.endswith("| 0 | — |")
     # a negative gap (the in-sample side above the held-out one) moves nothing, as in rank_plan
-    swapped = [dict(rows[0], risk_curve_floor=0.0005, risk_curve_floor_in_sample=0.0065)]
-    assert runs.predicted_against_realised(plan[:1], swapped, real, 0.01, "fit's model")[0][
+    from rstar.heads import rank_plan
+
+    swapped = [dict(rows[0], d_head=2, risk_curve=[0.5, 0.02, 0.005], risk_curve_floor=0.0005,
+                    risk_curve_floor_in_sample=0.0065)]
+    planned = rank_plan(swapped, tolerance=0.01)
+    planned = planned.to_dict("records") if hasattr(planned, "to_dict") else planned
+    assert runs.predicted_against_realised(planned, swapped, real, 0.01, "fit's model")[0][
         "predicted_own_model"] == pytest.approx(0.004)
     # a plan's own prediction read where asked (the fitted-model plan's)
     fitted_plan = [dict(plan[0], predicted_excess_fitted_model=0.011)]
