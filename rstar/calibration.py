@@ -322,6 +322,32 @@ class Calibration:
         "'Uses all q directions': the half-sum's q-th singular value above this fraction of its first.",
         _BY_HAND, "no measurement recorded")
 
+    factored_rescale_iter: int = _value(
+        100, "factored fit", "count0",
+        "Every this many L-BFGS iterations an unrotated factored fit re-factors each kernel's query and key factors "
+        "in balance and rescales their columns (scaled gradient descent: "
+        "rstar.inversions._numerics.softmax_factored.balanced_factor_scales), restarting L-BFGS there; 0 runs plain "
+        "L-BFGS on the factors as given.",
+        "python benchmarks/factored_convergence.py",
+        "MiniLM, T = 32, n = 500, 12 heads (3 the values were chosen on by the loss reached in 400 iterations, "
+        "9 others): the scaled fit read the r*(1%) and r*(5%) of a fit with four times the iterations on 12 of 12 "
+        "heads (plain L-BFGS: 6 and 8) and 7 of its 12 fits settled within the cap (plain: none); on the 3 heads "
+        "the relative in-sample loss after ~400 iterations was 2e-5 to 6e-9 against 1.2e-4 to 4.7e-6. Every 200 "
+        "iterations did as well on two of them; not a critical value")
+    factored_scale_damping: float = _value(
+        0.01, "factored fit", "positive",
+        "The damping of those column scales, relative to the kernel's largest singular value (in the token metric): "
+        "a column of singular value s moves as if scaled by (s + this x s_1)^(-1/2), so columns the kernel does not "
+        "use still move.",
+        "python benchmarks/factored_convergence.py",
+        "as factored_rescale_iter (0.1 did as well on the one head tried)")
+    factored_scaled_memory: int = _value(
+        60, "factored fit", "count",
+        "Curvature pairs L-BFGS keeps in the scaled factored fit (factored_rescale_iter); the rotary fits and a fit "
+        "with factored_rescale_iter = 0 keep 20.",
+        "python benchmarks/factored_convergence.py",
+        "as factored_rescale_iter: on layer 5 head 5, 0.6 times the loss of 20 pairs after 400 iterations")
+
     # -- optimisers ------------------------------------------------------------------------------------------
     least_squares_loss_tol: float = _value(
         0.01, "optimisers", "positive",

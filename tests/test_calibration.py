@@ -56,6 +56,9 @@ DEFAULTS = {
     "factored_clear_checks": 3,
     "factored_unsettled_segments": 4,
     "factored_fill_ratio": 0.05,
+    "factored_rescale_iter": 100,
+    "factored_scale_damping": 0.01,
+    "factored_scaled_memory": 60,
     # optimisers
     "least_squares_loss_tol": 0.01,
     "softmax_max_iter": 4000,

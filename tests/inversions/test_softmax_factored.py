@@ -261,7 +261,8 @@ def test_a_count_that_does_not_settle_is_refitted_at_a_larger_rank():
     halves = ((X[1::2], Y[1::2]), (X[0::2], Y[0::2]))
     settled = factored_statistic(halves, teacher.value_map)
     assert settled.null.fitted_rank == 8 and not settled.warnings
-    unsettled = DEFAULT_CALIBRATION.replace(factored_stable_rtol=0.0)
+    # (plain L-BFGS: the scaled fit, factored_rescale_iter, converges within the segments the doubling waits for)
+    unsettled = DEFAULT_CALIBRATION.replace(factored_stable_rtol=0.0, factored_rescale_iter=0)
     waited = factored_statistic(halves, teacher.value_map, calibration=unsettled)
     assert waited.null.fitted_rank == 8 and split_half_result(waited).rank == 2
     ws = factored_statistic(halves, teacher.value_map, calibration=unsettled.replace(factored_fill_ratio=0.0))
@@ -585,3 +586,75 @@ def test_the_cross_fitted_curve_reports_the_floor_it_subtracts_and_its_in_sample
     Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
     lin = RStarEstimator("linear_qk", tolerance=0.05).fit(Xq, Yq)
     assert lin.risk_curve_floor_in_sample_ is None and 0 < lin.risk_curve_floor_ < 1
+
+
+def test_balanced_factors_keep_the_kernel_and_scale_by_its_singular_values():
+    rng = np.random.default_rng(3)
+    A, B = rng.standard_normal((12, 4)) * [10.0, 3.0, 1.0, 0.1], rng.standard_normal((12, 4))
+    At, Bt, scale = sf.balanced_factor_scales(A, B, 0.01)
+    np.testing.assert_allclose(At @ Bt.T, A @ B.T, atol=1e-10)
+    s = np.linalg.svd(A @ B.T, compute_uv=False)[:4]
+    np.testing.assert_allclose(At.T @ At, np.diag(s), atol=1e-9)
+    np.testing.assert_allclose(Bt.T @ Bt, np.diag(s), atol=1e-9)
+    np.testing.assert_allclose(scale, 1.0 / np.sqrt(s + 0.01 * s[0]))
+    # a zero kernel has nothing to balance: returned as given, unit scales
+    Z = np.zeros((12, 4))
+    Za, Zb, unit = sf.balanced_factor_scales(Z, Z, 0.01)
+    assert np.all(Za == 0) and np.all(Zb == 0) and np.all(unit == 1.0)
+
+
+def _factorisation_problem(seed=0, d=30, q=3):
+    """f(A, B) = ||A B^T - M||^2 for an ill-conditioned rank-q M (singular values 100, 1, 0.01)."""
+    rng = np.random.default_rng(seed)
+    U, _ = np.linalg.qr(rng.standard_normal((d, q)))
+    W, _ = np.linalg.qr(rng.standard_normal((d, q)))
+    M = (U * [100.0, 1.0, 0.01]) @ W.T
+
+    def fun(blocks):
+        A, B = blocks
+        R = A @ B.T - M
+        return float(np.sum(R * R)), [2 * R @ B, 2 * R.T @ A]
+
+    start = [rng.standard_normal((d, q)) * 0.1, rng.standard_normal((d, q)) * 0.1]
+    return fun, start
+
+
+def test_scaled_factors_fit_an_ill_conditioned_kernel_further_in_the_same_iterations():
+    # the same kernel and loss either way; balanced and scaled factors reach the weak direction (0.01 of the
+    # strongest) that plain L-BFGS on the factors has not fitted in the same iterations
+    fun, start = _factorisation_problem()
+    checks = []
+    _, f_plain, _, _ = sf._minimize(fun, start, None, 60, 0.0, 1)
+    blocks, f_scaled, nit, _ = sf._minimize(fun, start, None, 60, 0.0, 1, factor_pairs=((0, 1),), rescale_every=20,
+                                            damping=0.01, memory=20,
+                                            on_check=lambda bl, n: checks.append(n) and False, check_every=10)
+    assert f_scaled < 1e-3 * f_plain
+    # the checks fall on the run's own iteration count across the restarts (every 10, restarts every 20)
+    assert checks == list(range(10, nit + 1, 10))
+    assert fun(blocks)[0] == pytest.approx(f_scaled)
+
+
+def test_rotary_fits_keep_their_planes_unscaled(monkeypatch):
+    # a rotary head's columns are planes: fit_factored_pair asks for no factor pairs there, and for both halves'
+    # pairs without rotation; factored_rescale_iter = 0 asks for none
+    seen = []
+    original = sf._minimize
+
+    def spy(*args, **kw):
+        seen.append((kw.get("factor_pairs"), kw.get("memory")))
+        return original(*args, **kw)
+
+    monkeypatch.setattr(sf, "_minimize", spy)
+    from rstar.inversions._numerics.rotary import RotaryPositions
+
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((20, 6, 8)), rng.standard_normal((20, 6, 3))
+    V = rng.standard_normal((8, 3))
+    halves = ((X[::2], Y[::2]), (X[1::2], Y[1::2]))
+    starts = [(rng.standard_normal((8, 2)) * 0.1, rng.standard_normal((8, 2)) * 0.1)] * 2
+    sf.fit_factored_pair(halves, 2, starts, value_map=V, max_iter=3)
+    sf.fit_factored_pair(halves, 2, starts, value_map=V, max_iter=3,
+                         calibration=DEFAULT_CALIBRATION.replace(factored_rescale_iter=0))
+    rot = RotaryPositions.from_frequencies(np.array([0.5]), 6)
+    sf.fit_factored_pair(halves, 2, starts, value_map=V, max_iter=3, rotary=rot)
+    assert seen == [(((0, 1), (2, 3)), DEFAULT_CALIBRATION.factored_scaled_memory), ((), 20), ((), 20)]

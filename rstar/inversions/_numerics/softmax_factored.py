@@ -498,18 +498,45 @@ def extended_start(X, Y, fit, rank, mask=None, precondition=None, *, calibration
                        loss=loss)
 
 
+def balanced_factor_scales(At, Bt, damping):
+    """The factors ``(At, Bt)`` (d x q, whitened) of one kernel re-factored in balance, and their column scales.
+
+    With ``At Bt^T = U S W^T`` (through thin QR factors of either side: ``O(d q^2)``), the balanced factors are
+    ``U S^{1/2}`` and ``W S^{1/2}`` (the same kernel, ``At^T At = Bt^T Bt = S``), and the scale of column j is
+    ``(s_j + damping s_1)^{-1/2}``: L-BFGS run on ``At / scale`` (and ``Bt / scale``) takes gradient steps
+    preconditioned by ``(Bt^T Bt + damping s_1 I)^{-1}`` on the query side and ``(At^T At + ...)^{-1}`` on the key
+    side, the scaled gradient descent of low-rank factorisations (Tong, Ma & Chi, "Accelerating ill-conditioned
+    low-rank matrix estimation via scaled gradient descent", JMLR 22, 2021; the damping, which keeps the columns
+    the kernel does not use moving, as in Zhang, Fattahi & Zhang's PrecGD, NeurIPS 2021), so that the kernel's weak
+    directions are fitted at the pace of its strong ones. Returns ``(At, Bt, scale)``; a zero kernel is returned
+    as given with unit scales.
+    """
+    Qa, Ra = np.linalg.qr(At)
+    Qb, Rb = np.linalg.qr(Bt)
+    U, s, Wt = np.linalg.svd(Ra @ Rb.T)
+    if not s.size or not s[0] > 0:
+        return At, Bt, np.ones(At.shape[1])
+    root = np.sqrt(s)
+    return Qa @ (U * root), Qb @ (Wt.T * root), 1.0 / np.sqrt(s + damping * s[0])
+
+
 def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, check_every=None,
-              block_precondition=None):
-    """L-BFGS (:func:`rstar.inversions._numerics.lbfgs.minimize_lbfgs`) on the blocks (each ``d x k``) in preconditioned coordinates
-    ``block = P block~``.
+              block_precondition=None, factor_pairs=(), rescale_every=None, damping=0.0, memory=20):
+    """L-BFGS (:func:`rstar.inversions._numerics.lbfgs.minimize_lbfgs`) on the blocks (each ``d x k``) in preconditioned
+    coordinates ``block = P (block~ * scale)``.
 
     ``precondition = (P, P_inv)`` (symmetric ``d x d``, e.g. ``M^{-1/2}`` and ``M^{1/2}`` of the token second
     moment, so that anisotropic tokens do not make the loss badly conditioned) or None. ``fun`` maps the blocks
     to ``(f, [gradients])``. ``on_check(blocks, n_iter)`` is called every ``check_every`` iterations and stops
     the run by returning True. ``block_precondition`` (a list, one entry per block, or None) gives a block its
-    own ``(P, P_inv)`` in place of ``precondition`` where the entry is not None. Returns
-    ``(blocks, f, n_iter, converged)``; converged means stopped on the loss tolerance or with no step left to
-    take (not the iteration limit, not ``on_check``).
+    own ``(P, P_inv)`` in place of ``precondition`` where the entry is not None.
+
+    ``factor_pairs`` lists the ``(i, j)`` blocks that are the query and key factors of one kernel ``A B^T``: every
+    ``rescale_every`` iterations (and at the start) they are re-factored in balance in their whitened coordinates
+    and given the column scales of :func:`balanced_factor_scales` (``damping``), and L-BFGS restarts from there
+    (the kernel, and so the loss, unchanged; its curvature memory cleared: the coordinates changed). ``memory``:
+    the curvature pairs L-BFGS keeps. Returns ``(blocks, f, n_iter, converged)``; converged means stopped on the
+    loss tolerance or with no step left to take (not the iteration limit, not ``on_check``).
     """
     d = blocks[0].shape[0]
     edges = np.cumsum([0] + [b.shape[1] for b in blocks])
@@ -525,24 +552,44 @@ def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, ch
         return np.hstack([M[:, edges[k]:edges[k + 1]] if p is None else p[which] @ M[:, edges[k]:edges[k + 1]]
                           for k, p in enumerate(pre)])
 
+    scale = np.ones(edges[-1])   # each column's scale (1 outside the factor pairs)
+
     def unpack(theta):
-        M = apply(theta.reshape(d, edges[-1]), 0)
+        M = apply(theta.reshape(d, edges[-1]) * scale, 0)
         return [np.ascontiguousarray(M[:, edges[k]:edges[k + 1]]) for k in range(len(blocks))]
 
     def wrapped(theta):
         f, grads = fun(unpack(theta))
-        return f, apply(np.hstack(grads), 0).ravel()   # P symmetric: d f / d b~ = P^T d f / d b
+        return f, (apply(np.hstack(grads), 0) * scale).ravel()   # P symmetric: d f / d b~ = P^T d f / d b
 
-    theta0 = apply(np.hstack(blocks), 1).ravel()
-    f0 = wrapped(theta0)[0]
+    def rebalance(current):
+        # the whitened factors of each kernel in balance, and their columns' scales
+        white = apply(np.hstack(current), 1)
+        scale[:] = 1.0
+        for i, j in factor_pairs:
+            qi, qj = slice(edges[i], edges[i + 1]), slice(edges[j], edges[j + 1])
+            white[:, qi], white[:, qj], s = balanced_factor_scales(white[:, qi], white[:, qj], damping)
+            scale[qi], scale[qj] = s, s
+        return (white / scale).ravel()
+
+    theta = rebalance(blocks) if factor_pairs else apply(np.hstack(blocks), 1).ravel()
+    f0 = wrapped(theta)[0]
     # stop once an iteration gains less than tol times the loss per observation (f <= f0 throughout)
     ftol = tol / n_obs * max(f0, 1e-300) / max(f0, 1.0)
+    chunk = int(max_iter) if not factor_pairs or not rescale_every else int(rescale_every)
+    done, f, status = 0, f0, "max_iter"
+    while done < int(max_iter):
+        def callback(x, nit, offset=done):
+            total = offset + nit
+            return on_check is not None and total % check_every == 0 and bool(on_check(unpack(x), total))
 
-    def callback(theta, nit):
-        return on_check is not None and nit % check_every == 0 and bool(on_check(unpack(theta), nit))
-
-    theta, f, nit, status = minimize_lbfgs(wrapped, theta0, int(max_iter), ftol, memory=20, callback=callback)
-    return unpack(theta), float(f), nit, status in ("converged", "line_search")
+        theta, f, nit, status = minimize_lbfgs(wrapped, theta, min(chunk, int(max_iter) - done), ftol,
+                                               memory=memory, callback=callback)
+        done += nit
+        if status != "max_iter" or done >= int(max_iter):
+            break
+        theta = rebalance(unpack(theta))
+    return unpack(theta), float(f), done, status in ("converged", "line_search")
 
 
 def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=None,
@@ -640,8 +687,14 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
 
     check = None if on_check is None else (lambda bl, nit: on_check(as_fits(bl, nit=nit), nit))
     n_obs = sum(Y.size for _, Y in halves)
+    # an unrotated head's kernel A B^T is unchanged by A G, B G^{-T}: its factors are kept in balance and scaled
+    # (balanced_factor_scales); a rotary head's columns are its planes, which only plane-wise rotations keep
+    pairs = () if rotary is not None or not calibration.factored_rescale_iter else ((0, 1), (per, per + 1))
     bl, _, nit, converged = _minimize(fun, blocks, precondition, max_iter, tol, n_obs, check, check_every,
-                                      block_precondition=own if fitted_v else None)
+                                      block_precondition=own if fitted_v else None, factor_pairs=pairs,
+                                      rescale_every=calibration.factored_rescale_iter,
+                                      damping=calibration.factored_scale_damping,
+                                      memory=calibration.factored_scaled_memory if pairs else 20)
     rss = [factored_rss(X, X @ part[2] if fitted_v else Z, Y, part[0], part[1], mask, calibration=calibration,
                         rotary=rotary)
            for (X, Y), Z, part in zip(halves, paths, split(bl))]
