@@ -44,22 +44,24 @@ DEFAULT_HEADS = "4:9,0:0,5:5,0:6,1:3,1:9,2:2,2:7,3:1,3:10,4:4,5:0"
 VARIANTS = ("plain", "scaled", "reference")
 
 
-def _calibration(variant):
+def _calibration(variant, scaled_memory=None):
     from rstar.calibration import DEFAULT_CALIBRATION
 
     if variant == "plain":
         return DEFAULT_CALIBRATION.replace(factored_rescale_iter=0)
+    cal = (DEFAULT_CALIBRATION if scaled_memory is None
+           else DEFAULT_CALIBRATION.replace(factored_scaled_memory=int(scaled_memory)))
     if variant == "reference":
-        return DEFAULT_CALIBRATION.replace(factored_max_iter=4 * DEFAULT_CALIBRATION.factored_max_iter)
-    return DEFAULT_CALIBRATION
+        return cal.replace(factored_max_iter=4 * DEFAULT_CALIBRATION.factored_max_iter)
+    return cal
 
 
-def fit_variant(fit, held, variant, seed):
+def fit_variant(fit, held, variant, seed, scaled_memory=None):
     """One fit's readings, their held-out realised excess, floors, iterations and time."""
     from rstar import RStarEstimator
 
     est = RStarEstimator(value_map=fit.value_map(), tolerance=TOLERANCES[0], max_rank=fit.d_head, device="auto",
-                         random_state=seed, calibration=_calibration(variant))
+                         random_state=seed, calibration=_calibration(variant, scaled_memory))
     t = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -81,34 +83,43 @@ def fit_variant(fit, held, variant, seed):
     return out
 
 
-def head_row(fit, held, seed):
+def head_row(fit, held, seed, variants=VARIANTS, scaled_memory=None):
     from rstar.heads import truncation_rank
 
     row = dict(head=int(fit.head), d_head=int(fit.d_head),
                truncation={f"{e:g}": int(truncation_rank(fit, e)) for e in TOLERANCES})
-    row["fits"] = {v: fit_variant(fit, held, v, seed) for v in VARIANTS}
+    row["fits"] = {v: fit_variant(fit, held, v, seed, scaled_memory) for v in variants}
     return row
 
 
-def summary(rows):
-    """Markdown: per head the three fits' readings; per variant the counts and times."""
-    lines = ["| layer | head | ε | truncation rank | plain | scaled | reference | realised plain / scaled / ref |",
-             "|---|---|---|---|---|---|---|---|"]
+def _reference_fits(rows, reference_rows=None):
+    """Each row's reference fit: its own, or that of the same head in ``reference_rows`` (an earlier run)."""
+    by = {(r["layer"], r["head"]): r["fits"]["reference"] for r in (reference_rows or []) if "reference" in r["fits"]}
+    return [row["fits"].get("reference") or by[(row["layer"], row["head"])] for row in rows]
+
+
+def summary(rows, reference_rows=None):
+    """Markdown: per head the fits' readings; per variant the counts and times (against the reference fit of these
+    rows, or of ``reference_rows``)."""
+    variants = [v for v in VARIANTS if v in rows[0]["fits"]]
+    refs = _reference_fits(rows, reference_rows)
+    lines = [f"| layer | head | ε | truncation rank | {' | '.join(variants)} | realised {' / '.join(variants)} |",
+             "|---|---|---|---|" + "---|" * len(variants) + "---|"]
     for row in rows:
         for e in TOLERANCES:
             k = f"{e:g}"
-            cells = [f"{row['fits'][v][f'rank_{k}']} {tuple(row['fits'][v][f'interval_{k}'])}" for v in VARIANTS]
-            real = " / ".join(f"{row['fits'][v][f'realised_{k}']:.4f}" for v in VARIANTS)
+            cells = [f"{row['fits'][v][f'rank_{k}']} {tuple(row['fits'][v][f'interval_{k}'])}" for v in variants]
+            real = " / ".join(f"{row['fits'][v][f'realised_{k}']:.4f}" for v in variants)
             lines.append(f"| {row['layer']} | {row['head']} | {k} | {row['truncation'][k]} | " + " | ".join(cells)
                          + f" | {real} |")
     lines += ["", "| variant | ε | equal to the reference | mean abs. difference | sufficient | within | both | "
                   "heads settled | mean iterations (last rank) | seconds |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    for v in VARIANTS:
+    for v in variants:
         fits = [row["fits"][v] for row in rows]
         for e in TOLERANCES:
             k = f"{e:g}"
-            ref = [row["fits"]["reference"][f"rank_{k}"] for row in rows]
+            ref = [f[f"rank_{k}"] for f in refs]
             got = [f[f"rank_{k}"] for f in fits]
             suff = [f[f"realised_{k}"] <= e for f in fits]
             within = [f[f"rank_{k}"] <= row["truncation"][k] for f, row in zip(fits, rows)]
@@ -131,6 +142,8 @@ def figure(rows, path):
     for ax, e in zip(axes, TOLERANCES):
         k = f"{e:g}"
         for v, marker, dx in zip(VARIANTS, ("o", "s", "^"), (-0.2, 0.0, 0.2)):
+            if v not in rows[0]["fits"]:
+                continue
             ax.plot(x + dx, [r["fits"][v][f"rank_{k}"] for r in rows], marker, label=v, ms=6)
         ax.plot(x, [r["truncation"][k] for r in rows], "k_", ms=14, mew=2, label="truncation rank")
         ax.set_xticks(x, labels, rotation=60)
@@ -141,6 +154,13 @@ def figure(rows, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"figure written to {path}")
+
+
+def _rows(path):
+    if not path:
+        return None
+    with open(path) as fh:
+        return json.load(fh)["rows"]
 
 
 def main():
@@ -154,14 +174,25 @@ def main():
     p.add_argument("--figure", default=None, help="PNG of the readings (default: OUT with .png)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from OUT.partial.jsonl")
     p.add_argument("--replot", metavar="JSON", help="print the tables and draw the figure of an earlier run")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="the fits to run, of plain,scaled,reference")
+    p.add_argument("--scaled-memory", type=int, default=None,
+                   help="factored_scaled_memory of the scaled and reference fits (default: the calibration's)")
+    p.add_argument("--reference", metavar="JSON", default=None,
+                   help="compare with the reference fits of an earlier run of the same heads (without --variants "
+                        "reference)")
     args = p.parse_args()
     fig_path = args.figure or os.path.splitext(args.replot or args.out)[0] + ".png"
     if args.replot:
         with open(args.replot) as fh:
             rows = json.load(fh)["rows"]
-        print(summary(rows))
+        print(summary(rows, _rows(args.reference)))
         figure(rows, fig_path)
         return
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if not variants or any(v not in VARIANTS for v in variants):
+        p.error(f"--variants takes some of {','.join(VARIANTS)}; got {args.variants!r}")
+    if "reference" not in variants and not args.reference:
+        p.error("without the reference fit give --reference JSON, an earlier run's rows to compare with")
     from rstar.heads import load_minilm, text_windows
 
     model, tok = load_minilm()
@@ -170,20 +201,21 @@ def main():
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
     heads = layer_reader(model, windows, args.n_samples)
     record = dict(heads=args.heads, seq_len=args.seq_len, n_samples=args.n_samples, n_held=args.n_held,
-                  seed=args.seed)
+                  seed=args.seed, variants=list(variants), scaled_memory=args.scaled_memory)
     journal = Journal(args.out + ".partial.jsonl", record, args.resume, len(pairs))
     rows = []
     for layer, h in pairs:
-        row = journal.step(f"{layer}:{h}", lambda: dict(layer=layer, **head_row(*heads(layer, h), args.seed)))
+        row = journal.step(f"{layer}:{h}", lambda: dict(layer=layer, **head_row(*heads(layer, h), args.seed, variants,
+                                                                     args.scaled_memory)))
         rows.append(row)
         print(f"layer {layer} head {h}: " + "; ".join(
             f"{v} r*(1%) {row['fits'][v]['rank_0.01']} r*(5%) {row['fits'][v]['rank_0.05']} "
-            f"({row['fits'][v]['iterations']} it, {row['fits'][v]['seconds']:.0f} s)" for v in VARIANTS), flush=True)
+            f"({row['fits'][v]['iterations']} it, {row['fits'][v]['seconds']:.0f} s)" for v in row["fits"]), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(dict(vars(args), rows=rows), fh, indent=1)
     print()
-    print(summary(rows))
+    print(summary(rows, _rows(args.reference)))
     figure(rows, fig_path)
     print(f"\nrows written to {args.out}")
 

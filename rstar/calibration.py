@@ -346,7 +346,10 @@ class Calibration:
         "Curvature pairs L-BFGS keeps in the scaled factored fit (factored_rescale_iter); the rotary fits and a fit "
         "with factored_rescale_iter = 0 keep 20.",
         "python benchmarks/factored_convergence.py",
-        "as factored_rescale_iter: on layer 5 head 5, 0.6 times the loss of 20 pairs after 400 iterations")
+        "as factored_rescale_iter: on layer 5 head 5, 0.6 times the loss of 20 pairs after 400 iterations; with 20 "
+        "pairs (--variants plain,scaled --scaled-memory 20) the 12 heads read the longer fit's r*(1%) on 10 (two one "
+        "short) and r*(5%) on 12, in the plain fit's time (243 s against 254 s), where 60 pairs' numpy products cost "
+        "about 45% more per iteration at q = 32")
 
     # -- optimisers ------------------------------------------------------------------------------------------
     least_squares_loss_tol: float = _value(
