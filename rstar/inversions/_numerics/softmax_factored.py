@@ -35,7 +35,7 @@ from scipy import linalg
 from ..._backend import NUMPY
 from ...calibration import DEFAULT_CALIBRATION
 from .lbfgs import minimize_lbfgs
-from .linalg import psd_power, solve_psd
+from .linalg import factored_svd, psd_power, solve_psd
 from .rotary import rotate, rotate_adjoint
 
 __all__ = [
@@ -501,23 +501,21 @@ def extended_start(X, Y, fit, rank, mask=None, precondition=None, *, calibration
 def balanced_factor_scales(At, Bt, damping):
     """The factors ``(At, Bt)`` (d x q, whitened) of one kernel re-factored in balance, and their column scales.
 
-    With ``At Bt^T = U S W^T`` (through thin QR factors of either side: ``O(d q^2)``), the balanced factors are
-    ``U S^{1/2}`` and ``W S^{1/2}`` (the same kernel, ``At^T At = Bt^T Bt = S``), and the scale of column j is
-    ``(s_j + damping s_1)^{-1/2}``: L-BFGS run on ``At / scale`` (and ``Bt / scale``) takes gradient steps
-    preconditioned by ``(Bt^T Bt + damping s_1 I)^{-1}`` on the query side and ``(At^T At + ...)^{-1}`` on the key
-    side, the scaled gradient descent of low-rank factorisations (Tong, Ma & Chi, "Accelerating ill-conditioned
-    low-rank matrix estimation via scaled gradient descent", JMLR 22, 2021; the damping, which keeps the columns
-    the kernel does not use moving, as in Zhang, Fattahi & Zhang's PrecGD, NeurIPS 2021), so that the kernel's weak
-    directions are fitted at the pace of its strong ones. Returns ``(At, Bt, scale)``; a zero kernel is returned
-    as given with unit scales.
+    With ``At Bt^T = U S W^T`` (:func:`rstar.inversions._numerics.linalg.factored_svd`: ``O(d q^2)``), the
+    balanced factors are ``U S^{1/2}`` and ``W S^{1/2}`` (the same kernel, ``At^T At = Bt^T Bt = S``), and the
+    scale of column j is ``(s_j + damping s_1)^{-1/2}``: L-BFGS run on ``At / scale`` (and ``Bt / scale``) takes
+    gradient steps preconditioned by ``(Bt^T Bt + damping s_1 I)^{-1}`` on the query side and
+    ``(At^T At + ...)^{-1}`` on the key side, the scaled gradient descent of low-rank factorisations (Tong, Ma &
+    Chi, "Accelerating ill-conditioned low-rank matrix estimation via scaled gradient descent", JMLR 22, 2021; the
+    damping, which keeps the columns the kernel does not use moving, as in Zhang, Fattahi & Zhang's PrecGD,
+    NeurIPS 2021), so that the kernel's weak directions are fitted at the pace of its strong ones. Returns
+    ``(At, Bt, scale)``; a zero kernel is returned as given with unit scales.
     """
-    Qa, Ra = np.linalg.qr(At)
-    Qb, Rb = np.linalg.qr(Bt)
-    U, s, Wt = np.linalg.svd(Ra @ Rb.T)
+    U, s, W = factored_svd(At, Bt)
     if not s.size or not s[0] > 0:
         return At, Bt, np.ones(At.shape[1])
     root = np.sqrt(s)
-    return Qa @ (U * root), Qb @ (Wt.T * root), 1.0 / np.sqrt(s + damping * s[0])
+    return U * root, W * root, 1.0 / np.sqrt(s + damping * s[0])
 
 
 def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, check_every=None,
