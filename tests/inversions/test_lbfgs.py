@@ -111,6 +111,46 @@ def test_compact_memory_is_the_two_loop_recursion():
         np.testing.assert_allclose(mem.inverse_hessian_times(g), expected, rtol=0, atol=1e-12 * np.abs(expected).max())
 
 
+def test_products_carried_between_iterations_are_the_direct_ones():
+    """As minimize_lbfgs drives it — the gradient observed once, each pair added with the next gradient and the
+    step's multiple of the last direction — the memory's S^T Y, Y^T Y and the gradient's products are those computed
+    afresh, through wrap-around, a rejected pair (the gradient observed alone) and a reset; and the direction is
+    still the two-loop recursion's."""
+    from rstar.inversions._numerics.lbfgs import _CurvatureMemory
+
+    rng = np.random.default_rng(2)
+    n, memory = 200, 4
+    mem, pairs = _CurvatureMemory(n, memory), []
+    g = rng.standard_normal(n)
+    mem.observe(g)
+    for k in range(14):
+        if k == 10:
+            mem.clear()
+            pairs = []
+        if pairs:
+            direction = mem.inverse_hessian_times(g)
+            np.testing.assert_allclose(direction, _two_loop_reference(g, pairs), rtol=1e-10,
+                                       atol=1e-12 * np.abs(direction).max())
+            t = -rng.uniform(0.1, 2.0)
+            s, along = t * direction, t
+        else:
+            s, along = -g / np.linalg.norm(g), None
+        y = s * rng.uniform(0.5, 2.0, n)     # a positive-definite curvature along s
+        g_new = g + y
+        if k == 6:        # rejected: only the gradient moves on
+            mem.observe(g_new)
+        else:
+            mem.add(s, y, g_new, along)
+            pairs = (pairs + [(s, y)])[-memory:]
+        g = g_new
+        idx = np.asarray(mem.order)
+        S, Y = mem.S[idx], mem.Y[idx]
+        np.testing.assert_allclose(mem.SY[np.ix_(idx, idx)], S @ Y.T, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(mem.YY[np.ix_(idx, idx)], Y @ Y.T, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(mem._Sg[idx], S @ g, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(mem._Yg[idx], Y @ g, rtol=1e-10, atol=1e-10)
+
+
 def test_a_failed_line_search_ends_the_run_without_scipy_s_warning():
     """A gradient that points uphill: every search fails, the run stops with status "line_search", and scipy's
     LineSearchWarning (handled here) does not reach the user."""

@@ -24,15 +24,26 @@ class _CurvatureMemory:
     ``H g = gamma g + S R^{-T} ((D + gamma Y^T Y) R^{-1} S^T g - gamma Y^T g) - gamma Y R^{-1} S^T g`` with
     ``R`` the upper triangle of ``S^T Y``, ``D`` its diagonal and ``gamma = s^T y / y^T y`` of the newest pair —
     what the two-loop recursion computes (Algorithm 7.4), through matrix-vector products over ring buffers of the
-    pairs instead of ``4 m`` vector operations with their temporaries: on the factored fit's 98 560 variables,
-    m = 20, 6-7 ms an iteration instead of 16 with BLAS's threads, and the same with one thread (as beside torch on
-    the CPU). Each new pair costs three matrix-vector products to extend ``S^T Y`` and ``Y^T Y``.
+    pairs instead of ``4 m`` vector operations with their temporaries.
+
+    With many variables the products are memory-bound: each is one pass over ``m x n`` stored numbers (98 560
+    variables, m = 60: 47 MB a pass). An iteration here makes two passes over the pairs, the fewest the compact
+    form allows: ``[S; Y] g`` when the gradient is observed (:meth:`observe`; kept for the next direction), and
+    ``[S; Y]^T c`` for the direction; computing every product afresh took seven. A new
+    pair's products with the others come from those already held (as Byrd, Nocedal & Schnabel's section 4 keeps
+    them): ``S^T y = S^T g_new - S^T g`` and ``Y^T y = Y^T g_new - Y^T g`` from the two observed gradients, and for
+    a step along the last direction, ``s = t H g``, ``Y^T s = t Y^T H g`` from that direction's own coefficients
+    through ``(S^T Y)^T``, ``Y^T Y`` and ``Y^T g``. Without the new gradient or the step's direction (``g_new`` or
+    ``along`` None) :meth:`add` computes the products directly instead.
     """
 
     def __init__(self, n, memory):
-        self.S, self.Y = np.zeros((memory, n)), np.zeros((memory, n))
+        self.pairs = np.zeros((2 * memory, n))      # [S; Y]: one buffer, so that one pass reads both
+        self.S, self.Y = self.pairs[:memory], self.pairs[memory:]
         self.SY, self.YY = np.zeros((memory, memory)), np.zeros((memory, memory))
         self.order = []   # slots, oldest first
+        self._g, self._Sg, self._Yg = None, None, None   # the observed gradient and its products (every slot)
+        self._Y_Hg = None   # Y H g of the last direction (every held slot)
 
     def __bool__(self):
         return bool(self.order)
@@ -40,32 +51,67 @@ class _CurvatureMemory:
     def clear(self):
         self.order = []
 
-    def add(self, s, y):
+    def observe(self, g):
+        """The current gradient: its products with every stored pair, for the next :meth:`inverse_hessian_times`."""
+        products = self.pairs @ g
         memory = self.S.shape[0]
+        self._g, self._Sg, self._Yg = g, products[:memory], products[memory:]
+
+    def _products(self, g):
+        if g is not self._g:
+            self.observe(g)
+        return self._Sg, self._Yg
+
+    def add(self, s, y, g_new=None, along=None):
+        """Keep the pair ``(s, y)``; ``g_new`` the gradient after the step (then observed as well) and
+        ``along`` the ``t`` with ``s = t H g`` for the last :meth:`inverse_hessian_times` ``H g``, where known."""
+        memory = self.S.shape[0]
+        held = np.asarray(self.order, dtype=int)
+        if g_new is not None and self._g is not None:
+            Sg, Yg = self._Sg, self._Yg
+            self.observe(g_new)
+            s_y, y_y = self._Sg - Sg, self._Yg - Yg       # S^T y, Y^T y over every slot
+        elif held.size:
+            s_y, y_y = self.S @ y, self.Y @ y
+        else:
+            s_y = y_y = None
+        if along is not None and self._Y_Hg is not None:
+            y_s = along * self._Y_Hg
+        else:
+            y_s = self.Y @ s if held.size else None
         slot = self.order.pop(0) if len(self.order) == memory else next(
             k for k in range(memory) if k not in self.order)
         self.S[slot], self.Y[slot] = s, y
         self.order.append(slot)
         # the new slot's row and column of S^T Y (s_i^T y_j) and Y^T Y; free slots hold stale rows, never read
-        y_s, s_y = self.Y @ s, self.S @ y
-        self.SY[slot, :], self.SY[:, slot] = y_s, s_y
-        self.YY[slot, :] = self.YY[:, slot] = self.Y @ y
+        row, col, yy = np.zeros(memory), np.zeros(memory), np.zeros(memory)
+        if held.size:
+            row[held], col[held], yy[held] = y_s[held], s_y[held], y_y[held]
+        self.SY[slot, :], self.SY[:, slot] = row, col
+        self.YY[slot, :] = self.YY[:, slot] = yy
+        self.SY[slot, slot], self.YY[slot, slot] = float(s @ y), float(y @ y)
+        if g_new is not None and self._g is g_new:
+            self._Sg[slot], self._Yg[slot] = float(s @ g_new), float(y @ g_new)
+        self._Y_Hg = None
 
     def inverse_hessian_times(self, g):
         idx = np.asarray(self.order)
-        SY = self.SY[np.ix_(idx, idx)]
+        Sg, Yg = self._products(g)
+        SY, YY = self.SY[np.ix_(idx, idx)], self.YY[np.ix_(idx, idx)]
         newest = idx[-1]
         gamma = self.SY[newest, newest] / self.YY[newest, newest]
-        a, b = (self.S @ g)[idx], (self.Y @ g)[idx]
+        a, b = Sg[idx], Yg[idx]
         R = np.triu(SY)
         p = linalg.solve_triangular(R, a)
-        w = linalg.solve_triangular(R, np.diag(SY) * p + gamma * (self.YY[np.ix_(idx, idx)] @ p) - gamma * b,
-                                    trans="T")
-        coef_s, coef_y = np.zeros(self.S.shape[0]), np.zeros(self.S.shape[0])
-        coef_s[idx], coef_y[idx] = w, -gamma * p
-        out = self.S.T @ coef_s
-        out += self.Y.T @ coef_y
+        w = linalg.solve_triangular(R, np.diag(SY) * p + gamma * (YY @ p) - gamma * b, trans="T")
+        memory = self.S.shape[0]
+        coef = np.zeros(2 * memory)
+        coef[idx], coef[memory + idx] = w, -gamma * p
+        out = self.pairs.T @ coef
         out += gamma * g
+        # Y^T (H g) over the held slots: (Y^T S) w - gamma (Y^T Y) p + gamma Y^T g, from the small matrices
+        self._Y_Hg = np.zeros(memory)
+        self._Y_Hg[idx] = SY.T @ w - gamma * (YY @ p) + gamma * b
         return out
 
 
@@ -119,10 +165,11 @@ def minimize_lbfgs(fun, x0, max_iter, ftol, memory=20, callback=None, c1=1e-4, c
     x = np.array(x0, dtype=float)
     f, g = evaluate(x)
     pairs = _CurvatureMemory(x.size, memory)
+    pairs.observe(g)
     nit = 0
     tiny = np.finfo(float).tiny
     while nit < max_iter:
-        step = None
+        step, along = None, None
         for quasi_newton in ((True, False) if pairs else (False,)):
             if quasi_newton:
                 p = -pairs.inverse_hessian_times(g)
@@ -139,6 +186,7 @@ def minimize_lbfgs(fun, x0, max_iter, ftol, memory=20, callback=None, c1=1e-4, c
                                              c1=c1, c2=c2, maxiter=line_search_iter)[0]
             if alpha is not None:
                 step = alpha * p
+                along = -alpha if quasi_newton else None     # p = -H g
                 break
         if step is None:
             return x, f, nit, "line_search"
@@ -147,7 +195,9 @@ def minimize_lbfgs(fun, x0, max_iter, ftol, memory=20, callback=None, c1=1e-4, c
         y = g_new - g
         sy = float(step @ y)
         if sy > np.finfo(float).eps * float(y @ y):
-            pairs.add(step, y)
+            pairs.add(step, y, g_new, along)
+        else:
+            pairs.observe(g_new)
         reduction = f - f_new
         x, f, g = x_new, f_new, g_new
         nit += 1
