@@ -348,8 +348,9 @@ class Calibration:
         "python benchmarks/factored_convergence.py",
         "as factored_rescale_iter: on layer 5 head 5, 0.6 times the loss of 20 pairs after 400 iterations; with 20 "
         "pairs (--variants plain,scaled --scaled-memory 20) the 12 heads read the longer fit's r*(1%) on 10 (two one "
-        "short) and r*(5%) on 12, in the plain fit's time (243 s against 254 s), where 60 pairs' numpy products cost "
-        "about 45% more per iteration at q = 32")
+        "short) and r*(5%) on 12, in the plain fit's time (243 s against 254 s); 60 pairs cost about 45% more per iteration at q = 32 when "
+        "L-BFGS made seven passes over its pairs an iteration, and as much as 20 since it makes two (layer 2 head 2: "
+        "26-33 ms an iteration with 60 scaled, 29-43 with 20 scaled, 31 plain)")
 
     # -- optimisers ------------------------------------------------------------------------------------------
     least_squares_loss_tol: float = _value(
