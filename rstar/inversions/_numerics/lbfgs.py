@@ -29,12 +29,12 @@ class _CurvatureMemory:
     With many variables the products are memory-bound: each is one pass over ``m x n`` stored numbers (98 560
     variables, m = 60: 47 MB a pass). An iteration here makes two passes over the pairs, the fewest the compact
     form allows: ``[S; Y] g`` when the gradient is observed (:meth:`observe`; kept for the next direction), and
-    ``[S; Y]^T c`` for the direction; computing every product afresh took seven. A new
-    pair's products with the others come from those already held (as Byrd, Nocedal & Schnabel's section 4 keeps
-    them): ``S^T y = S^T g_new - S^T g`` and ``Y^T y = Y^T g_new - Y^T g`` from the two observed gradients, and for
-    a step along the last direction, ``s = t H g``, ``Y^T s = t Y^T H g`` from that direction's own coefficients
-    through ``(S^T Y)^T``, ``Y^T Y`` and ``Y^T g``. Without the new gradient or the step's direction (``g_new`` or
-    ``along`` None) :meth:`add` computes the products directly instead.
+    ``[S; Y]^T c`` for the direction; computing every product afresh took seven. A new pair's products with the
+    others come from those already held (as Byrd, Nocedal & Schnabel's section 4 keeps them): ``S^T y = S^T g_new -
+    S^T g`` and ``Y^T y = Y^T g_new - Y^T g`` from the two observed gradients, and for a step along the last
+    direction, ``s = t H g``, ``Y^T s = t Y^T H g`` from that direction's own coefficients through ``(S^T Y)^T``,
+    ``Y^T Y`` and ``Y^T g``. Without the new gradient or the step's direction (``g_new`` or ``along`` None)
+    :meth:`add` computes the products directly instead.
     """
 
     def __init__(self, n, memory):
@@ -83,12 +83,10 @@ class _CurvatureMemory:
             k for k in range(memory) if k not in self.order)
         self.S[slot], self.Y[slot] = s, y
         self.order.append(slot)
-        # the new slot's row and column of S^T Y (s_i^T y_j) and Y^T Y; free slots hold stale rows, never read
-        row, col, yy = np.zeros(memory), np.zeros(memory), np.zeros(memory)
+        # the new slot's row and column of S^T Y (s_i^T y_j) and Y^T Y; free slots hold stale entries, never read
         if held.size:
-            row[held], col[held], yy[held] = y_s[held], s_y[held], y_y[held]
-        self.SY[slot, :], self.SY[:, slot] = row, col
-        self.YY[slot, :] = self.YY[:, slot] = yy
+            self.SY[slot, :], self.SY[:, slot] = y_s, s_y
+            self.YY[slot, :] = self.YY[:, slot] = y_y
         self.SY[slot, slot], self.YY[slot, slot] = float(s @ y), float(y @ y)
         if g_new is not None and self._g is g_new:
             self._Sg[slot], self._Yg[slot] = float(s @ g_new), float(y @ g_new)
