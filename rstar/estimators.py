@@ -197,7 +197,10 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                     seed=(_resolve_seed(self.random_state, self._calibration())
                           if not hasattr(self.random_state, "randint") else None),
                     n_null_draws=int(self.n_null_draws), predict_sums=bool(self.predict_sums),
-                    rank_bound=self.max_rank, calibration=self._calibration())
+                    rank_bound=self.max_rank, calibration=self._calibration(),
+                    # the factored fit's halves must agree as closely as the risk curve needs at this tolerance
+                    agreement_target=(None if self.tolerance is None
+                                      else self._calibration().curve_resolution_fraction * float(self.tolerance)))
 
     def _start(self, X, Y, y_ndim=3):
         """Set up from the first (validated) batch: dimensions, internal units, the frozen configuration and the
@@ -223,7 +226,8 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                                    seed=self._seed, n_null_draws=config["n_null_draws"],
                                    predict_sums=config["predict_sums"], causal=config["causal"],
                                    calibration=config["calibration"], stopping_count=split_half_counts,
-                                   rank_bound=config["rank_bound"], rotary=config["rotary"])
+                                   rank_bound=config["rank_bound"], rotary=config["rotary"],
+                                   agreement_target=config["agreement_target"])
         self._stats = self._inv.new_stats(T, d, d_v)
         self._shared_statistic = False
         self._samples_read_in_passes = False

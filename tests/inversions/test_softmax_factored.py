@@ -313,6 +313,41 @@ def test_closed_form_curves_have_no_standard_error():
     np.testing.assert_array_equal(est.risk_curve_upper_, est.risk_curve_)
 
 
+def test_halves_that_disagree_beyond_the_agreement_target_refit_wider_from_fresh_starts():
+    # MiniLM's layer 1 head 8 settled at q = 8 with a count of 2 while its halves disagreed by 0.25 of Var(Y)
+    # (each half's model left 0.95 of it on the other half); fitted afresh at q = 32 they agree to 0.008. Here the
+    # count is held at 1 so that only the halves' disagreement can widen the fit: from q = 2 below r* = 8 it
+    # doubles while the cross-fitted residual falls, and the doubling past r* (which predicts the other half no
+    # better) is undone.
+    X, Y, teacher = make_attention_task(600, seq_len=8, n_features=24, value_dim=8, noise=0.05, rank=8,
+                                        random_state=0, return_teacher=True)
+    sx, sy = np.sqrt(np.mean(X**2)), np.sqrt(np.mean(Y**2))
+    Xs, Ys, V = X / sx, Y / sy, teacher.value_map * (sx / sy)
+    halves = ((Xs[1::2], Ys[1::2]), (Xs[0::2], Ys[0::2]))
+
+    def one(s, edge, margin):
+        return (1, 1)
+
+    def fit(target):
+        ws = factored_statistic(halves, V, start_rank=2, stopping_count=one, agreement_target=target)
+        return ws, [f for f in ws.findings if f.kind == "factored_fit"][0].values["agreement"]
+
+    ws, agreement = fit(None)
+    assert ws.null.fitted_rank == 2 and agreement == []
+    ws, agreement = fit(1e-6)
+    assert [a["rank"] for a in agreement] == [2, 4, 8, 16] and ws.null.fitted_rank == 8
+    held_out = [a["held_out"] for a in agreement]
+    assert held_out[0] > held_out[1] > 0.1 > 0.01 > held_out[2] and held_out[3] >= held_out[2]
+    assert agreement[3].get("undone") and not any(a.get("undone") for a in agreement[:3])
+    assert agreement[2]["disagreement"] < 1e-4 < 0.01 < agreement[0]["disagreement"]
+    # the kept fits are the rank-8 ones: their disagreement and cross-fitted floor are what was recorded
+    from rstar.inversions.softmax_factored import factored_half_disagreement
+    assert factored_half_disagreement(ws, halves, V) == pytest.approx(agreement[2]["disagreement"], rel=1e-9)
+    # a target the rank-8 fits meet stops there
+    ws, agreement = fit(1e-4)
+    assert [a["rank"] for a in agreement] == [2, 4, 8] and ws.null.fitted_rank == 8
+
+
 def test_halves_that_disagree_beyond_the_tolerance_are_warned():
     # the cross-fitted curve compares half models; where they disagree by more than half the tolerance it cannot
     # resolve it: warned, interval to d (a MiniLM head whose halves were 0.026 apart read 1.46% for 1%)
