@@ -336,7 +336,9 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         dim = int(ws.dim) if self.max_rank is None else min(int(ws.dim), int(self.max_rank))
         self._tolerance_gates = dict(dim=dim, inversion=ws.inversion, identified=bool(identified),
                                      disagreement=reading.risk_curve_resolution,
-                                     noise_lower=int(res.rank_interval[0]), noise_upper=int(res.rank_interval[1]))
+                                     noise_lower=int(res.rank_interval[0]), noise_upper=int(res.rank_interval[1]),
+                                     floor_gap=(None if reading.risk_curve_floor_in_sample is None
+                                                else reading.risk_curve_floor - reading.risk_curve_floor_in_sample))
         gates = identifiability.tolerance_verdicts(tolerance=self.tolerance, rank=reading.rank, calibration=cal,
                                                    **self._tolerance_gates)
         _warn(_issued(gates), stacklevel=6)

@@ -95,6 +95,8 @@ REASONS = {
     # the risk curve
     "curve_against_unidentified_fit": "the risk curve is measured against a fit that did not identify r*",
     "curve_resolution": "the halves' fits disagree by more than the tolerance allows",
+    "curve_floor_gap": "the full models' floor is known only within more than the tolerance (held out against "
+                       "in sample), so the curve may understate the excess by that much",
     "tolerance_below_noise": "the rank read at the tolerance exceeds the noise-floor estimate's upper end "
                              "(the interval runs from the noise floor's lower end to d)",
 }
@@ -476,10 +478,12 @@ def rule_verdict(reason, **f):
 
 
 def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreement, noise_lower, noise_upper,
-                       calibration):
+                       calibration, floor_gap=None):
     """The gates on r*(tolerance) read off a risk curve: a curve measured against a fit that did not identify
-    its statistic, a curve that does not resolve the tolerance, and a tolerance finer than the noise
-    (``noise_lower``, ``noise_upper``: the noise-floor estimate's interval)."""
+    its statistic, a curve that does not resolve the tolerance, a curve whose floor may understate the excess by
+    more than the tolerance (``floor_gap``: the full models' residual held out less in sample, relative to
+    Var(Y); None where the curve is not cross-fitted), and a tolerance finer than the noise (``noise_lower``,
+    ``noise_upper``: the noise-floor estimate's interval)."""
     tol = float(tolerance)
     out = []
     if not identified:
@@ -506,6 +510,19 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
             "or the samples too few: more samples, a larger tolerance, or a larger compute_budget would help.",
             # either way: halves that disagree have not found the model, so neither end of the reading holds
             (0, int(dim))))
+    if floor_gap is not None and floor_gap > tol:
+        # the curve subtracts the full models' floor held out; the best unconstrained model's risk lies between
+        # that and the same models in sample, so the curve may understate every rank's excess by up to their gap.
+        # Beyond the tolerance itself, a reading inside it may be a reading outside it (MiniLM layer 0 head 2,
+        # gap 0.08: read 5 (5, 7) at 5%, its kernel truncated to 5 held out 10.9%; layer 0 head 9, gap 0.013:
+        # read 12 (8, 14) at 1%, its kernel at 12 held out 2.3%)
+        out.append(Verdict(
+            "curve_floor_gap", UnidentifiableRankWarning,
+            f"tolerance={tol:g} is finer than this risk curve's floor is known: its full models leave "
+            f"{floor_gap:.3g} of Var(Y) more on the other half's samples than on their own, so the unconstrained "
+            "model's risk, which the curve's excess is measured from, is known only within that much, more than "
+            f"the tolerance; the rank read ({rank}) may be too small, and rank_interval_ reaches {dim}. The full "
+            "models do not generalise: more samples, or a larger compute_budget, would help.", (None, int(dim))))
     if rank > noise_upper:
         # the directions the reading counts beyond the noise floor are not told from noise: fitted from these
         # samples they carry noise, so the curve along them neither bounds r*(tolerance) from above (better

@@ -617,6 +617,19 @@ def test_the_cross_fitted_curve_reports_the_floor_it_subtracts_and_its_in_sample
     # each point of the curve is its rank's held-out RSS over TSS less that floor
     full = est.risk_curve_[-1] + est.risk_curve_floor_
     assert full == pytest.approx(held, rel=1e-6)
+    # a tolerance finer than the floor's gap is warned (the curve may understate the excess by that much) and its
+    # interval reaches d; a coarser one is not
+    gap = est.risk_curve_floor_ - est.risk_curve_floor_in_sample_
+
+    def floor_warnings(tol):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, interval = est.rank_at_tolerance(tol, return_interval=True)
+        return [w for w in caught if "floor is known" in str(w.message)], interval
+
+    fine, interval = floor_warnings(0.9 * gap)
+    assert len(fine) == 1 and interval[1] == SHAPE["n_features"]
+    assert floor_warnings(1.1 * gap)[0] == []
     # closed-form curves are measured in sample: no second side
     Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
     lin = RStarEstimator("linear_qk", tolerance=0.05).fit(Xq, Yq)

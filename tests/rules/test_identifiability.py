@@ -118,6 +118,13 @@ def test_tolerance_gates():
     below = idf.tolerance_verdicts(**dict(kw, rank=5))
     assert [v.reason for v in below] == ["tolerance_below_noise"] and below[0].bounds == (2, 16)
     assert idf.covering((5, 6), below) == (2, 16)
+    # a floor known only within more than the tolerance (held out less in sample): the curve may understate every
+    # rank's excess by that much, so the reading's upper end reaches every rank (MiniLM layer 0 head 2: gap 0.08,
+    # read 5 (5, 7) at 5%, its kernel truncated to 5 held out 10.9%)
+    assert idf.tolerance_verdicts(**dict(kw, floor_gap=0.05 * 0.99)) == []
+    gap = idf.tolerance_verdicts(**dict(kw, floor_gap=0.08))
+    assert [v.reason for v in gap] == ["curve_floor_gap"] and gap[0].bounds == (None, 16)
+    assert idf.covering((3, 5), gap) == (3, 16) and "0.08 of Var(Y)" in gap[0].message
 
 
 def test_estimator_gates_on_the_samples():
