@@ -198,9 +198,8 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                           if not hasattr(self.random_state, "randint") else None),
                     n_null_draws=int(self.n_null_draws), predict_sums=bool(self.predict_sums),
                     rank_bound=self.max_rank, calibration=self._calibration(),
-                    # the factored fit's halves must agree as closely as the risk curve needs at this tolerance
-                    agreement_target=(None if self.tolerance is None
-                                      else self._calibration().curve_resolution_fraction * float(self.tolerance)))
+                    # the factored fit's halves must resolve the tolerance its curve will be read at
+                    reading_tolerance=None if self.tolerance is None else float(self.tolerance))
 
     def _start(self, X, Y, y_ndim=3):
         """Set up from the first (validated) batch: dimensions, internal units, the frozen configuration and the
@@ -227,7 +226,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                                    predict_sums=config["predict_sums"], causal=config["causal"],
                                    calibration=config["calibration"], stopping_count=split_half_counts,
                                    rank_bound=config["rank_bound"], rotary=config["rotary"],
-                                   agreement_target=config["agreement_target"])
+                                   reading_tolerance=config["reading_tolerance"])
         self._stats = self._inv.new_stats(T, d, d_v)
         self._shared_statistic = False
         self._samples_read_in_passes = False

@@ -88,7 +88,7 @@ __all__ = [
 
 def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=1e-3, budget=None, seed=None,
                    n_null_draws=None, predict_sums=True, causal=False, calibration=None, stopping_count=None,
-                   rank_bound=None, rotary=None, agreement_target=None):
+                   rank_bound=None, rotary=None, reading_tolerance=None):
     """The inversion object that accumulates the sums for an operator, value map and shape.
 
     It is the inversion :func:`choose_inversion` prefers for the shape alone
@@ -130,10 +130,10 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
         no rank above it (:func:`rstar.inversions.softmax_factored.factored_statistic`). None: no bound.
     rotary : RotaryPositions or None, default=None
         A rotary head's positions: the rotary least squares (:mod:`rstar.inversions.softmax_rotary`).
-    agreement_target : float or None, default=None
-        How closely the factored least squares' halves must agree, relative to Var(Y) (the estimators pass
-        ``curve_resolution_fraction`` times their ``tolerance``): a settled fit whose halves disagree by more
-        doubles its rank (:func:`rstar.inversions.softmax_factored.factored_statistic`). None: no target.
+    reading_tolerance : float or None, default=None
+        The tolerance the risk curve will be read at (the estimators pass their ``tolerance``): a factored fit
+        whose halves do not resolve it doubles its rank
+        (:func:`rstar.inversions.softmax_factored.factored_statistic`). None: none.
 
     Returns
     -------
@@ -176,4 +176,4 @@ def make_inversion(operator, value_map=None, *, shape=None, method="auto", clip=
         return SoftmaxExactInversion(value_map, clip=clip, **opts)
     return SoftmaxLeastSquaresInversion(value_map, predict_sums=predict_sums, causal=causal,
                                         stopping_count=stopping_count, rank_bound=rank_bound, rotary=rotary,
-                                        agreement_target=agreement_target, **opts)
+                                        reading_tolerance=reading_tolerance, **opts)

@@ -16,9 +16,10 @@ q starts at the calibration's ``factored_start_rank`` (or above the first-order 
 doubles, from the previous fit, while nearly all of its directions stand above
 the null (r* could exceed q), or while its count has not settled after
 ``factored_unsettled_segments`` segments (a rank-q fit below r* has no stable
-optimum), or while, given a tolerance, the halves' settled fits disagree by
-more than the risk curve can resolve it with (different optima of a rank too
-small: ``agreement_target``), where d, the compute budget and a bound on r*
+optimum), or while, given a tolerance, the halves' stopped fits disagree by
+more than the risk curve can resolve it with, or predict each other's samples
+worse than their own by more than it (different optima of a rank too small:
+``reading_tolerance``), where d, the compute budget and a bound on r*
 the model class gives (``rank_bound``: the estimators' ``max_rank``, a head's
 ``d_head``) allow; the statistic records the q it stopped at.
 """
@@ -170,7 +171,7 @@ def _split_half(K1, K2, metric):
 
 def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
                        margin=None, start_rank=None, mask=None, *, calibration=DEFAULT_CALIBRATION,
-                       stopping_count=split_half_counts, ops=NUMPY, rank_bound=None, agreement_target=None):
+                       stopping_count=split_half_counts, ops=NUMPY, rank_bound=None, reading_tolerance=None):
     """The split-half statistic of the factored least squares.
 
     Parameters
@@ -195,12 +196,14 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
     rank_bound : int or None
         A bound on r* the model class gives (the estimators' ``max_rank``; a head's ``d_head``): q never exceeds
         it, and a count that fills it is read there rather than doubled past (r* > q is excluded). None: d.
-    agreement_target : float or None
-        How closely the halves' fits must agree for the readings asked of them (the estimators pass the
-        calibration's ``curve_resolution_fraction`` times their ``tolerance``): where a rank-q fit has stopped
-        but its halves' outputs disagree by more (:func:`factored_half_disagreement`, relative to Var(Y)), they
-        sit at different optima, of a rank too small for the task or of too few samples, so q doubles, where the
-        bound and the budget allow, with fits started afresh (a fit extended from the halves' own stays in their
+    reading_tolerance : float or None
+        The tolerance ε the risk curve will be read at (the estimators' ``tolerance``): the fit must resolve it,
+        as :func:`rstar.rules.identifiability.tolerance_verdicts` judges the curve. Where a rank-q fit has
+        stopped but its halves' outputs disagree by more than the calibration's ``curve_resolution_fraction``
+        times ε (:func:`factored_half_disagreement`, relative to Var(Y)), or its full models leave more than ε
+        more of Var(Y) on the other half's samples than on their own (the curve's floor gap), the halves sit at
+        different optima, of a rank too small for the task or of too few samples, so q doubles, where the bound
+        and the budget allow, with fits started afresh (a fit extended from the halves' own stays in their
         basins); the wider fits are kept while each half's model predicts the other half's samples better (the
         cross-fitted residual sum of squares falls), and the first doubling that does not is undone. None: q
         doubles only on the count.
@@ -333,23 +336,27 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
 
     # the halves' disagreement at each q doubled for it, and the fits kept before the last such doubling
     agreement, kept = [], None
+    agreement_target = None if reading_tolerance is None else calibration.curve_resolution_fraction * float(
+        reading_tolerance)
     while True:
         state.update(outcome=None, previous=None, count=None, segments=0, clear=0)
         fits = sf.fit_factored_pair(halves, q, starts, value_map=value_map, mask=mask, max_iter=max_iter,
                                     precondition=pre, on_check=on_check, check_every=calibration.factored_segment_iter,
                                     calibration=calibration, losses=losses)
-        if (state["outcome"] != "double" and agreement_target is not None
+        if (state["outcome"] != "double" and reading_tolerance is not None
                 and (kept is not None or state["outcome"] != "budget")):
             # the fit has stopped: do its halves agree as closely as the readings need?
-            spent += 4 * sf.factored_eval_cost(n, T, d, d_v, q, known, calibration=calibration)
-            disagreement, held_out = _halves_agreement([(f.A, f.B) for f in fits], halves, value_map, mask,
-                                                       calibration=calibration)
-            agreement.append({"rank": int(q), "disagreement": float(disagreement), "held_out": float(held_out)})
+            spent += 6 * sf.factored_eval_cost(n, T, d, d_v, q, known, calibration=calibration)
+            disagreement, held_out, in_sample = _halves_agreement([(f.A, f.B) for f in fits], halves, value_map,
+                                                                  mask, calibration=calibration)
+            agreement.append({"rank": int(q), "disagreement": float(disagreement), "held_out": float(held_out),
+                              "in_sample": float(in_sample)})
+            unresolved = disagreement > agreement_target or held_out - in_sample > float(reading_tolerance)
             if kept is not None and held_out >= kept[3]:
                 # the wider fit predicts the other half no better: back to the fits before it
                 q, fits, state, _ = kept
                 agreement[-1]["undone"] = True
-            elif disagreement > agreement_target and state["outcome"] != "budget" and can_double():
+            elif unresolved and state["outcome"] != "budget" and can_double():
                 kept = (q, fits, dict(state), held_out)
                 state["outcome"] = "double"
                 # the halves sit in different basins: the wider fit starts afresh (from the gradient of K at
@@ -363,7 +370,7 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
         if state["outcome"] != "double":
             break
         # nearly every direction stands above the null, the count has not settled in factored_unsettled_segments
-        # segments, or the halves disagree beyond agreement_target: r* may exceed q, so double it from the fits at
+        # segments, or the halves do not resolve reading_tolerance: r* may exceed q, so double it from the fits at
         # hand, where d, the residual degrees of freedom and the compute budget (its start and two segments) allow
         q = min(2 * q, top)
         spent += sf.factored_start_cost(n, T, d, d_v, known)
@@ -519,18 +526,20 @@ def factored_half_disagreement(ws, halves, value_map, mask=None, *, calibration=
 
 
 def _halves_agreement(half_kernels, halves, value_map, mask=None, *, calibration=DEFAULT_CALIBRATION):
-    """``(disagreement, held_out)`` of the halves' factors ``((A_1, B_1), (A_2, B_2))``, both relative to the
-    total sum of squares: :func:`factored_half_disagreement`, and the cross-fitted residual sum of squares (each
-    half's model on the other half's samples: the floor the cross-fitted curve subtracts)."""
+    """``(disagreement, held_out, in_sample)`` of the halves' factors ``((A_1, B_1), (A_2, B_2))``, each relative
+    to the total sum of squares: :func:`factored_half_disagreement`, the cross-fitted residual sum of squares
+    (each half's model on the other half's samples: the floor the cross-fitted curve subtracts) and the same
+    models' on their own halves."""
     models = sf.half_models(half_kernels, halves, value_map, mask, calibration=calibration)
-    dis, held_out, tss = 0.0, 0.0, 0.0
+    dis, held_out, in_sample, tss = 0.0, 0.0, 0.0, 0.0
     (A1, B1, V1), (A2, B2, V2) = models
-    for (X, Y), (A, B, V) in zip(halves, models[::-1]):
+    for (X, Y), own, other in zip(halves, models, models[::-1]):
         dis += float(np.sum(sf.factored_sample_disagreement(X, (X @ V1, A1, B1), (X @ V2, A2, B2), mask,
                                                             calibration=calibration)))
-        held_out += sf.factored_rss(X, X @ V, Y, A, B, mask, calibration=calibration)
+        held_out += sf.factored_rss(X, X @ other[2], Y, other[0], other[1], mask, calibration=calibration)
+        in_sample += sf.factored_rss(X, X @ own[2], Y, own[0], own[1], mask, calibration=calibration)
         tss += total_sum_of_squares(centred_sums(X, Y))
-    return (dis / (4.0 * tss), held_out / tss) if tss > 0 else (0.0, 0.0)
+    return (dis / (4.0 * tss), held_out / tss, in_sample / tss) if tss > 0 else (0.0, 0.0, 0.0)
 
 
 def factored_output_distances(ws, samples, value_map, ranks, mask=None, *, calibration=DEFAULT_CALIBRATION):

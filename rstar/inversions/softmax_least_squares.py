@@ -168,7 +168,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
 
     def __init__(self, value_map=None, *, budget=None, seed=None, n_null_draws=None, predict_sums=True,
                  causal=False, calibration=None, stopping_count=None, rank_bound=None, rotary=None,
-                 agreement_target=None):
+                 reading_tolerance=None):
         super().__init__(centred=True, residual_noise=False, value_map=value_map, budget=budget, seed=seed,
                          n_null_draws=n_null_draws, predict_sums=predict_sums, calibration=calibration)
         self.causal = bool(causal)
@@ -176,8 +176,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         self.rotary = rotary
         # a bound on r* from the model class (the estimators' max_rank): the factored fit's rank q stays within it
         self.rank_bound = None if rank_bound is None else int(rank_bound)
-        # how closely the factored fit's halves must agree (factored_statistic's agreement_target; None: no target)
-        self.agreement_target = None if agreement_target is None else float(agreement_target)
+        # the tolerance the risk curve will be read at, which the factored fit must resolve (None: none)
+        self.reading_tolerance = None if reading_tolerance is None else float(reading_tolerance)
         # the split-half rule's count, the factored fit's stopping test (None: the split-half null's own)
         self.stopping_count = split_half_counts if stopping_count is None else stopping_count
 
@@ -347,7 +347,7 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
                 ws = factored_statistic(self._halves(stats), self.value_map, self.budget, mask=self._mask(stats),
                                         calibration=self.calibration, stopping_count=self.stopping_count, ops=ops,
                                         rank_bound=getattr(self, "rank_bound", None),
-                                        agreement_target=getattr(self, "agreement_target", None))
+                                        reading_tolerance=getattr(self, "reading_tolerance", None))
             self._factored_cache = (self._stats_key(stats), ws)   # for predict's operator: fitted once
             return ws
         K, V, sigma2, converged = self._fit(source, ops=ops)

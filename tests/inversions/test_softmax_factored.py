@@ -313,10 +313,10 @@ def test_closed_form_curves_have_no_standard_error():
     np.testing.assert_array_equal(est.risk_curve_upper_, est.risk_curve_)
 
 
-def test_halves_that_disagree_beyond_the_agreement_target_refit_wider_from_fresh_starts():
+def test_halves_that_do_not_resolve_the_reading_tolerance_refit_wider_from_fresh_starts():
     # MiniLM's layer 1 head 8 settled at q = 8 with a count of 2 while its halves disagreed by 0.25 of Var(Y)
     # (each half's model left 0.95 of it on the other half); fitted afresh at q = 32 they agree to 0.008. Here the
-    # count is held at 1 so that only the halves' disagreement can widen the fit: from q = 2 below r* = 8 it
+    # count is held at 1 so that only the halves' failure to resolve the tolerance can widen the fit: from q = 2 below r* = 8 it
     # doubles while the cross-fitted residual falls, and the doubling past r* (which predicts the other half no
     # better) is undone.
     X, Y, teacher = make_attention_task(600, seq_len=8, n_features=24, value_dim=8, noise=0.05, rank=8,
@@ -328,8 +328,9 @@ def test_halves_that_disagree_beyond_the_agreement_target_refit_wider_from_fresh
     def one(s, edge, margin):
         return (1, 1)
 
-    def fit(target):
-        ws = factored_statistic(halves, V, start_rank=2, stopping_count=one, agreement_target=target)
+    def fit(target, calibration=DEFAULT_CALIBRATION):
+        ws = factored_statistic(halves, V, start_rank=2, stopping_count=one, reading_tolerance=target,
+                                calibration=calibration)
         return ws, [f for f in ws.findings if f.kind == "factored_fit"][0].values["agreement"]
 
     ws, agreement = fit(None)
@@ -343,9 +344,16 @@ def test_halves_that_disagree_beyond_the_agreement_target_refit_wider_from_fresh
     # the kept fits are the rank-8 ones: their disagreement and cross-fitted floor are what was recorded
     from rstar.inversions.softmax_factored import factored_half_disagreement
     assert factored_half_disagreement(ws, halves, V) == pytest.approx(agreement[2]["disagreement"], rel=1e-9)
-    # a target the rank-8 fits meet stops there
-    ws, agreement = fit(1e-4)
+    # a tolerance the rank-8 fits resolve stops there (halves 4e-5 apart, floor gap 2e-4)
+    ws, agreement = fit(1e-3)
     assert [a["rank"] for a in agreement] == [2, 4, 8] and ws.null.fitted_rank == 8
+    assert 0 < agreement[2]["held_out"] - agreement[2]["in_sample"] < 1e-3 < agreement[0]["held_out"] - agreement[0][
+        "in_sample"]
+    # the floor gap alone (the halves' disagreement let through) widens the fit the same way: MiniLM's layer 0
+    # head 9 stopped at q = 16 with halves 0.003 apart but a gap of 0.013, and read r*(1%) = 12 where its kernel
+    # truncated to 12 held out 2.3%
+    ws, gap_only = fit(1e-3, DEFAULT_CALIBRATION.replace(curve_resolution_fraction=1e6))
+    assert [a["rank"] for a in gap_only] == [2, 4, 8] and ws.null.fitted_rank == 8
 
 
 def test_halves_that_disagree_beyond_the_tolerance_are_warned():
