@@ -443,8 +443,9 @@ _COMMON_PARAMS_DOC = """
         the end of the fit: ``fit`` and ``fit_batches`` (``partial_fit`` and
         ``fit_from`` raise). Cannot be combined with a forced ``rank``. The
         factored least squares fits for it: where its halves settle at fits
-        that disagree by more than the curve resolves ε with, it refits at a
-        larger rank from fresh starts (the fit's ``agreement`` finding), so a
+        that disagree by more than the curve resolves ε with, or that
+        predict each other's samples worse than their own by more than ε,
+        it refits at a larger rank from fresh starts (the fit's ``agreement`` finding), so a
         tolerance can lengthen the fit (MiniLM layer 1 head 8: 6 s → 28 s).
     tolerance_level : float in (0, 0.5], default=0.05
         One-sided level of the r*(ε) reading: the rank read is the smallest
