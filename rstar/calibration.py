@@ -484,7 +484,8 @@ class Calibration:
         0.5, "risk curve", "positive",
         "A risk curve measured on models fitted on half the samples (the factored least squares) resolves a "
         "tolerance only where the two halves' full models disagree by at most this fraction of it; beyond, the "
-        "reading is warned and its interval reaches d.",
+        "factored fit refits at a larger rank from fresh starts (while that helps), and a reading still beyond "
+        "is warned and its interval reaches d.",
         "python benchmarks/real_heads.py",
         "settled MiniLM heads: 1e-6 to 1e-5 of Var(Y); a head whose halves settled on different optima (layer 3 "
         "head 8, r*(1%) read 8, held out 1.46%): 0.026")
