@@ -241,6 +241,17 @@ class SplitHalfEvidence:
     residual_variance: float = None
 
 
+def curve_resolution_misses(tolerance, disagreement, floor_gap, calibration=DEFAULT_CALIBRATION):
+    """Whether a cross-fitted risk curve fails to resolve ``tolerance``: ``(halves, floor)`` — its halves' full
+    models disagree by more than the calibration's ``curve_resolution_fraction`` times it, and its floor is known
+    only within more than it (``floor_gap``, the full models' residual held out less in sample), each relative to
+    Var(Y) and False where not measured (None). The identifiability rules warn on either
+    (:func:`rstar.rules.identifiability.tolerance_verdicts`); the factored fit refits wider on either."""
+    tol = float(tolerance)
+    return (disagreement is not None and disagreement > calibration.curve_resolution_fraction * tol,
+            floor_gap is not None and floor_gap > tol)
+
+
 def split_half_counts(singular_values, edge, margin):
     """The split-half test's counts of a half-sum's ``singular_values`` against the half-difference's largest,
     ``edge``: ``(directions above margin x edge, directions above edge)``. The split-half rule

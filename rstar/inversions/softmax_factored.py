@@ -33,7 +33,7 @@ from ._numerics.rotary import rotate
 from ..budgets import DEFAULT_BUDGET, largest_count
 from ..calibration import DEFAULT_CALIBRATION
 from ..risk import centred_sums, total_sum_of_squares
-from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, split_half_counts
+from ._statistic import Finding, SplitHalfNull, WhitenedStatistic, curve_resolution_misses, split_half_counts
 
 __all__ = ["FACTORED_NAME", "factored_fit_blocker", "factored_capacity", "factored_statistic",
            "factored_rank_residuals", "factored_half_disagreement", "factored_output_distances",
@@ -336,8 +336,6 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
 
     # the halves' disagreement at each q doubled for it, and the fits kept before the last such doubling
     agreement, kept = [], None
-    agreement_target = None if reading_tolerance is None else calibration.curve_resolution_fraction * float(
-        reading_tolerance)
     while True:
         state.update(outcome=None, previous=None, count=None, segments=0, clear=0)
         fits = sf.fit_factored_pair(halves, q, starts, value_map=value_map, mask=mask, max_iter=max_iter,
@@ -351,7 +349,8 @@ def factored_statistic(halves, value_map, budget=DEFAULT_BUDGET, max_iter=None,
                                                                   mask, calibration=calibration)
             agreement.append({"rank": int(q), "disagreement": float(disagreement), "held_out": float(held_out),
                               "in_sample": float(in_sample)})
-            unresolved = disagreement > agreement_target or held_out - in_sample > float(reading_tolerance)
+            unresolved = any(curve_resolution_misses(reading_tolerance, disagreement, held_out - in_sample,
+                                                     calibration))
             if kept is not None and held_out >= kept[3]:
                 # the wider fit predicts the other half no better: back to the fits before it
                 q, fits, state, _ = kept

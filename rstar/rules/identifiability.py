@@ -16,6 +16,7 @@ as it is).
 
 from ..exceptions import (IllConditionedInversionWarning, OperatorMisfitWarning, UnidentifiableRankWarning)
 from ..calibration import DEFAULT_CALIBRATION
+from ..inversions._statistic import curve_resolution_misses
 
 __all__ = ["REASONS", "Verdict", "covering", "estimator_verdicts", "fallback_verdict", "first_order_misfit_verdict",
            "operator_misfit_verdict", "rule_verdict", "said_by_the_inversion", "statistic_verdicts",
@@ -496,7 +497,8 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
             f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {dim}. What would "
             "help: the remedy the other warning names.", (None, int(dim))))
     fraction = calibration.curve_resolution_fraction
-    if disagreement is not None and disagreement > fraction * tol:
+    halves_apart, floor_unknown = curve_resolution_misses(tol, disagreement, floor_gap, calibration)
+    if halves_apart:
         # the curve compares models fitted on half the samples; where those disagree by more than the
         # tolerance allows, it cannot say whether the half-sum model predict uses reaches it
         out.append(Verdict(
@@ -510,7 +512,7 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
             "or the samples too few: more samples, a larger tolerance, or a larger compute_budget would help.",
             # either way: halves that disagree have not found the model, so neither end of the reading holds
             (0, int(dim))))
-    if floor_gap is not None and floor_gap > tol:
+    if floor_unknown:
         # the curve subtracts the full models' floor held out; the best unconstrained model's risk lies between
         # that and the same models in sample, so the curve may understate every rank's excess by up to their gap.
         # Beyond the tolerance itself, a reading inside it may be a reading outside it (MiniLM layer 0 head 2,
