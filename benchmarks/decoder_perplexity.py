@@ -31,10 +31,13 @@ Usage::
     python benchmarks/rotary_real_heads.py --heads diagonal --out results/rotary_diag.json     # about 2 hours
     python benchmarks/decoder_perplexity.py --table results/rotary_diag.json                   # about 50 minutes
     python benchmarks/decoder_perplexity.py --table results/rotary_diag.json --students        # + a student per head
+    python benchmarks/decoder_perplexity.py --table benchmarks/journals/rotary_all.json.partial.jsonl --layers 0-7
 
-Writes ``decoder_perplexity.json`` and ``decoder_perplexity.md`` under ``--out``; each step (an allocation at a
-width) is appended to ``decoder_perplexity.partial.jsonl`` there as it finishes, with the steps done and the time
-left printed, and ``--resume`` continues an interrupted run.
+The last cuts every head of layers 0-7 from the all-heads run's journal as it stands (about 25 minutes); a layer
+asked for whose heads are not all in the table is refused. Writes ``decoder_perplexity.json``,
+``decoder_perplexity.md`` and ``decoder_perplexity.png`` (``--replot JSON`` redraws it) under ``--out``; each step
+(an allocation at a width) is appended to ``decoder_perplexity.partial.jsonl`` there as it finishes, with the steps
+done and the time left printed, and ``--resume`` continues an interrupted run.
 """
 
 import argparse
@@ -49,20 +52,42 @@ from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_real
 from rotary_truncation import load_smollm2
 
 
-def read_table(path):
-    """The heads' rows (``layer, head, d_head, risk_curve``) from ``rstar heads``' heads.json or
-    ``rotary_real_heads.py``'s JSON, the T they were read at, and the windows they were fitted on: the record's
-    ``n_samples`` and ``seed`` (500 and 0 where it has none, as ``rotary_real_heads.py`` and ``rstar heads``
-    default)."""
-    record = json.loads(Path(path).read_text())
-    rows = record["rows"] if isinstance(record, dict) and "rows" in record else record
+def read_table(path, layers=None):
+    """The heads' rows (``layer, head, d_head, risk_curve``) from ``rstar heads``' heads.json,
+    ``rotary_real_heads.py``'s JSON or its unfinished run's ``.partial.jsonl`` journal (the heads done so far), the
+    T they were read at, and the windows they were fitted on: the record's ``n_samples`` and ``seed`` (500 and 0
+    where it has none, as ``rotary_real_heads.py`` and ``rstar heads`` default). ``layers`` (a set of indices)
+    keeps those layers' heads only (``main`` refuses a layer the table does not hold whole)."""
+    text = Path(path).read_text()
+    if str(path).endswith(".jsonl"):
+        entries = [json.loads(line) for line in text.splitlines() if line.strip()]
+        record = next((e["record"] for e in entries if "record" in e), {})
+        rows = [e["value"] for e in entries if "key" in e]
+    else:
+        record = json.loads(text)
+        rows = record["rows"] if isinstance(record, dict) and "rows" in record else record
     if not isinstance(rows, list):
         raise SystemExit(f"{path}: expected a list of rows, or a record with 'rows'.")
+    if layers is not None:
+        rows = [r for r in rows if int(r["layer"]) in layers]
     keep = [r for r in rows if r.get("risk_curve") is not None]
+    if not keep:
+        raise SystemExit(f"{path}: no heads" + ("" if layers is None else f" in layers {sorted(layers)}") + ".")
     if len(keep) != len(rows):
         raise SystemExit(f"{path}: {len(rows) - len(keep)} heads have no risk curve; the plans need every head's.")
     record = record if isinstance(record, dict) else {}
     return keep, int(record.get("seq_len", 32)), (int(record.get("n_samples") or 500), int(record.get("seed") or 0))
+
+
+def _layer_set(spec):
+    """``"0-7"`` or ``"0,3,5"`` as a set of layer indices (None for None)."""
+    if spec is None:
+        return None
+    out = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def cross_entropy(model, windows, batch_size=16):
@@ -88,9 +113,78 @@ def paired_se(a, b):
     return float(diff.std(ddof=1) / np.sqrt(diff.size))
 
 
+#: The figure's lowest excess (log scale): smaller excesses, and negative ones, are drawn at it.
+FLOOR = 1e-4
+
+
+def figure(data, path):
+    """Two panels from the run's JSON: each allocation's excess cross-entropy against the total width (error bars:
+    two paired standard errors), and, per layer and tolerance plan, the heads' summed realised excess inside the
+    cut model over the same heads cut alone (their layer only): how much a layer's error grows with the layers
+    before it cut too."""
+    try:
+        import matplotlib
+    except ImportError:   # pragma: no cover - optional
+        print("(matplotlib is not installed: no figure)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = data["results"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[1.5, 1]))
+    styles = {"rstar budget": ("C3", "o", "-"), "uniform": ("C0", "s", "--"), "weight energy": ("C1", "^", "--"),
+              "EVA": ("C5", "P", "--"), "Palu": ("C4", "D", "--"), "Eigen Attention": ("C2", "v", "--"),
+              "Eigen Attention (own)": ("C2", "v", ":"), "SVD-LLM (own)": ("C7", "X", ":")}
+    for k, (name, (color, marker, line)) in enumerate(styles.items()):
+        pts = sorted((r["width"], r["excess"], r["excess_se"]) for r in results
+                     if r["allocation"] == name and r["truncation"] in ("tokens", "activations", "whitened"))
+        if pts:
+            w, e, se = map(np.asarray, zip(*pts))
+            # one paired standard error, the lower end clipped to the axis (a log scale has no 0)
+            low = np.minimum(se, np.maximum(e - FLOOR, 0.0))
+            ax.errorbar(w + (k - 3.5) * 6, np.maximum(e, FLOOR), yerr=[low, se], color=color, marker=marker,
+                        linestyle=line, ms=5, capsize=2, label=name)
+    for r in results:
+        if r["allocation"].startswith("rstar r*") and not r["allocation"].endswith("(students)"):
+            ax.plot(r["width"], max(r["excess"], FLOOR), color="k", marker="*", ms=13, linestyle="none")
+            ax.annotate(r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%")
+                        + f" plan: {r['excess']:+.4f} ± {r['excess_se']:.4f}",
+                        (r["width"], max(r["excess"], FLOOR)), textcoords="offset points", xytext=(8, 6), fontsize=8,
+                        bbox=dict(boxstyle="round", fc="w", ec="none", alpha=0.8))
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=FLOOR)
+    ax.set(xlabel="total query–key width of the cut heads (sum of their ranks)",
+           ylabel="excess cross-entropy, nats / token (± 1 se)",
+           title=f"SmolLM2-135M, {len(data['heads'])} heads of layers "
+                 f"{min(h[0] for h in data['heads'])}–{max(h[0] for h in data['heads'])} cut")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    tols = sorted({h["tolerance"] for h in data["head_excess"] if h["truncated"] == "head's kernel"})
+    for k, tol in enumerate(tols):
+        hs = [h for h in data["head_excess"] if h["tolerance"] == tol and h["truncated"] == "head's kernel"]
+        layers = sorted({h["layer"] for h in hs})
+        ratio = [sum(h["inside"] for h in hs if h["layer"] == li) / max(sum(h["alone"] for h in hs if h["layer"] == li),
+                                                                        1e-300) for li in layers]
+        bx.plot(layers, ratio, marker="os"[k % 2], color=f"C{k}", label=f"r*({tol:.0%}) plan")
+    bx.axhline(1, color="0.5", lw=0.8)
+    bx.set(xlabel="layer", ylabel="Σ heads' excess, whole plan cut / its layer alone cut",
+           title="a layer's excess grows with the layers cut before it")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--table", required=True, help="heads.json of rstar heads, or rotary_real_heads.py's JSON")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only redraw the figure (decoder_perplexity.png beside it) from a finished run's JSON")
+    p.add_argument("--table", default=None,
+                   help="heads.json of rstar heads, rotary_real_heads.py's JSON, or its .partial.jsonl journal")
+    p.add_argument("--layers", default=None,
+                   help="only these layers' heads of the table, e.g. 0-7 or 0,3 (each layer whole; default: all)")
     p.add_argument("--n-eval", type=int, default=300, help="held-out windows the perplexity is measured on")
     p.add_argument("--n-calib", type=int, default=200,
                    help="windows the truncations' metric, EVA and Palu are calibrated on")
@@ -105,13 +199,18 @@ def main(argv=None):
     p.add_argument("--student-validation", type=float, default=None, metavar="FRACTION",
                    help="stop each student on this share of its windows held out (validation_fraction)")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        figure(json.loads(Path(args.replot).read_text()), Path(args.replot).with_name("decoder_perplexity.png"))
+        return
+    if args.table is None:
+        p.error("--table is required (or --replot)")
 
     from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
                              fisher_share_plan, head_fisher_scores, rank_plan, text_windows, truncated_heads,
                              uniform_plan, weight_energy_plan)
 
     t0 = time.perf_counter()
-    rows, T, (n_fit, fit_seed) = read_table(args.table)
+    rows, T, (n_fit, fit_seed) = read_table(args.table, _layer_set(args.layers))
     keys = [(int(r["layer"]), int(r["head"])) for r in rows]
     full_width = sum(int(r["d_head"]) for r in rows)
     tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
@@ -128,6 +227,8 @@ def main(argv=None):
         n_steps += sum(sum(q["rank"] > 0 for q in plan) + 2 for plan in tol_plans.values())
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, n_calib=args.n_calib,
                   fractions=args.fractions, seed=args.seed)
+    if args.layers is not None:   # (a run of a whole table keeps its record, so that it resumes as before)
+        record.update(layers=args.layers)
     if args.students:   # (a run without students keeps its record, so that it resumes as before)
         record.update(students=True, student_epochs=args.student_epochs,
                       **({} if args.student_validation is None else dict(student_validation=args.student_validation)))
@@ -137,8 +238,15 @@ def main(argv=None):
     held = text_windows(tok, T, args.n_eval, random_state=args.seed)
     calib = text_windows(tok, T, args.n_calib, random_state=0)
     index = sorted({k[0] for k in keys})
-    layers = [layer.select_heads(sorted(h for li, h in keys if li == layer.index))
-              for layer in collect_attention(model, calib, layers=index)]
+    collected = collect_attention(model, calib, layers=index)
+    if args.layers is not None:
+        # a layer asked for is cut whole (every head of it), or the run is not the test it says it is
+        for layer in collected:
+            have = sorted(h for li, h in keys if li == layer.index)
+            if have != list(range(layer.n_heads)):
+                raise SystemExit(f"--layers {args.layers}: the table holds heads {have} of layer {layer.index}, "
+                                 f"not all {layer.n_heads}; leave the layer out until its heads are done.")
+    layers = [layer.select_heads(sorted(h for li, h in keys if li == layer.index)) for layer in collected]
     base_windows = np.asarray(journal.step("full model", lambda: cross_entropy(model, held).tolist()))
     base = float(base_windows.mean())
     print(f"{len(rows)} heads in {len(layers)} layers, full query-key width {full_width}, T = {T}, {n_steps} steps; "
@@ -273,6 +381,7 @@ def main(argv=None):
     lines.append(f"\n{elapsed:.0f} s in all; Palu's scores of the {fisher_loss}.")
     (out / "decoder_perplexity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    figure(json.loads((out / "decoder_perplexity.json").read_text()), out / "decoder_perplexity.png")
 
 
 if __name__ == "__main__":
