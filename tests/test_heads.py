@@ -525,6 +525,75 @@ def test_allocate_ranks_is_the_exact_optimum_not_greedy():
         allocate_ranks([[1.0, np.nan]], 1)
 
 
+def test_smallest_budget_plan_bisects_the_width_with_the_model_as_judge():
+    from rstar.heads import rank_plan, smallest_budget_plan
+
+    rng = np.random.default_rng(1)
+    # six heads of width 8 with decreasing curves; the "model" amplifies each head's curve by its depth (errors
+    # compounding through the layers), so the per-head predictions alone would pass widths the model does not
+    table = [dict(layer=h // 2, head=h % 2, d_head=8,
+                  risk_curve=list(np.r_[np.sort(rng.uniform(0.0, 1.0, 8))[::-1] ** (1 + h), 0.0]))
+             for h in range(6)]
+    calls = []
+
+    def evaluate(plan):
+        calls.append(sum(p["rank"] for p in plan))
+        return sum((1 + 0.5 * p["layer"]) * t["risk_curve"][p["rank"]] for t, p in zip(table, plan)), 0.001
+
+    target = 0.3
+    result = smallest_budget_plan(table, evaluate, target=target, resolution=1)
+    measured = {e["width"]: e for e in result["evaluations"]}
+    assert [e["width"] for e in result["evaluations"]] == calls and len(calls) <= int(np.ceil(np.log2(48)))
+    assert result["full_width"] == 48 and result["target"] == target and result["confidence_z"] == 2.0
+
+    def model_excess(width):
+        return evaluate(rank_plan(table, budget=width).to_dict("records"))[0]
+
+    passing = [w for w in range(49) if model_excess(w) + 2 * 0.001 <= target]
+    # the model's excess under the budget split need not fall at every width: the search finds a passing width
+    # whose next width down fails, the smallest one where the excess is monotone
+    w = result["width"]
+    assert w in passing or w == 48
+    assert w - 1 not in passing
+    assert sum(result["plan"]["rank"]) <= w
+    assert list(result["plan"]["rank"]) == list(rank_plan(table, budget=w)["rank"])
+    assert all(e["passed"] == (e["excess"] + 2 * e["se"] <= target) for e in measured.values())
+    # the per-head curves alone (the split's own objective, which falls with the width) pass a narrower width,
+    # which the search finds exactly when the model is that sum
+    def summed(plan):
+        return sum(t["risk_curve"][p["rank"]] for t, p in zip(table, plan))
+
+    alone = min(v for v in range(49) if summed(rank_plan(table, budget=v).to_dict("records")) <= target)
+    assert alone < w
+    assert smallest_budget_plan(table, summed, target=target, resolution=1)["width"] == alone
+
+    # the standard error counts: a wide one asks for more width; the default resolution is one dimension a head
+    wide = smallest_budget_plan(table, lambda plan: (evaluate(plan)[0], 0.05), target=target, resolution=1)
+    assert wide["width"] > w
+    coarse = smallest_budget_plan(table, evaluate, target=target)
+    assert coarse["width"] >= w and len(coarse["evaluations"]) <= 3
+    assert smallest_budget_plan(table, lambda plan: 0.0, target=target, resolution=1)["width"] == 0
+    assert smallest_budget_plan(table, lambda plan: 1.0, target=target, resolution=1)["width"] == 48
+
+    for bad, match in (({"target": 0}, "target must be a positive number"),
+                       ({"target": float("nan")}, "target must be a positive number"),
+                       ({"target": True}, "target must be a positive number"),
+                       ({"target": "0.1"}, "target must be a positive number"),
+                       ({"target": 0.1, "confidence_z": -1}, "confidence_z must be a number >= 0"),
+                       ({"target": 0.1, "resolution": 0}, "resolution must be a whole number"),
+                       ({"target": 0.1, "resolution": 2.5}, "resolution must be a whole number")):
+        with pytest.raises(ValueError, match=match):
+            smallest_budget_plan(table, evaluate, **bad)
+    with pytest.raises(ValueError, match="evaluate must be a callable"):
+        smallest_budget_plan(table, 0.1, target=0.1)
+    for returned, match in ((float("nan"), "must be finite"), ((0.1, -1.0), "must be finite, the standard error"),
+                            ("a", "as numbers"), ((0.1, 0.2, 0.3), "as numbers")):
+        with pytest.raises(ValueError, match=match):
+            smallest_budget_plan(table, lambda plan, r=returned: r, target=0.1)
+    with pytest.raises(ValueError, match="has no 'risk_curve' column"):
+        smallest_budget_plan([dict(layer=0, head=0, d_head=8)], evaluate, target=0.1)
+
+
 def test_rank_plan_by_tolerance_and_by_budget_and_its_rank_pattern(ids):
     from rstar.heads import rank_pattern, rank_plan
 

@@ -49,7 +49,7 @@ from ._collect import (AttentionLayer, HeadTask, attention_mask, attention_modul
                        centred_sum_of_squares, collect_attention)
 from ._compress import (activation_basis_factors, activation_singular_values, rotary_key_basis,
                         rotary_query_projection, truncated_head_factors, truncated_heads, whitened_factors)
-from ._plan import _rows, _table, allocate_ranks, rank_pattern, rank_plan
+from ._plan import _rows, _table, allocate_ranks, rank_pattern, rank_plan, smallest_budget_plan
 from ._text import stdlib_text, text_windows, token_windows
 
 __all__ = ["AttentionLayer", "EIGEN_ATTENTION_THRESHOLDS", "HeadTask", "activation_basis_factors",
@@ -60,7 +60,7 @@ __all__ = ["AttentionLayer", "EIGEN_ATTENTION_THRESHOLDS", "HeadTask", "activati
            "allocate_ranks", "attention_modules", "attention_rows", "collect_attention", "estimate_heads",
            "kernel_energy_rank", "kernel_truncation_curve", "load_minilm", "plane_truncation_curve",
            "plot_head_rank_panels", "plot_head_ranks", "rank_pattern", "rank_plan", "rotary_key_basis",
-           "rotary_query_projection",
+           "rotary_query_projection", "smallest_budget_plan",
            "stdlib_text", "text_windows",
            "token_windows", "truncated_head_factors", "truncated_heads", "truncation_rank", "weight_mp_spike_count"]
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-__all__ = ["allocate_ranks", "rank_pattern", "rank_plan"]
+__all__ = ["allocate_ranks", "rank_pattern", "rank_plan", "smallest_budget_plan"]
 
 
 def _rows(table, required=()):
@@ -190,6 +190,110 @@ def rank_plan(table, *, tolerance=None, budget=None, model="kernel"):
             interval = r.get(key)
             row["rank_interval"] = None if interval is None else [int(v) for v in interval]
     return _table(plan)
+
+
+def _measured(value, width):
+    """``(excess, se)`` from what ``evaluate`` returned: a number, or a pair; a one-line error otherwise."""
+    pair = value if isinstance(value, (tuple, list)) else (value, 0.0)
+    try:
+        excess, se = (float(v) for v in pair)
+    except (TypeError, ValueError):
+        raise ValueError(f"evaluate must return the model's excess loss, or (excess, standard error), as numbers; "
+                         f"got {value!r} at width {width}.") from None
+    if not (np.isfinite(excess) and np.isfinite(se) and se >= 0):
+        raise ValueError(f"evaluate returned excess {excess} and standard error {se} at width {width}: they must be "
+                         "finite, the standard error at least 0.")
+    return excess, se
+
+
+def smallest_budget_plan(table, evaluate, *, target, confidence_z=2.0, resolution=None):
+    """The smallest total width whose budget split keeps the model's loss within ``target``, found by bisection
+    on the width with the model itself as judge.
+
+    A head's r*(ε) bounds its own error with the layers before it intact; cut together, the heads' errors compound
+    through the layers (on SmolLM2's layers 0-7, a layer's summed excess with every planned head cut was 1.0 to 2.4
+    times that with its layer alone cut), so no per-head tolerance states a model-level one. This search asks the
+    model: at each width W tried, the heads get :func:`rank_plan`'s budget split of W (the least summed predicted
+    excess), ``evaluate`` measures the model with those heads cut, and W passes where the measured excess plus
+    ``confidence_z`` standard errors is at most ``target``. It assumes the model's excess does not rise with W
+    (the budget split's plans nest closely but not exactly: a check, not a guarantee) and takes the full width,
+    every head whole, to pass without measuring it.
+
+    Parameters
+    ----------
+    table : DataFrame or list of dict
+        :func:`rstar.heads.estimate_heads`' table with tolerances (each row's ``layer, head, d_head, risk_curve``).
+    evaluate : callable
+        ``evaluate(plan) -> excess`` or ``(excess, standard_error)``: the model's loss with each head of ``plan``
+        (a list of dict, :func:`rank_plan`'s rows: ``layer, head, rank, ...``) cut to its rank, over the full
+        model's, on
+        held-out data (e.g. :func:`rstar.heads.truncated_heads` around a perplexity or embedding-distance
+        measurement).
+    target : float
+        The largest excess the model may have, in ``evaluate``'s units (> 0).
+    confidence_z : float, default=2.0
+        Standard errors added to a measured excess before it is compared with ``target`` (0: the estimate itself).
+    resolution : int or None, default=None
+        Stop once the passing and failing widths are at most this far apart (None: the number of heads, one
+        dimension a head).
+
+    Returns
+    -------
+    result : dict
+        ``width`` (the smallest passing width found), ``plan`` (its budget split, as :func:`rank_plan` returns it),
+        ``evaluations`` (one dict per width measured, in order: ``width, excess, se, passed``), ``target``,
+        ``confidence_z`` and ``full_width``.
+
+    Raises
+    ------
+    ValueError
+        A target that is not a positive number, a negative ``confidence_z``, a resolution below 1, an
+        ``evaluate`` that is not callable or returns anything but finite numbers, or a table :func:`rank_plan`
+        refuses.
+
+    Examples
+    --------
+    >>> from rstar.heads import smallest_budget_plan
+    >>> table = [dict(layer=0, head=h, d_head=4, risk_curve=[1.0, c, c / 4, 0.0, 0.0]) for h, c in
+    ...          enumerate([0.5, 0.1])]
+    >>> def evaluate(plan):  # stand-in for the model: its excess is the heads' summed curve at their ranks
+    ...     return sum(t["risk_curve"][p["rank"]] for t, p in zip(table, plan))
+    >>> smallest_budget_plan(table, evaluate, target=0.2, resolution=1)["width"]
+    4
+    """
+    if isinstance(target, bool) or not isinstance(target, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(target) or target <= 0:
+        raise ValueError(f"target must be a positive number (the model's largest excess), got {target!r}.")
+    if isinstance(confidence_z, bool) or not isinstance(confidence_z, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(confidence_z) or confidence_z < 0:
+        raise ValueError(f"confidence_z must be a number >= 0 (standard errors), got {confidence_z!r}.")
+    if not callable(evaluate):
+        raise ValueError(f"evaluate must be a callable evaluate(plan) -> excess or (excess, se), got "
+                         f"{type(evaluate).__name__}.")
+    rows = _rows(table, ("layer", "head", "d_head", "risk_curve"))
+    if not rows:
+        raise ValueError("the table has no heads.")
+    full = sum(int(r["d_head"]) for r in rows)
+    if resolution is None:
+        resolution = len(rows)
+    if isinstance(resolution, bool) or not float(resolution).is_integer() or int(resolution) < 1:
+        raise ValueError(f"resolution must be a whole number of dimensions >= 1, got {resolution!r}.")
+    resolution = int(resolution)
+    rank_plan(rows, budget=full)   # the table's curves, checked before the model is run
+    evaluations, plans = [], {}
+    low, high = -1, full   # invariant: high passes (the full width without measuring), low fails (-1: none)
+    while high - low > resolution:
+        width = (low + high) // 2
+        plans[width] = rank_plan(rows, budget=width)
+        excess, se = _measured(evaluate(_rows(plans[width])), width)
+        passed = bool(excess + confidence_z * se <= target)
+        evaluations.append(dict(width=int(width), excess=excess, se=se, passed=passed))
+        low, high = (low, width) if passed else (width, high)
+    plan = plans.get(high)
+    if plan is None:
+        plan = rank_plan(rows, budget=high)
+    return dict(width=int(high), plan=plan, evaluations=evaluations, target=float(target),
+                confidence_z=float(confidence_z), full_width=int(full))
 
 
 def _query_key_modules(layer):
