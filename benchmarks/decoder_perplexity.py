@@ -189,6 +189,10 @@ def main(argv=None):
     p.add_argument("--n-calib", type=int, default=200,
                    help="windows the truncations' metric, EVA and Palu are calibrated on")
     p.add_argument("--fractions", default="0.25,0.5,0.75", help="widths as fractions of the heads' full width")
+    p.add_argument("--target", default="", metavar="NATS",
+                   help="comma-separated excess cross-entropies (nats/token): for each, the smallest width whose "
+                        "budget split keeps the model within it, plus two paired standard errors "
+                        "(rstar.heads.smallest_budget_plan, the model measured at each width tried)")
     p.add_argument("--seed", type=int, default=7, help="seed of the held-out windows (the fits used 0)")
     p.add_argument("--out", default="benchmarks/out/decoder_perplexity")
     p.add_argument("--resume", action="store_true",
@@ -206,8 +210,8 @@ def main(argv=None):
         p.error("--table is required (or --replot)")
 
     from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
-                             fisher_share_plan, head_fisher_scores, rank_plan, text_windows, truncated_heads,
-                             uniform_plan, weight_energy_plan)
+                             fisher_share_plan, head_fisher_scores, rank_plan, smallest_budget_plan, text_windows,
+                             truncated_heads, uniform_plan, weight_energy_plan)
 
     t0 = time.perf_counter()
     rows, T, (n_fit, fit_seed) = read_table(args.table, _layer_set(args.layers))
@@ -223,6 +227,9 @@ def main(argv=None):
     # each tolerance plan's heads, predicted against realised
     n_steps = (3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
                + len(tol_plans))
+    targets = [float(t) for t in args.target.split(",") if t]
+    # each search: at most the bisection's steps down to one dimension a head (the widths it measures are steps)
+    n_steps += len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1)
     if args.students:   # per tolerance plan: a student per head of width > 0, the plan put back, its heads realised
         n_steps += sum(sum(q["rank"] > 0 for q in plan) + 2 for plan in tol_plans.values())
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, n_calib=args.n_calib,
@@ -261,7 +268,7 @@ def main(argv=None):
     fisher_loss = fisher[0]["fisher_loss"]
     results, windows_of, versus = [], {}, []
 
-    def evaluate(name, plan, W, metric="tokens", factors=None):
+    def evaluate(name, plan, W, metric="tokens", factors=None, keep=True):
         plan = [dict(layer=k[0], head=k[1], rank=r) for k, r in zip(keys, plan_ranks(plan, keys))]
 
         def compute():
@@ -275,9 +282,11 @@ def main(argv=None):
 
         res = dict(journal.step(f"evaluate|{name}|{metric}|{W}", compute))
         windows_of[(name, W)] = np.asarray(res.pop("per_window"))
-        results.append(res)
+        if keep:
+            results.append(res)
         print(f"W {W:5d}: {name:22s} width {res['width']:5d}  excess {res['excess']:+.4f} ± {res['excess_se']:.4f} "
               f"nats/token  perplexity {res['perplexity']:.2f}", flush=True)
+        return res
 
     others = ("uniform", "weight energy", "EVA", "Palu", "Eigen Attention", "Eigen Attention (own)", "SVD-LLM (own)")
     for W in widths:
@@ -298,6 +307,18 @@ def main(argv=None):
         mine = windows_of[("rstar budget", W)]
         versus.append(dict(width=W, best_other=best, difference=float(mine.mean() - windows_of[(best, W)].mean()),
                            difference_se=paired_se(mine, windows_of[(best, W)])))
+    # the smallest width whose budget split keeps the model within each --target, the model measured at each width
+    # the bisection tries (a width the grid above measured is not measured again)
+    searches = []
+    for target in targets:
+        def measure(plan):
+            res = evaluate("rstar budget", plan, sum(int(q["rank"]) for q in plan), keep=False)
+            return res["excess"], res["excess_se"]
+
+        found = smallest_budget_plan(rows, measure, target=target)
+        searches.append(dict(target=target, width=found["width"], full_width=full_width,
+                             evaluations=found["evaluations"]))
+        print(f"smallest width within {target:g} nats/token (+ 2 se): {found['width']} of {full_width}", flush=True)
     # predicted against realised, per head, for each tolerance plan: each head's relative excess on the held-out
     # windows with its layer's planned heads cut (alone) and inside the model with every planned head cut
     heads_cmp = []
@@ -344,7 +365,8 @@ def main(argv=None):
     (out / "decoder_perplexity.json").write_text(json.dumps(dict(
         results=results, versus=versus, table=str(args.table), base_cross_entropy=base, n_eval=args.n_eval,
         n_calib=args.n_calib, seed=args.seed, seq_len=T, heads=[list(k) for k in keys], fisher_loss=fisher_loss,
-        eigen_attention_sweep=sweep, head_excess=heads_cmp, students=student_runs, seconds=elapsed),
+        eigen_attention_sweep=sweep, head_excess=heads_cmp, students=student_runs, searches=searches,
+        seconds=elapsed),
         indent=1))
     names = list(dict.fromkeys(r["allocation"] for r in results if not r["allocation"].startswith("rstar r*")))
     lines = [f"SmolLM2-135M-Instruct, {len(rows)} rotary heads cut (full query–key width {full_width}); excess "
@@ -373,6 +395,12 @@ def main(argv=None):
                      f"{own['excess_se']:.4f} with the heads' own maps cut; {len(runs)} students, "
                      f"{sum(r['seconds'] for r in runs):.0f} s, training R² "
                      f"{min(r['train_r2'] for r in runs):.3f}–{max(r['train_r2'] for r in runs):.3f}.")
+    for found in searches:
+        tried = ", ".join(f"{e['width']}: {e['excess']:+.4f} ± {e['se']:.4f} ({'pass' if e['passed'] else 'fail'})"
+                          for e in found["evaluations"])
+        lines.append(f"\nSmallest width whose budget split keeps the model within {found['target']:g} nats/token "
+                     f"(excess + 2 paired se): **{found['width']}** of {full_width} "
+                     f"({found['width'] / full_width:.0%}); widths tried: {tried}.")
     lines += ["", "Each head's predicted excess (its curve at the plan's rank) against its realised excess on the "
               "held-out windows, relative to its output's variance (standard errors over windows):", ""]
     lines += PREDICTED_HEADER
