@@ -54,6 +54,7 @@ Usage::
     rstar heads --model minilm --seq-len 32 --n-samples 500 --save-factors --out runs/minilm   # about 15 min
     python benchmarks/compress.py --table runs/minilm/heads.json                   # about 10 min on 2 cores
     python benchmarks/compress.py --table runs/minilm/heads.json --students        # + a student per head and ε
+    python benchmarks/compress.py --table runs/minilm/heads.json --resume --target 0.01,0.003   # + the width per target
 
 Writes ``compress.json``, ``compress.md`` and ``compress_pareto.png``, ``compress_predicted.png`` under ``--out``;
 each step as it finishes to ``compress.partial.jsonl`` there, with the steps done and the time left printed, so an
@@ -92,6 +93,10 @@ def main(argv=None):
                    help="the anchors' calibration windows (the first of the fits' windows)")
     p.add_argument("--fractions", default="0.25,0.5,0.75",
                    help="total widths as fractions of the full width, beside the tolerance plans' widths")
+    p.add_argument("--target", default="", metavar="LOSS",
+                   help="comma-separated values of 1 - mean cosine: for each, the smallest width whose budget split "
+                        "keeps the embeddings within it, plus two standard errors (rstar.heads.smallest_budget_plan, "
+                        "the model measured at each width tried)")
     p.add_argument("--error-budgets", default="0.02,0.05,0.1,0.2,0.4",
                    help="Eigen Attention's layer-output error budgets, at its own widths")
     p.add_argument("--students", action="store_true",
@@ -105,8 +110,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     from rstar.heads import (collect_attention, eigen_attention_plan, eigen_attention_sweep, eva_plan,
-                             fisher_share_plan, head_fisher_scores, load_minilm, rank_plan, text_windows,
-                             truncated_heads, uniform_plan, weight_energy_plan)
+                             fisher_share_plan, head_fisher_scores, load_minilm, rank_plan, smallest_budget_plan,
+                             text_windows, truncated_heads, uniform_plan, weight_energy_plan)
 
     t0 = time.perf_counter()
     run = json.loads(Path(args.table).read_text())
@@ -158,7 +163,12 @@ def main(argv=None):
     if args.students:   # (a run without students keeps its record, so that it resumes as before)
         record.update(students=True, student_epochs=args.student_epochs, student_value_map="known",
                       **({} if args.student_validation is None else dict(student_validation=args.student_validation)))
-    journal = Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume, n_steps)
+    targets = [float(t) for t in args.target.split(",") if t]
+    # each --target's bisection: about log2 of the full width over one dimension a head, widths shared between the
+    # targets measured once (an estimate for the time left; the count checked at the end leaves them out)
+    searched = set()
+    journal = Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume,
+                      n_steps + len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1))
 
     model, tok = load_minilm()
     model.eval()
@@ -257,6 +267,34 @@ def main(argv=None):
             total = dict(predicted_total=float(sum(p["predicted_excess"] for p in plan)))
             evaluate(f"rstar tolerance {tol:g} (students)", plan_ranks(plan, keys), "tokens", W, total, factors)
 
+    # the smallest width whose budget split keeps 1 - mean cosine within each --target, the model measured at each
+    # width the bisection tries (with the standard error of the mean over the windows)
+    searches = []
+    for target in targets:
+        def measure(plan):
+            ranks = plan_ranks(plan, keys)
+
+            def compute():
+                if "full" not in state:
+                    state["full"] = _embed(model, held)
+                with truncated_heads(model, [dict(layer=k[0], head=k[1], rank=int(r)) for k, r in zip(keys, ranks)],
+                                     layers):
+                    loss = 1 - np.sum(_embed(model, held) * state["full"], axis=1)
+                return dict(width=int(sum(ranks)), loss=float(loss.mean()),
+                            loss_se=float(loss.std(ddof=1) / np.sqrt(loss.size)))
+
+            key = f"search|{int(sum(ranks))}"
+            searched.add(key)
+            res = journal.step(key, compute)
+            print(f"W {res['width']:5d}: rstar budget (search)   1 - cosine {res['loss']:.3e} ± {res['loss_se']:.1e}",
+                  flush=True)
+            return res["loss"], res["loss_se"]
+
+        found = smallest_budget_plan(rows, measure, target=target)
+        searches.append(dict(target=target, width=found["width"], full_width=full_width,
+                             evaluations=found["evaluations"]))
+        print(f"smallest width within 1 - cosine {target:g} (+ 2 se): {found['width']} of {full_width}", flush=True)
+
     # predicted against realised, per head, for each tolerance plan
     heads_cmp = []
     for tol, plan in tol_plans.items():
@@ -275,8 +313,8 @@ def main(argv=None):
                                                            truncated_heads, fitted, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, what, "predicted_excess_fitted_model")
     elapsed = time.perf_counter() - t0
-    if len(journal.done) != n_steps:
-        raise RuntimeError(f"the run took {len(journal.done)} steps where {n_steps} were counted")
+    if len(set(journal.done) - searched) != n_steps:
+        raise RuntimeError(f"the run took {len(set(journal.done) - searched)} steps where {n_steps} were counted")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -284,7 +322,7 @@ def main(argv=None):
                                                        n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
                                                        seconds=elapsed, fisher_seconds=t_fisher,
                                                        sweep_seconds=t_sweep, fisher_loss=fisher_loss,
-                                                       students=student_runs), indent=1))
+                                                       students=student_runs, searches=searches), indent=1))
     lines = [f"Fidelity of MiniLM's sentence embeddings ({args.n_eval} held-out windows of {T} tokens), "
              f"{len(rows)} heads, full query–key width {full_width}.", "",
              "| W asked | allocation | truncation | width | 1 − mean cosine | min cosine | rstar predicted Σ excess |",
@@ -293,6 +331,12 @@ def main(argv=None):
         pred = f"{r['predicted_total']:.3f}" if "predicted_total" in r else ""
         lines.append(f"| {r['width_asked'] if r['width_asked'] is not None else '—'} | {r['allocation']} | "
                      f"{r['truncation']} | {r['width']} | {r['loss']:.2e} | {r['min_cosine']:.4f} | {pred} |")
+    for found in searches:
+        tried = ", ".join(f"{e['width']}: {e['excess']:.2e} ± {e['se']:.1e} ({'pass' if e['passed'] else 'fail'})"
+                          for e in found["evaluations"])
+        lines.append(f"\nSmallest width whose budget split keeps 1 − mean cosine within {found['target']:g} (+ 2 se "
+                     f"over the windows): **{found['width']}** of {full_width} ({found['width'] / full_width:.0%}); "
+                     f"widths tried: {tried}.")
     lines += [""] + PREDICTED_HEADER
     lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", "fit's model", "fit's model at its width",
                                                     "student"))
