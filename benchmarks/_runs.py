@@ -230,6 +230,15 @@ def predicted_rows(heads_cmp, tolerances, models):
     return lines
 
 
+def search_line(found, full_width, measure, number="{:.2e}", se="{:.1e}"):
+    """A markdown line for one ``smallest_budget_plan`` search (``found``: its ``target``, ``width`` and
+    ``evaluations``): the width found for ``measure`` (what stays within the target) and every width tried."""
+    tried = ", ".join(f"{e['width']}: {number.format(e['excess'])} ± {se.format(e['se'])} "
+                      f"({'pass' if e['passed'] else 'fail'})" for e in found["evaluations"])
+    return (f"\nSmallest width whose budget split keeps {measure} within {found['target']:g} (+ 2 standard errors): "
+            f"**{found['width']}** of {full_width} ({found['width'] / full_width:.0%}); widths tried: {tried}.")
+
+
 def head_student(head, rank, epochs, seed=0, value_map_known=True, validation_fraction=None):
     """An unfitted softmax student of width ``rank`` for ``head`` (:class:`rstar.students.AttentionStudent`), causal
     and rotary as the head is, with the head's value map held fixed where ``value_map_known`` (the task the V-known

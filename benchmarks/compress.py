@@ -69,7 +69,7 @@ from pathlib import Path
 import numpy as np
 
 from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, records, student_step, timed_records)
+                   realised_excess, records, search_line, student_step, timed_records)
 
 
 def _embed(model, windows, batch=50):
@@ -331,12 +331,7 @@ def main(argv=None):
         pred = f"{r['predicted_total']:.3f}" if "predicted_total" in r else ""
         lines.append(f"| {r['width_asked'] if r['width_asked'] is not None else '—'} | {r['allocation']} | "
                      f"{r['truncation']} | {r['width']} | {r['loss']:.2e} | {r['min_cosine']:.4f} | {pred} |")
-    for found in searches:
-        tried = ", ".join(f"{e['width']}: {e['excess']:.2e} ± {e['se']:.1e} ({'pass' if e['passed'] else 'fail'})"
-                          for e in found["evaluations"])
-        lines.append(f"\nSmallest width whose budget split keeps 1 − mean cosine within {found['target']:g} (+ 2 se "
-                     f"over the windows): **{found['width']}** of {full_width} ({found['width'] / full_width:.0%}); "
-                     f"widths tried: {tried}.")
+    lines += [search_line(found, full_width, "1 − mean cosine") for found in searches]
     lines += [""] + PREDICTED_HEADER
     lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", "fit's model", "fit's model at its width",
                                                     "student"))

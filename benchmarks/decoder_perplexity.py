@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, records, student_step, timed_records)
+                   realised_excess, records, search_line, student_step, timed_records)
 from rotary_truncation import load_smollm2
 
 
@@ -395,12 +395,8 @@ def main(argv=None):
                      f"{own['excess_se']:.4f} with the heads' own maps cut; {len(runs)} students, "
                      f"{sum(r['seconds'] for r in runs):.0f} s, training R² "
                      f"{min(r['train_r2'] for r in runs):.3f}–{max(r['train_r2'] for r in runs):.3f}.")
-    for found in searches:
-        tried = ", ".join(f"{e['width']}: {e['excess']:+.4f} ± {e['se']:.4f} ({'pass' if e['passed'] else 'fail'})"
-                          for e in found["evaluations"])
-        lines.append(f"\nSmallest width whose budget split keeps the model within {found['target']:g} nats/token "
-                     f"(excess + 2 paired se): **{found['width']}** of {full_width} "
-                     f"({found['width'] / full_width:.0%}); widths tried: {tried}.")
+    lines += [search_line(found, full_width, "the excess cross-entropy (nats/token, paired)", "{:+.4f}", "{:.4f}")
+              for found in searches]
     lines += ["", "Each head's predicted excess (its curve at the plan's rank) against its realised excess on the "
               "held-out windows, relative to its output's variance (standard errors over windows):", ""]
     lines += PREDICTED_HEADER
