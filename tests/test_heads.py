@@ -581,7 +581,8 @@ def test_smallest_budget_plan_bisects_the_width_with_the_model_as_judge():
                        ({"target": "0.1"}, "target must be a positive number"),
                        ({"target": 0.1, "confidence_z": -1}, "confidence_z must be a number >= 0"),
                        ({"target": 0.1, "resolution": 0}, "resolution must be a whole number"),
-                       ({"target": 0.1, "resolution": 2.5}, "resolution must be a whole number")):
+                       ({"target": 0.1, "resolution": 2.5}, "resolution must be a whole number"),
+                       ({"target": 0.1, "resolution": "8"}, "resolution must be a whole number")):
         with pytest.raises(ValueError, match=match):
             smallest_budget_plan(table, evaluate, **bad)
     with pytest.raises(ValueError, match="evaluate must be a callable"):

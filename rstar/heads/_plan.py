@@ -216,8 +216,9 @@ def smallest_budget_plan(table, evaluate, *, target, confidence_z=2.0, resolutio
     model: at each width W tried, the heads get :func:`rank_plan`'s budget split of W (the least summed predicted
     excess), ``evaluate`` measures the model with those heads cut, and W passes where the measured excess plus
     ``confidence_z`` standard errors is at most ``target``. It assumes the model's excess does not rise with W
-    (the budget split's plans nest closely but not exactly: a check, not a guarantee) and takes the full width,
-    every head whole, to pass without measuring it.
+    (likely, not certain: the budget splits of neighbouring widths differ in a few heads; every measurement is in
+    ``evaluations`` to check it against) and takes the full width, every head whole, to pass without measuring
+    it.
 
     Parameters
     ----------
@@ -226,9 +227,8 @@ def smallest_budget_plan(table, evaluate, *, target, confidence_z=2.0, resolutio
     evaluate : callable
         ``evaluate(plan) -> excess`` or ``(excess, standard_error)``: the model's loss with each head of ``plan``
         (a list of dict, :func:`rank_plan`'s rows: ``layer, head, rank, ...``) cut to its rank, over the full
-        model's, on
-        held-out data (e.g. :func:`rstar.heads.truncated_heads` around a perplexity or embedding-distance
-        measurement).
+        model's, on held-out data (e.g. :func:`rstar.heads.truncated_heads` around a perplexity or
+        embedding-distance measurement).
     target : float
         The largest excess the model may have, in ``evaluate``'s units (> 0).
     confidence_z : float, default=2.0
@@ -276,7 +276,8 @@ def smallest_budget_plan(table, evaluate, *, target, confidence_z=2.0, resolutio
     full = sum(int(r["d_head"]) for r in rows)
     if resolution is None:
         resolution = len(rows)
-    if isinstance(resolution, bool) or not float(resolution).is_integer() or int(resolution) < 1:
+    if (isinstance(resolution, bool) or not isinstance(resolution, (int, float, np.integer, np.floating))
+            or not float(resolution).is_integer() or int(resolution) < 1):
         raise ValueError(f"resolution must be a whole number of dimensions >= 1, got {resolution!r}.")
     resolution = int(resolution)
     rank_plan(rows, budget=full)   # the table's curves, checked before the model is run
