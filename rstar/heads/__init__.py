@@ -47,7 +47,7 @@ from ..inversions._numerics.rotary import (RotaryPositions, pair_rotations, plan
                                           truncated_rotary_head)
 from ._collect import (AttentionLayer, HeadTask, attention_mask, attention_modules, attention_rows,
                        centred_sum_of_squares, collect_attention)
-from ._compress import (activation_basis_factors, activation_singular_values, rotary_key_basis,
+from ._compress import (activation_basis_factors, activation_singular_values, hidden_state_error, rotary_key_basis,
                         rotary_query_projection, truncated_head_factors, truncated_heads, whitened_factors)
 from ._plan import _rows, _table, allocate_ranks, rank_pattern, rank_plan, smallest_budget_plan
 from ._text import stdlib_text, text_windows, token_windows
@@ -55,7 +55,8 @@ from ._text import stdlib_text, text_windows, token_windows
 __all__ = ["AttentionLayer", "EIGEN_ATTENTION_THRESHOLDS", "HeadTask", "activation_basis_factors",
            "activation_singular_values", "activation_svd_rank", "attention_mask", "eigen_attention_head_curve",
            "eigen_attention_head_rank", "eigen_attention_plan",
-           "eigen_attention_sweep", "eva_plan", "fisher_share_plan", "head_fisher_scores", "uniform_plan",
+           "eigen_attention_sweep", "eva_plan", "fisher_share_plan", "head_fisher_scores", "hidden_state_error",
+           "uniform_plan",
            "weight_energy_plan", "whitened_factors",
            "allocate_ranks", "attention_modules", "attention_rows", "collect_attention", "estimate_heads",
            "kernel_energy_rank", "kernel_truncation_curve", "load_minilm", "plane_truncation_curve",

@@ -10,8 +10,8 @@ from ..inversions._numerics.softmax_factored import token_metric_roots
 from ._collect import _llama_kv_groups, _llama_weights
 from ._plan import _rows
 
-__all__ = ["activation_basis_factors", "activation_singular_values", "rotary_key_basis", "rotary_query_projection",
-           "truncated_head_factors", "truncated_heads", "whitened_factors"]
+__all__ = ["activation_basis_factors", "activation_singular_values", "hidden_state_error", "rotary_key_basis",
+           "rotary_query_projection", "truncated_head_factors", "truncated_heads", "whitened_factors"]
 
 
 def _descending_eigen(C):
@@ -500,3 +500,78 @@ def _ungrouped_projections(module, new_keys):
             if key.shape[0] > d:
                 k_proj.bias[cols] = torch.as_tensor(key[d], dtype=k_proj.bias.dtype, device=k_proj.bias.device)
     return out
+
+
+def _last_hidden_states(model, windows, batch_size):
+    """The model's last hidden states on ``windows`` (n, T) of token ids, float64, shape (n, T, d)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(windows), batch_size):
+            result = model(torch.as_tensor(np.asarray(windows[s:s + batch_size], dtype=np.int64)))
+            hidden = getattr(result, "last_hidden_state", None)
+            if hidden is None:
+                raise ValueError(f"the model's output ({type(result).__name__}) has no last_hidden_state: give the "
+                                 "base model (transformers' AutoModel), whose output carries it.")
+            out.append(hidden.double().numpy())
+    return np.concatenate(out)
+
+
+def hidden_state_error(model, layers, windows, *, metric="tokens", batch_size=32):
+    """A model-level measure of a rank plan, for :func:`rstar.heads.smallest_budget_plan`: ``evaluate(plan)``
+    returns how far the model's last hidden states move when the plan's heads are cut.
+
+    The error is ``sum ||h_cut - h||^2 / sum ||h - mean(h)||^2`` over every token of ``windows`` (the squared
+    change of the model's output representation, relative to its variance over the tokens), with its standard
+    error over the windows (each window's share of the numerator; the denominator, of the full model, is fixed).
+    It needs no task and no labels, for encoders and decoders alike (for a decoder's perplexity, measure it with
+    the language-model head instead, as ``benchmarks/decoder_perplexity.py`` does).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model the ``layers`` were read from; its output has ``last_hidden_state`` (transformers' AutoModel).
+    layers : list of AttentionLayer
+        The layers of the plans' heads (:func:`rstar.heads.collect_attention`): their tokens set the cut's metric.
+    windows : ndarray of shape (n_windows, T)
+        Token ids the model is measured on, held out from the fits' windows; at least 2 windows.
+    metric : str, default="tokens"
+        How each head is cut (:func:`truncated_heads`).
+    batch_size : int, default=32
+        Windows per forward pass.
+
+    Returns
+    -------
+    evaluate : callable
+        ``evaluate(plan) -> (error, standard_error)``, ``plan`` rows ``layer, head, rank``.
+
+    Examples
+    --------
+    >>> from rstar.heads import (collect_attention, estimate_heads, hidden_state_error, load_minilm,
+    ...                          smallest_budget_plan, text_windows)   # doctest: +SKIP
+    >>> model, tok = load_minilm()                                     # doctest: +SKIP
+    >>> layers = collect_attention(model, text_windows(tok, 32, 500, random_state=0))   # doctest: +SKIP
+    >>> table = estimate_heads(layers, tolerances=(0.01,))             # doctest: +SKIP
+    >>> measure = hidden_state_error(model, layers, text_windows(tok, 32, 200, random_state=1))  # doctest: +SKIP
+    >>> smallest_budget_plan(table, measure, target=0.01)["width"]     # doctest: +SKIP
+    """
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or windows.shape[0] < 2:
+        raise ValueError(f"windows must be token ids of shape (n_windows, T) with at least 2 windows, got shape "
+                         f"{windows.shape}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    full = _last_hidden_states(model, windows, batch_size)
+    spread = float(np.sum((full - full.reshape(-1, full.shape[-1]).mean(axis=0)) ** 2))
+    if not spread > 0:
+        raise ValueError("the model's last hidden states do not vary over these windows: nothing to measure.")
+
+    def evaluate(plan):
+        with truncated_heads(model, plan, layers, metric=metric):
+            cut = _last_hidden_states(model, windows, batch_size)
+        per_window = np.sum((cut - full) ** 2, axis=(1, 2)) / (spread / len(windows))
+        return float(per_window.mean()), float(per_window.std(ddof=1) / np.sqrt(per_window.size))
+
+    return evaluate
+
