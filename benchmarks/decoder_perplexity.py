@@ -86,7 +86,10 @@ def _layer_set(spec):
     out = set()
     for part in spec.split(","):
         lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
+        try:
+            out.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise SystemExit(f"--layers {spec}: expected layer indices such as 0-7 or 0,3,5.") from None
     return out
 
 
