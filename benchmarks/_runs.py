@@ -232,11 +232,15 @@ def predicted_rows(heads_cmp, tolerances, models):
 
 def search_line(found, full_width, measure, number="{:.2e}", se="{:.1e}"):
     """A markdown line for one ``smallest_budget_plan`` search (``found``: its ``target``, ``width`` and
-    ``evaluations``): the width found for ``measure`` (what stays within the target) and every width tried."""
+    ``evaluations``, and ``confirmed`` where its plan was measured again on other windows): the width found for
+    ``measure`` (what stays within the target), every width tried, and the plan on the other windows."""
     tried = ", ".join(f"{e['width']}: {number.format(e['excess'])} ± {se.format(e['se'])} "
                       f"({'pass' if e['passed'] else 'fail'})" for e in found["evaluations"])
+    again = found.get("confirmed")
+    again = ("" if again is None else f" Its plan on other windows (the next seed): {number.format(again['excess'])} "
+             f"± {se.format(again['se'])}.")
     return (f"\nSmallest width whose budget split keeps {measure} within {found['target']:g} (+ 2 standard errors): "
-            f"**{found['width']}** of {full_width} ({found['width'] / full_width:.0%}); widths tried: {tried}.")
+            f"**{found['width']}** of {full_width} ({found['width'] / full_width:.0%}); widths tried: {tried}.{again}")
 
 
 def head_student(head, rank, epochs, seed=0, value_map_known=True, validation_fraction=None):

@@ -312,16 +312,32 @@ def main(argv=None):
                            difference_se=paired_se(mine, windows_of[(best, W)])))
     # the smallest width whose budget split keeps the model within each --target, the model measured at each width
     # the bisection tries (a width the grid above measured is not measured again)
-    searches = []
+    searches, confirm = [], {}
     for target in targets:
         def measure(plan):
             res = evaluate("rstar budget", plan, sum(int(q["rank"]) for q in plan), keep=False)
             return res["excess"], res["excess_se"]
 
         found = smallest_budget_plan(rows, measure, target=target)
+        # the width was chosen on the held-out windows: its plan measured again on others (the next seed)
+        if "fresh" not in confirm:
+            confirm["fresh"] = text_windows(tok, T, args.n_eval, random_state=args.seed + 1)
+            confirm["base"] = np.asarray(journal.step("confirm|full model",
+                                                      lambda: cross_entropy(model, confirm["fresh"]).tolist()))
+
+        def again():
+            cut = [dict(layer=k[0], head=k[1], rank=r) for k, r in zip(keys, plan_ranks(found["plan"], keys))]
+            with truncated_heads(model, cut, layers):
+                per_window = cross_entropy(model, confirm["fresh"])
+            return dict(excess=float(per_window.mean() - confirm["base"].mean()),
+                        se=paired_se(per_window, confirm["base"]))
+
         searches.append(dict(target=target, width=found["width"], full_width=full_width,
-                             evaluations=found["evaluations"]))
-        print(f"smallest width within {target:g} nats/token (+ 2 se): {found['width']} of {full_width}", flush=True)
+                             evaluations=found["evaluations"], confirmed=journal.step(f"confirm|{found['width']}",
+                                                                                        again)))
+        print(f"smallest width within {target:g} nats/token (+ 2 se): {found['width']} of {full_width}; on other "
+              f"windows {searches[-1]['confirmed']['excess']:+.4f} ± {searches[-1]['confirmed']['se']:.4f}",
+              flush=True)
     # predicted against realised, per head, for each tolerance plan: each head's relative excess on the held-out
     # windows with its layer's planned heads cut (alone) and inside the model with every planned head cut
     heads_cmp = []

@@ -303,6 +303,7 @@ def _target_searches(args, model, tokenizer, table, probes, windows, memory_budg
     (as many as ``--memory-budget`` holds for every planned layer at once, at most 128)."""
     from .budgets import _bytes
     from .heads import collect_attention, hidden_state_error, smallest_budget_plan, text_windows
+    from .heads._plan import _rows
 
     if not args.target:
         return {}
@@ -317,6 +318,9 @@ def _target_searches(args, model, tokenizer, table, probes, windows, memory_budg
               zip(collect_attention(model, windows[:n], layers=[layer.index for layer in probes]), heads)]
     held = text_windows(tokenizer, args.seq_len, args.n_held, random_state=args.seed + 1)
     measure, measured = hidden_state_error(model, layers, held), {}
+    # each width found is chosen on those windows: its plan is measured again on others (seed + 2)
+    again = hidden_state_error(model, layers, text_windows(tokenizer, args.seq_len, args.n_held,
+                                                           random_state=args.seed + 2))
     searches = {}
     for target in args.target:
         print(f"\nthe smallest width within {target:g} (the last hidden states' relative squared error + 2 se, "
@@ -332,10 +336,13 @@ def _target_searches(args, model, tokenizer, table, probes, windows, memory_budg
             return error, se
 
         found = smallest_budget_plan(table, shown, target=target)
+        error, se = again(_rows(found["plan"]))
         found.update(measure="relative squared error of the model's last hidden states", held_out_windows=args.n_held,
-                     held_out_seed=args.seed + 1, metric_windows=n)
+                     held_out_seed=args.seed + 1, metric_windows=n,
+                     confirmed=dict(excess=error, se=se, held_out_seed=args.seed + 2))
         searches[f"target={target:g}"] = found
-        print(f"  -> {found['width']} of {found['full_width']}", file=sys.stderr, flush=True)
+        print(f"  -> {found['width']} of {found['full_width']}; on {args.n_held} other windows {error:.3g} ± {se:.2g}",
+              file=sys.stderr, flush=True)
     return searches
 
 

@@ -367,6 +367,9 @@ def test_heads_target_plans_the_smallest_width_the_model_keeps_within(tmp_path, 
     for name, target in (("target=0.002", 0.002), ("target=0.5", 0.5)):
         search, heads = plans[name]["search"], plans[name]["heads"]
         assert search["target"] == target and search["full_width"] == 128 and search["held_out_windows"] == 40
+        # the plan found is measured again on other windows (a finite error with its standard error)
+        assert search["confirmed"]["held_out_seed"] == 2 and search["confirmed"]["se"] > 0
+        assert 0 < search["confirmed"]["excess"] < 1
         assert sum(h["rank"] for h in heads) <= search["width"]
         tried = {e["width"]: e for e in search["evaluations"]}
         # the width found passes where measured (the full width passes unmeasured), the widths below it that were
