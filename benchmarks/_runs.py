@@ -230,6 +230,16 @@ def predicted_rows(heads_cmp, tolerances, models):
     return lines
 
 
+def record_search(journal, searches, found, full_width, again, measure, number="{:.2e}", se="{:.1e}"):
+    """Append one ``smallest_budget_plan`` search to ``searches``: its target, width and widths tried, and its plan
+    measured again on other windows by ``again()`` (a journal step: ``{"excess", "se"}``); and print it."""
+    confirmed = journal.step(f"confirm|{found['width']}", again)
+    searches.append(dict(target=found["target"], width=found["width"], full_width=full_width,
+                         evaluations=found["evaluations"], confirmed=confirmed))
+    print(f"smallest width with {measure} within {found['target']:g} (+ 2 se): {found['width']} of {full_width}; on "
+          f"other windows {number.format(confirmed['excess'])} ± {se.format(confirmed['se'])}", flush=True)
+
+
 def search_line(found, full_width, measure, number="{:.2e}", se="{:.1e}"):
     """A markdown line for one ``smallest_budget_plan`` search (``found``: its ``target``, ``width`` and
     ``evaluations``, and ``confirmed`` where its plan was measured again on other windows): the width found for

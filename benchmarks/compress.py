@@ -69,7 +69,7 @@ from pathlib import Path
 import numpy as np
 
 from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, records, search_line, student_step, timed_records)
+                   realised_excess, record_search, records, search_line, student_step, timed_records)
 
 
 def _embed(model, windows, batch=50):
@@ -302,12 +302,7 @@ def main(argv=None):
             return dict(excess=float(loss.mean()), se=float(loss.std(ddof=1) / np.sqrt(loss.size)))
 
         searched.add(f"confirm|{found['width']}")
-        searches.append(dict(target=target, width=found["width"], full_width=full_width,
-                             evaluations=found["evaluations"], confirmed=journal.step(f"confirm|{found['width']}",
-                                                                                        again)))
-        print(f"smallest width within 1 - cosine {target:g} (+ 2 se): {found['width']} of {full_width}; on other "
-              f"windows {searches[-1]['confirmed']['excess']:.2e} ± {searches[-1]['confirmed']['se']:.1e}",
-              flush=True)
+        record_search(journal, searches, found, full_width, again, "1 - cosine")
 
     # predicted against realised, per head, for each tolerance plan
     heads_cmp = []

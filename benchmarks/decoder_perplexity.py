@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, records, search_line, student_step, timed_records)
+                   realised_excess, record_search, records, search_line, student_step, timed_records)
 from rotary_truncation import load_smollm2
 
 
@@ -332,12 +332,7 @@ def main(argv=None):
             return dict(excess=float(per_window.mean() - confirm["base"].mean()),
                         se=paired_se(per_window, confirm["base"]))
 
-        searches.append(dict(target=target, width=found["width"], full_width=full_width,
-                             evaluations=found["evaluations"], confirmed=journal.step(f"confirm|{found['width']}",
-                                                                                        again)))
-        print(f"smallest width within {target:g} nats/token (+ 2 se): {found['width']} of {full_width}; on other "
-              f"windows {searches[-1]['confirmed']['excess']:+.4f} ± {searches[-1]['confirmed']['se']:.4f}",
-              flush=True)
+        record_search(journal, searches, found, full_width, again, "the excess nats/token", "{:+.4f}", "{:.4f}")
     # predicted against realised, per head, for each tolerance plan: each head's relative excess on the held-out
     # windows with its layer's planned heads cut (alone) and inside the model with every planned head cut
     heads_cmp = []
