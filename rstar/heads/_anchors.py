@@ -18,7 +18,7 @@ algorithms (no code copied); where a port departs from them it says so.
 import numpy as np
 
 from ..inversions._numerics.rotary import rotate
-from ._collect import attention_rows, centred_sum_of_squares
+from ._collect import _batches, attention_rows, centred_sum_of_squares
 from ._compress import (_descending_eigen, _layer_key_basis, _normalised_singular_values,
                         activation_singular_values, truncated_heads)
 from ._plan import _check_budget, _rows, _table, allocate_ranks
@@ -189,18 +189,6 @@ def _query_key_linears(model, layer, what):
         return module.q_proj, module.k_proj
     raise ValueError(f"layer {layer.index} ({layer.name}) is {layer.style}-style; {what} reads BERT-style "
                      "(query, key) and Llama-style (q_proj, k_proj) attention so far.")
-
-
-def _batches(windows, batch_size):
-    import torch
-
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
-    ids = np.asarray(windows)
-    if ids.ndim != 2:
-        raise ValueError(f"windows must be token ids of shape (n, T), got shape {ids.shape}.")
-    for s in range(0, ids.shape[0], int(batch_size)):
-        yield torch.as_tensor(ids[s:s + int(batch_size)])
 
 
 def head_fisher_scores(model, layers, windows, *, loss=None, batch_size=32, random_state=0):

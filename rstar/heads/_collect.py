@@ -317,6 +317,20 @@ def _llama_kv_groups(module):
     return np.arange(H) // (H // H_kv)
 
 
+def _batches(windows, batch_size):
+    """Token-id windows (n, T) as torch tensors of at most ``batch_size`` windows, in order (one-line errors for a
+    batch size that is not a whole number >= 1 and windows that are not two-dimensional)."""
+    import torch
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
+    ids = np.asarray(windows)
+    if ids.ndim != 2:
+        raise ValueError(f"windows must be token ids of shape (n, T), got shape {ids.shape}.")
+    for s in range(0, ids.shape[0], int(batch_size)):
+        yield torch.as_tensor(ids[s:s + int(batch_size)])
+
+
 def _llama_weights(module):
     """``(query, key, value, kv_groups, has_bias)``: per query head ``[W; b]`` of shape (H, d + 1, d_head), the
     key/value head of each repeated for every query head of its group; the module's logit scale folded into the

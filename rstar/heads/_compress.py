@@ -7,7 +7,7 @@ import numpy as np
 from ..inversions._numerics.linalg import factored_svd, psd_power
 from ..inversions._numerics.rotary import family_svd, pair_rotations, truncated_rotary_head
 from ..inversions._numerics.softmax_factored import token_metric_roots
-from ._collect import _llama_kv_groups, _llama_weights
+from ._collect import _batches, _llama_kv_groups, _llama_weights
 from ._plan import _rows
 
 __all__ = ["activation_basis_factors", "activation_singular_values", "hidden_state_error", "rotary_key_basis",
@@ -508,8 +508,8 @@ def _last_hidden_states(model, windows, batch_size):
 
     out = []
     with torch.no_grad():
-        for s in range(0, len(windows), batch_size):
-            result = model(torch.as_tensor(np.asarray(windows[s:s + batch_size], dtype=np.int64)))
+        for batch in _batches(windows, batch_size):
+            result = model(batch)
             hidden = getattr(result, "last_hidden_state", None)
             if hidden is None:
                 raise ValueError(f"the model's output ({type(result).__name__}) has no last_hidden_state: give the "
@@ -560,9 +560,7 @@ def hidden_state_error(model, layers, windows, *, metric="tokens", batch_size=32
     if windows.ndim != 2 or windows.shape[0] < 2:
         raise ValueError(f"windows must be token ids of shape (n_windows, T) with at least 2 windows, got shape "
                          f"{windows.shape}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
-    full = _last_hidden_states(model, windows, batch_size)
+    full = _last_hidden_states(model, windows, batch_size)   # (batch_size checked by the batching)
     spread = float(np.sum((full - full.reshape(-1, full.shape[-1]).mean(axis=0)) ** 2))
     if not spread > 0:
         raise ValueError("the model's last hidden states do not vary over these windows: nothing to measure.")
