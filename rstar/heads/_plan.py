@@ -280,18 +280,18 @@ def smallest_budget_plan(table, evaluate, *, target, confidence_z=2.0, resolutio
             or not float(resolution).is_integer() or int(resolution) < 1):
         raise ValueError(f"resolution must be a whole number of dimensions >= 1, got {resolution!r}.")
     resolution = int(resolution)
-    rank_plan(rows, budget=full)   # the table's curves, checked before the model is run
-    evaluations, plans = [], {}
+    for row in rows:
+        _curve(row)   # every head's curve, checked before the model is run
+    evaluations, plan = [], None
     low, high = -1, full   # invariant: high passes (the full width without measuring), low fails (-1: none)
     while high - low > resolution:
         width = (low + high) // 2
-        plans[width] = rank_plan(rows, budget=width)
-        excess, se = _measured(evaluate(_rows(plans[width])), width)
+        candidate = rank_plan(rows, budget=width)
+        excess, se = _measured(evaluate(_rows(candidate)), width)
         passed = bool(excess + confidence_z * se <= target)
         evaluations.append(dict(width=int(width), excess=excess, se=se, passed=passed))
-        low, high = (low, width) if passed else (width, high)
-    plan = plans.get(high)
-    if plan is None:
+        low, high, plan = (low, width, candidate) if passed else (width, high, plan)
+    if plan is None:   # nothing measured passed: the full width
         plan = rank_plan(rows, budget=high)
     return dict(width=int(high), plan=plan, evaluations=evaluations, target=float(target),
                 confidence_z=float(confidence_z), full_width=int(full))
