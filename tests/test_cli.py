@@ -393,6 +393,8 @@ def test_heads_target_plans_the_smallest_width_the_model_keeps_within(tmp_path, 
     layers = collect_attention(model, text_windows(tok, 12, 20, random_state=0), layers=[0])
     with pytest.raises(ValueError, match="at least 2 windows"):
         hidden_state_error(model, layers, np.zeros((1, 12), dtype=np.int64))
+    with pytest.raises(ValueError, match="must be integer token ids"):
+        hidden_state_error(model, layers, np.full((3, 12), np.nan))
     with pytest.raises(ValueError, match="batch_size must be a whole number >= 1"):
         hidden_state_error(model, layers, text_windows(tok, 12, 4, random_state=1), batch_size=0)
 

@@ -560,6 +560,8 @@ def hidden_state_error(model, layers, windows, *, metric="tokens", batch_size=32
     if windows.ndim != 2 or windows.shape[0] < 2:
         raise ValueError(f"windows must be token ids of shape (n_windows, T) with at least 2 windows, got shape "
                          f"{windows.shape}.")
+    if not np.issubdtype(windows.dtype, np.integer):
+        raise ValueError(f"windows must be integer token ids (text_windows gives them), got dtype {windows.dtype}.")
     full = _last_hidden_states(model, windows, batch_size)   # (batch_size checked by the batching)
     spread = float(np.sum((full - full.reshape(-1, full.shape[-1]).mean(axis=0)) ** 2))
     if not spread > 0:
