@@ -32,10 +32,14 @@ class Journal:
     """A long run as it goes: each finished step appended as one JSON line to ``path`` (the run's options on the
     first), so an interrupted run continues with ``--resume`` where it stopped (a journal started with other
     options, or one found without ``--resume``, is a one-line refusal); the progress line gives the steps done and
-    an estimate of the time left (the mean time of this run's steps so far)."""
+    an estimate of the time left: the mean time of this run's steps so far, kind by kind where ``kinds`` counts
+    the steps of a slower kind among the ``total`` (``{"student": 18}``: the steps whose key starts ``student|``),
+    so that a few long steps (a student trains for minutes where a measurement takes seconds) are not estimated
+    at the others' pace once one of them is timed."""
 
-    def __init__(self, path, record, resume, total):
-        self.path, self.total, self.done, self.t0, self.timed = Path(path), int(total), {}, time.perf_counter(), []
+    def __init__(self, path, record, resume, total, kinds=None):
+        self.path, self.total, self.done, self.t0 = Path(path), int(total), {}, time.perf_counter()
+        self.kinds, self.timed = dict(kinds or {}), {}
         if self.path.exists() and resume:
             lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             if not lines or lines[0].get("record") != record:
@@ -57,14 +61,31 @@ class Journal:
             return self.done[key]
         t = time.perf_counter()
         value = compute()
-        self.timed.append(time.perf_counter() - t)
+        self.timed.setdefault(self._kind(key), []).append(time.perf_counter() - t)
         self.done[key] = value
         with open(self.path, "a") as fh:
             fh.write(json.dumps(dict(key=key, value=value)) + "\n")
-        left = (self.total - len(self.done)) * float(np.mean(self.timed))
-        print(f"  [{len(self.done)}/{self.total}] {time.perf_counter() - self.t0:.0f} s, about {left:.0f} s left",
-              flush=True)
+        print(f"  [{len(self.done)}/{self.total}] {time.perf_counter() - self.t0:.0f} s, about {self.time_left():.0f} s "
+              "left", flush=True)
         return value
+
+    def _kind(self, key):
+        """The kind of a step (its key's prefix before ``|``) where ``kinds`` counts it; None for the rest."""
+        kind = str(key).split("|", 1)[0]
+        return kind if kind in self.kinds else None
+
+    def time_left(self):
+        """Seconds left: each kind's steps not done at the mean time of its steps timed in this run (of every
+        step timed, for a kind none of whose steps is timed yet)."""
+        every = [s for times in self.timed.values() for s in times]
+        if not every:
+            return 0.0
+        done = {}
+        for key in self.done:
+            done[self._kind(key)] = done.get(self._kind(key), 0) + 1
+        counts = {**self.kinds, None: self.total - sum(self.kinds.values())}
+        return float(sum(max(0, n - done.get(kind, 0)) * np.mean(self.timed.get(kind) or every)
+                         for kind, n in counts.items()))
 
 
 def resident_bytes():

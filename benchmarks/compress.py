@@ -155,9 +155,9 @@ def main(argv=None):
     n_steps = (2 + sum(models * sum(sum(p["rank"] for p in plan) == W for plan in tol_plans.values())
                        + sum(sum(p["rank"] for p in plan) == W for plan in own_plans.values())
                        + models + 7 for W in widths) + len(budgets) + models * len(tol_plans) + len(own_plans))
-    if args.students:
-        # per tolerance plan: one student per head of rank > 0, the plan put back with them, their realised excess
-        n_steps += sum(sum(int(p["rank"]) > 0 for p in plan) + 2 for plan in tol_plans.values())
+    # per tolerance plan: one student per head of rank > 0, the plan put back with them, their realised excess
+    n_students = sum(sum(int(p["rank"]) > 0 for p in plan) for plan in tol_plans.values()) if args.students else 0
+    n_steps += n_students + (2 * len(tol_plans) if args.students else 0)
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, seed=args.seed, n_calib=args.n_calib,
                   fractions=args.fractions, error_budgets=args.error_budgets, fitted=bool(fitted))
     if args.students:   # (a run without students keeps its record, so that it resumes as before)
@@ -167,7 +167,8 @@ def main(argv=None):
     # each --target's bisection: about log2 of the full width over one dimension a head, widths shared between the
     # targets measured once (an estimate for the time left; the count checked at the end leaves them out)
     journal = Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume,
-                      n_steps + len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1))
+                      n_steps + len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1),
+                      kinds=dict(student=n_students))
 
     model, tok = load_minilm()
     model.eval()

@@ -233,8 +233,9 @@ def main(argv=None):
     targets = [float(t) for t in args.target.split(",") if t]
     # each search: at most the bisection's steps down to one dimension a head (the widths it measures are steps)
     n_steps += len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1)
-    if args.students:   # per tolerance plan: a student per head of width > 0, the plan put back, its heads realised
-        n_steps += sum(sum(q["rank"] > 0 for q in plan) + 2 for plan in tol_plans.values())
+    # per tolerance plan: a student per head of width > 0, the plan put back, its heads realised
+    n_students = sum(sum(q["rank"] > 0 for q in plan) for plan in tol_plans.values()) if args.students else 0
+    n_steps += n_students + (2 * len(tol_plans) if args.students else 0)
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, n_calib=args.n_calib,
                   fractions=args.fractions, seed=args.seed)
     if args.layers is not None:   # (a run of a whole table keeps its record, so that it resumes as before)
@@ -242,7 +243,8 @@ def main(argv=None):
     if args.students:   # (a run without students keeps its record, so that it resumes as before)
         record.update(students=True, student_epochs=args.student_epochs,
                       **({} if args.student_validation is None else dict(student_validation=args.student_validation)))
-    journal = Journal(Path(args.out) / "decoder_perplexity.partial.jsonl", record, args.resume, n_steps)
+    journal = Journal(Path(args.out) / "decoder_perplexity.partial.jsonl", record, args.resume, n_steps,
+                      kinds=dict(student=n_students))
 
     model, tok = load_smollm2()
     held = text_windows(tok, T, args.n_eval, random_state=args.seed)

@@ -132,6 +132,26 @@ def test_a_long_benchmark_continues_where_it_stopped(tmp_path, capsys):
         runs.Journal(path, record, False, 3)
 
 
+def test_the_time_left_counts_slow_steps_at_their_own_pace(tmp_path, monkeypatch):
+    """A run of quick measurements and a few slow student steps: once a student is timed, the students left are
+    estimated at its pace and the other steps at theirs, not every step at the mean of all."""
+    runs = pytest.importorskip("_runs")
+    # the journal's start, then each step's start, end and progress line
+    clock = iter([0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 102.0, 102.0, 200.0])
+    monkeypatch.setattr(runs.time, "perf_counter", lambda: next(clock))
+    journal = runs.Journal(tmp_path / "run.partial.jsonl", dict(seed=0), False, 10, kinds=dict(student=4))
+    assert journal.time_left() == 0.0
+    journal.step("evaluate|a", lambda: 1)
+    assert journal.time_left() == pytest.approx(9 * 1.0)   # no student timed yet: every step at the pace seen
+    journal.step("evaluate|b", lambda: 2)
+    journal.step("student|0.01|0,0", lambda: 3)
+    # 3 students left at 100 s, 4 other steps at 1 s (a single mean would have said 7 x 34 s)
+    assert journal.time_left() == pytest.approx(3 * 100.0 + 4 * 1.0)
+    plain = runs.Journal(tmp_path / "plain.partial.jsonl", dict(seed=0), False, 4)
+    plain.timed, plain.done = {None: [1.0, 3.0]}, {"a": 1, "b": 2}
+    assert plain.time_left() == pytest.approx(2 * 2.0)
+
+
 def test_the_resident_peak_sees_what_a_block_held_and_let_go():
     """The planted benchmarks' memory column: an array of 200 MiB held for a few samples and freed inside the block
     reads about 200 MiB above the level on entry, whoever allocated it (numpy here, torch alike)."""
