@@ -120,6 +120,12 @@ def paired_se(a, b):
 FLOOR = 1e-4
 
 
+def layer_span(indices):
+    """``layer 3`` for one layer, ``layers 0–7`` for several."""
+    low, high = min(indices := list(indices)), max(indices)
+    return f"layer {low}" if low == high else f"layers {low}–{high}"
+
+
 def figure(data, path):
     """Two panels from the run's JSON: each allocation's excess cross-entropy against the total width (error bars:
     two paired standard errors), and, per layer and tolerance plan, the heads' summed realised excess inside the
@@ -148,7 +154,12 @@ def figure(data, path):
             ax.errorbar(w + (k - 3.5) * 6, np.maximum(e, FLOOR), yerr=[low, se], color=color, marker=marker,
                         linestyle=line, ms=5, capsize=2, label=name)
     for r in results:
-        if r["allocation"].startswith("rstar r*") and not r["allocation"].endswith("(students)"):
+        if r["allocation"].startswith("rstar r*") and r["allocation"].endswith("(students)"):
+            # the tolerance plan put back with students: a black cross beside its own kernels' star
+            ax.errorbar(r["width"], max(r["excess"], FLOOR), yerr=[[min(r["excess_se"], max(r["excess"] - FLOOR, 0))],
+                        [r["excess_se"]]], color="k", marker="x", ms=9, capsize=2, linestyle="none",
+                        label=r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%"))
+        elif r["allocation"].startswith("rstar r*"):
             ax.plot(r["width"], max(r["excess"], FLOOR), color="k", marker="*", ms=13, linestyle="none")
             ax.annotate(r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%")
                         + f" plan: {r['excess']:+.4f} ± {r['excess_se']:.4f}",
@@ -158,8 +169,7 @@ def figure(data, path):
     ax.set_ylim(bottom=FLOOR)
     ax.set(xlabel="total query–key width of the cut heads (sum of their ranks)",
            ylabel="excess cross-entropy, nats / token (± 1 se)",
-           title=f"SmolLM2-135M, {len(data['heads'])} heads of layers "
-                 f"{min(h[0] for h in data['heads'])}–{max(h[0] for h in data['heads'])} cut")
+           title=f"SmolLM2-135M, {len(data['heads'])} heads of {layer_span(h[0] for h in data['heads'])} cut")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     tols = sorted({h["tolerance"] for h in data["head_excess"] if h["truncated"] == "head's kernel"})
