@@ -5,6 +5,7 @@ import json
 import os
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -80,11 +81,9 @@ class Journal:
         every = [s for times in self.timed.values() for s in times]
         if not every:
             return 0.0
-        done = {}
-        for key in self.done:
-            done[self._kind(key)] = done.get(self._kind(key), 0) + 1
+        done = Counter(self._kind(key) for key in self.done)
         counts = {**self.kinds, None: self.total - sum(self.kinds.values())}
-        return float(sum(max(0, n - done.get(kind, 0)) * np.mean(self.timed.get(kind) or every)
+        return float(sum(max(0, n - done[kind]) * np.mean(self.timed.get(kind) or every)
                          for kind, n in counts.items()))
 
 

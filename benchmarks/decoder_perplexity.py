@@ -122,7 +122,8 @@ FLOOR = 1e-4
 
 def layer_span(indices):
     """``layer 3`` for one layer, ``layers 0–7`` for several."""
-    low, high = min(indices := list(indices)), max(indices)
+    indices = list(indices)
+    low, high = min(indices), max(indices)
     return f"layer {low}" if low == high else f"layers {low}–{high}"
 
 
@@ -154,16 +155,17 @@ def figure(data, path):
             ax.errorbar(w + (k - 3.5) * 6, np.maximum(e, FLOOR), yerr=[low, se], color=color, marker=marker,
                         linestyle=line, ms=5, capsize=2, label=name)
     for r in results:
-        if r["allocation"].startswith("rstar r*") and r["allocation"].endswith("(students)"):
+        if not r["allocation"].startswith("rstar r*"):
+            continue
+        name, excess = r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%"), r["excess"]
+        if name.endswith("(students)"):
             # the tolerance plan put back with students: a black cross beside its own kernels' star
-            ax.errorbar(r["width"], max(r["excess"], FLOOR), yerr=[[min(r["excess_se"], max(r["excess"] - FLOOR, 0))],
-                        [r["excess_se"]]], color="k", marker="x", ms=9, capsize=2, linestyle="none",
-                        label=r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%"))
-        elif r["allocation"].startswith("rstar r*"):
-            ax.plot(r["width"], max(r["excess"], FLOOR), color="k", marker="*", ms=13, linestyle="none")
-            ax.annotate(r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%")
-                        + f" plan: {r['excess']:+.4f} ± {r['excess_se']:.4f}",
-                        (r["width"], max(r["excess"], FLOOR)), textcoords="offset points", xytext=(8, 6), fontsize=8,
+            ax.errorbar(r["width"], max(excess, FLOOR), yerr=[[min(r["excess_se"], max(excess - FLOOR, 0))],
+                        [r["excess_se"]]], color="k", marker="x", ms=9, capsize=2, linestyle="none", label=name)
+        else:
+            ax.plot(r["width"], max(excess, FLOOR), color="k", marker="*", ms=13, linestyle="none")
+            ax.annotate(f"{name} plan: {excess:+.4f} ± {r['excess_se']:.4f}", (r["width"], max(excess, FLOOR)),
+                        textcoords="offset points", xytext=(8, 6), fontsize=8,
                         bbox=dict(boxstyle="round", fc="w", ec="none", alpha=0.8))
     ax.set_yscale("log")
     ax.set_ylim(bottom=FLOOR)
