@@ -265,3 +265,23 @@ def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
     fitted_plan = [dict(plan[0], predicted_excess_fitted_model=0.011)]
     assert runs.predicted_against_realised(fitted_plan, rows, real, 0.01, "fit's model at its width",
                                            "predicted_excess_fitted_model")[0]["predicted"] == 0.011
+
+
+def test_the_all_heads_summary_says_where_readings_fall_against_the_truncation_rank():
+    """rotary_real_heads.py's summary: per tolerance, the readings' gaps to the truncation rank, and of the heads not
+    sufficient-and-within, those one above and those equal to it but short of eps on the held-out windows."""
+    rotary = pytest.importorskip("rotary_real_heads")
+
+    def row(ranks, truncation, held):
+        return dict(ranks=ranks, truncation=truncation, held_out_excess=held, held_out_truncation_excess=held,
+                    intervals=[[0, 64], [0, 64]], warnings=[], seconds=1.0)
+
+    rows = [row([4, 2], [5, 2], [0.02, 0.04]),    # one below, short of 1% held out: not both
+            row([5, 2], [5, 2], [0.009, 0.04]),   # on the truncation rank and sufficient: both
+            row([6, 3], [5, 2], [0.008, 0.03]),   # one above: not both
+            row([5, 2], [5, 2], [0.011, 0.06])]   # on it, short of eps held out: not both
+    text = rotary.summary(rows)
+    assert ("ε = 0.01: r*(ε) − truncation rank -1: 1, 0: 2, +1: 1; widths summed 20 against 20; of the 3 not "
+            "both, 1 one above and 1 equal to it, short of ε held out.") in text
+    assert ("ε = 0.05: r*(ε) − truncation rank 0: 3, +1: 1; widths summed 9 against 8; of the 2 not both, 1 one "
+            "above and 1 equal to it, short of ε held out.") in text
