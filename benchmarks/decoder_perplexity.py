@@ -118,6 +118,9 @@ def paired_se(a, b):
 
 #: The figure's lowest excess (log scale): smaller excesses, and negative ones, are drawn at it.
 FLOOR = 1e-4
+#: The per-head rows of the heads cut on both sides (the width-r class the risk curve counts), beside the query-side
+#: cut the plans are put into the model with.
+BOTH_SIDES = "head's kernel, both sides"
 
 
 def layer_span(indices):
@@ -158,7 +161,12 @@ def figure(data, path):
         if not r["allocation"].startswith("rstar r*"):
             continue
         name, excess = r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%"), r["excess"]
-        if name.endswith("(students)"):
+        if name.endswith("(both sides)"):
+            # the tolerance plan with each head cut on both sides (the class the curve counts): an open diamond
+            ax.errorbar(r["width"], max(excess, FLOOR), yerr=[[min(r["excess_se"], max(excess - FLOOR, 0))],
+                        [r["excess_se"]]], color="k", marker="D", mfc="none", ms=7, capsize=2, linestyle="none",
+                        label=name)
+        elif name.endswith("(students)"):
             # the tolerance plan put back with students: a black cross beside its own kernels' star
             ax.errorbar(r["width"], max(excess, FLOOR), yerr=[[min(r["excess_se"], max(excess - FLOOR, 0))],
                         [r["excess_se"]]], color="k", marker="x", ms=9, capsize=2, linestyle="none", label=name)
@@ -355,6 +363,16 @@ def main(argv=None):
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
                                                            truncated_heads, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, "head's kernel")
+        # the query-side cut above keeps each head's key map whole, a wider class than the width-r heads the curve
+        # counts; the same heads cut on both sides (their own factors projected on the top r directions of their
+        # logit family on each side, as the curve's models are) are that class
+        own = {(layer.index, h): layer.head(pos).factors()
+               for layer in layers for pos, h in enumerate(layer.held_heads)}
+        evaluate(f"rstar r*({tol:g}) (both sides)", plan, sum(int(q["rank"]) for q in plan), factors=own)
+        real = journal.step(f"realised|{tol:g}|both sides", lambda: {
+            f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
+                                                           truncated_heads, own, floor=False).items()})
+        heads_cmp += predicted_against_realised(plan, rows, real, tol, BOTH_SIDES)
 
     # students in the heads' place: one trained per head at the plan's width on the fits' windows (one layer's heads
     # collected at a time), its factors saved as it finishes; the plan put back with them, and their heads realised
@@ -414,8 +432,13 @@ def main(argv=None):
                  + f" ± {at[n]['excess_se']:.4f}" for n in names]
         lines.append(f"| {W} | {tol} | " + " | ".join(cells)
                      + f" | {vs['difference']:+.4f} ± {vs['difference_se']:.4f} ({vs['best_other']}) |")
+    mine = {r["allocation"]: r for r in results}
+    for tol in tol_plans:
+        own, cut = mine[f"rstar r*({tol:g})"], mine[f"rstar r*({tol:g}) (both sides)"]
+        lines.append(f"\nr*({tol:g}) with each head cut on both sides (width {cut['width']}): excess "
+                     f"{cut['excess']:+.4f} ± {cut['excess_se']:.4f}, against {own['excess']:+.4f} ± "
+                     f"{own['excess_se']:.4f} cut on the query side.")
     for tol in tol_plans if student_runs else ():
-        mine = {r["allocation"]: r for r in results}
         own, taught = mine[f"rstar r*({tol:g})"], mine[f"rstar r*({tol:g}) (students)"]
         runs = [r for r in student_runs if r["tolerance"] == tol]
         lines.append(f"\nr*({tol:g}) put back with students (width {taught['width']}): excess "
@@ -428,8 +451,8 @@ def main(argv=None):
     lines += ["", "Each head's predicted excess (its curve at the plan's rank) against its realised excess on the "
               "held-out windows, relative to its output's variance (standard errors over windows):", ""]
     lines += PREDICTED_HEADER
-    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", "student") if student_runs else
-                            ("head's kernel",))
+    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", BOTH_SIDES, "student") if student_runs else
+                            ("head's kernel", BOTH_SIDES))
     lines.append(f"\n{elapsed:.0f} s in all; Palu's scores of the {fisher_loss}.")
     (out / "decoder_perplexity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
