@@ -17,6 +17,11 @@ token, and the perplexity. Two anchors also run with their own truncations, on t
 Attention (own)") and SVD-LLM's whitened truncation of the query and key maps at one width for all ("SVD-LLM
 (own)").
 
+Each tolerance plan is also put in with its heads cut on both sides — each head's own query and key maps projected on
+the top r directions of their logit family on each side (``truncated_heads(factors=...)``), the width-r class the
+risk curve counts, where the query-side cut is a wider one — and each head's predicted excess is set against its
+realised excess under both cuts.
+
 With ``--students``, each tolerance plan is also put back with trained students in the heads' place: per head a
 causal rotary softmax student of the plan's width (:class:`rstar.students.AttentionStudent` with the head's positions
 and its value map held fixed, torch, on a GPU when one is present) trained on the head's (X, Y) on the fits' windows
@@ -366,12 +371,12 @@ def main(argv=None):
         # the query-side cut above keeps each head's key map whole, a wider class than the width-r heads the curve
         # counts; the same heads cut on both sides (their own factors projected on the top r directions of their
         # logit family on each side, as the curve's models are) are that class
-        own = {(layer.index, h): layer.head(pos).factors()
-               for layer in layers for pos, h in enumerate(layer.held_heads)}
-        evaluate(f"rstar r*({tol:g}) (both sides)", plan, sum(int(q["rank"]) for q in plan), factors=own)
+        own_factors = {(layer.index, h): layer.head(pos).factors()
+                       for layer in layers for pos, h in enumerate(layer.held_heads)}
+        evaluate(f"rstar r*({tol:g}) (both sides)", plan, sum(int(q["rank"]) for q in plan), factors=own_factors)
         real = journal.step(f"realised|{tol:g}|both sides", lambda: {
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
-                                                           truncated_heads, own, floor=False).items()})
+                                                           truncated_heads, own_factors, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, BOTH_SIDES)
 
     # students in the heads' place: one trained per head at the plan's width on the fits' windows (one layer's heads
