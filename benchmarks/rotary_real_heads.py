@@ -95,6 +95,11 @@ def _fit_row(head, held, args):
                 **{key: [float(v) for v in np.asarray(getattr(est, attr))[:head.d_head + 1]]
                    for key, attr in (("risk_curve", "risk_curve_upper_"), ("risk_curve_point", "risk_curve_"),
                                      ("risk_curve_se", "risk_curve_se_"))},
+                # the floor the curve subtracts (the full half models held out) and the same models in sample:
+                # rank_plan's prediction for the fit's own models, and what the curve's excess is measured from
+                risk_curve_floor=float(est.risk_curve_floor_),
+                risk_curve_floor_in_sample=(None if est.risk_curve_floor_in_sample_ is None
+                                            else float(est.risk_curve_floor_in_sample_)),
                 warnings=sorted({str(w.message) for w in caught}))
 
 
