@@ -166,15 +166,13 @@ def figure(data, path):
         if not r["allocation"].startswith("rstar r*"):
             continue
         name, excess = r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%"), r["excess"]
-        if name.endswith("(both sides)"):
-            # the tolerance plan with each head cut on both sides (the class the curve counts): an open diamond
+        # beside its own kernels' star, the tolerance plan with each head cut on both sides (the class the curve
+        # counts: an open diamond) and put back with students (a black cross)
+        mark = next((m for suffix, m in (("(both sides)", dict(marker="D", mfc="none", ms=7)),
+                                         ("(students)", dict(marker="x", ms=9))) if name.endswith(suffix)), None)
+        if mark is not None:
             ax.errorbar(r["width"], max(excess, FLOOR), yerr=[[min(r["excess_se"], max(excess - FLOOR, 0))],
-                        [r["excess_se"]]], color="k", marker="D", mfc="none", ms=7, capsize=2, linestyle="none",
-                        label=name)
-        elif name.endswith("(students)"):
-            # the tolerance plan put back with students: a black cross beside its own kernels' star
-            ax.errorbar(r["width"], max(excess, FLOOR), yerr=[[min(r["excess_se"], max(excess - FLOOR, 0))],
-                        [r["excess_se"]]], color="k", marker="x", ms=9, capsize=2, linestyle="none", label=name)
+                        [r["excess_se"]]], color="k", capsize=2, linestyle="none", label=name, **mark)
         else:
             ax.plot(r["width"], max(excess, FLOOR), color="k", marker="*", ms=13, linestyle="none")
             ax.annotate(f"{name} plan: {excess:+.4f} ± {r['excess_se']:.4f}", (r["width"], max(excess, FLOOR)),
@@ -363,16 +361,17 @@ def main(argv=None):
     # predicted against realised, per head, for each tolerance plan: each head's relative excess on the held-out
     # windows with its layer's planned heads cut (alone) and inside the model with every planned head cut
     heads_cmp = []
+    # each head's own query and key maps: truncated_heads cuts them on both sides (projected on the top r directions
+    # of their logit family on each side, as the curve's models are)
+    own_factors = {(layer.index, h): layer.head(pos).factors()
+                   for layer in layers for pos, h in enumerate(layer.held_heads)}
     for tol, plan in tol_plans.items():
         real = journal.step(f"realised|{tol:g}", lambda: {
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
                                                            truncated_heads, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, "head's kernel")
         # the query-side cut above keeps each head's key map whole, a wider class than the width-r heads the curve
-        # counts; the same heads cut on both sides (their own factors projected on the top r directions of their
-        # logit family on each side, as the curve's models are) are that class
-        own_factors = {(layer.index, h): layer.head(pos).factors()
-                       for layer in layers for pos, h in enumerate(layer.held_heads)}
+        # counts; the same heads cut on both sides (their own factors, own_factors) are that class
         evaluate(f"rstar r*({tol:g}) (both sides)", plan, sum(int(q["rank"]) for q in plan), factors=own_factors)
         real = journal.step(f"realised|{tol:g}|both sides", lambda: {
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,

@@ -237,6 +237,7 @@ def summary(rows):
              "| within the truncation rank | sufficient and within | within ±2 of the truncation rank | not both, interval covers the "
              "truncation rank (of them warned) | interval misses the truncation rank | r*(ε) min / median / max | truncation rank min / median / max |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    spreads = [""]
     for i, e in enumerate(TOLERANCES):
         truncation_ok = [r["held_out_truncation_excess"][i] <= e for r in rows]
         model_ok = [r["held_out_excess"][i] <= e for r in rows]
@@ -254,17 +255,14 @@ def summary(rows):
                      f"{sum(both)} | "
                      f"{sum(near)} | {sum(covered)} ({warned}) | {silent} | {min(ranks)} / {np.median(ranks):g} / "
                      f"{max(ranks)} | {min(trunc)} / {np.median(trunc):g} / {max(trunc)} |")
-    lines.append("")
-    for i, e in enumerate(TOLERANCES):
         # where the readings fall against the truncation rank, and what the ones not both are
-        gap = [r["ranks"][i] - r["truncation"][i] for r in rows]
-        ok = [min(r["held_out_truncation_excess"][i], r["held_out_excess"][i]) <= e for r in rows]
-        not_both = [not (a and g <= 0) for a, g in zip(ok, gap)]
+        gap = [r - t for r, t in zip(ranks, trunc)]
         spread = ", ".join(f"{g:+d}: {c}" if g else f"0: {c}" for g, c in sorted(Counter(gap).items()))
-        lines.append(f"ε = {e:g}: r*(ε) − truncation rank {spread}; widths summed "
-                     f"{sum(r['ranks'][i] for r in rows)} against {sum(r['truncation'][i] for r in rows)}; of the "
-                     f"{sum(not_both)} not both, {sum(n and g == 1 for n, g in zip(not_both, gap))} one above and "
-                     f"{sum(n and g == 0 for n, g in zip(not_both, gap))} equal to it, short of ε held out.")
+        spreads.append(f"ε = {e:g}: r*(ε) − truncation rank {spread}; widths summed {sum(ranks)} against "
+                       f"{sum(trunc)}; of the {len(rows) - sum(both)} not both, "
+                       f"{sum(not b and g == 1 for b, g in zip(both, gap))} one above and "
+                       f"{sum(not b and g == 0 for b, g in zip(both, gap))} equal to it, short of ε held out.")
+    lines += spreads
     warned = sum(bool(r["warnings"]) for r in rows)
     seconds = [r["seconds"] for r in rows]
     lines.append(f"\n{warned} of {len(rows)} heads warned; a fit took {min(seconds):.0f}–{max(seconds):.0f} s "
