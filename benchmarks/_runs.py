@@ -222,7 +222,8 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated, predi
 PREDICTED_HEADER = ["| ε | rank-r model | heads | realised (alone) ≤ predicted + 2 se | within 2 se | "
                     "Σ predicted | Σ realised alone | Σ realised in the model | median realised/predicted (alone) | "
                     "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) | "
-                    "fit's own model, in-sample floor: within 2 se (both) · Σ predicted |",
+                    "point estimate, floor moved in sample (the fit's own model's prediction): within 2 se (both) · "
+                    "Σ predicted |",
                     "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
@@ -244,8 +245,7 @@ def predicted_rows(heads_cmp, tolerances, models):
                          + (f" {within_point(hs)} |" if hs[0]["predicted_point"] is not None else " — |")
                          + (f" {within_point(hs, 'predicted_own_model')} · "
                             f"{sum(h['predicted_own_model'] for h in hs):.3f} |"
-                            if what.startswith("fit's model")
-                            and all(h.get("predicted_own_model") is not None for h in hs)
+                            if all(h.get("predicted_own_model") is not None for h in hs)
                             else " — |"))
     return lines
 
