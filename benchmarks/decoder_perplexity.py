@@ -250,9 +250,10 @@ def main(argv=None):
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     # the steps, counted before any runs (for the time left): the full model, Palu's scores and Eigen Attention's
     # sweep, then per width the tolerance plans at it, rstar's budget split and the seven other allocations, then
-    # each tolerance plan's heads, predicted against realised
+    # each tolerance plan's heads, predicted against realised, and the plan with its heads cut on both sides: put in,
+    # and its heads realised
     n_steps = (3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
-               + len(tol_plans))
+               + 3 * len(tol_plans))
     targets = [float(t) for t in args.target.split(",") if t]
     # each search: at most the bisection's steps down to one dimension a head (the widths it measures are steps)
     n_steps += len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1)
