@@ -20,7 +20,10 @@ Attention (own)") and SVD-LLM's whitened truncation of the query and key maps at
 Each tolerance plan is also put in with its heads cut on both sides — each head's own query and key maps projected on
 the top r directions of their logit family on each side (``truncated_heads(factors=...)``), the width-r class the
 risk curve counts, where the query-side cut is a wider one — and each head's predicted excess is set against its
-realised excess under both cuts.
+realised excess under both cuts. Where every head's row keeps both floors of its curve (the all-heads journal from
+layer 12 head 8 on), the tolerance plans read by the floor-shifted curve (``rank_plan(model="fitted")``, the
+prediction for a both-sided cut) are put in cut on both sides too, with each head's realised excess against that
+prediction and against ε: the plan a user compressing the key side would take.
 
 With ``--students``, each tolerance plan is also put back with trained students in the heads' place: per head a
 causal rotary softmax student of the plan's width (:class:`rstar.students.AttentionStudent` with the head's positions
@@ -126,6 +129,11 @@ FLOOR = 1e-4
 #: The per-head rows of the heads cut on both sides (the width-r class the risk curve counts), beside the query-side
 #: cut the plans are put into the model with.
 BOTH_SIDES = "head's kernel, both sides"
+#: The same heads cut on both sides at the widths the floor-shifted curve reads (``rank_plan(model="fitted")``: the
+#: curve plus the gap between the full half models' held-out and in-sample floors, the prediction for that cut).
+BOTH_SIDES_SHIFTED = "head's kernel, both sides, floor-shifted widths"
+#: Where every head of the table keeps both floors: the suffix of the tolerance plans read by the floor-shifted curve.
+SHIFTED = "floor-shifted (both sides)"
 
 
 def layer_span(indices):
@@ -168,7 +176,8 @@ def figure(data, path):
         name, excess = r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%"), r["excess"]
         # beside its own kernels' star, the tolerance plan with each head cut on both sides (the class the curve
         # counts: an open diamond) and put back with students (a black cross)
-        mark = next((m for suffix, m in (("(both sides)", dict(marker="D", mfc="none", ms=7)),
+        mark = next((m for suffix, m in ((SHIFTED, dict(marker="o", mfc="none", ms=8)),
+                                         ("(both sides)", dict(marker="D", mfc="none", ms=7)),
                                          ("(students)", dict(marker="x", ms=9))) if name.endswith(suffix)), None)
         if mark is not None:
             ax.errorbar(r["width"], max(excess, FLOOR), yerr=[[min(r["excess_se"], max(excess - FLOOR, 0))],
@@ -246,6 +255,9 @@ def main(argv=None):
     tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
                         or {0.01, 0.05})
     tol_plans = {tol: records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
+    shifted_plans = ({tol: records(rank_plan(rows, tolerance=tol, model="fitted")) for tol in tolerances}
+                     if all(r.get("risk_curve_floor") is not None and r.get("risk_curve_floor_in_sample") is not None
+                            for r in rows) else {})
     widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     # the steps, counted before any runs (for the time left): the full model, Palu's scores and Eigen Attention's
@@ -253,7 +265,7 @@ def main(argv=None):
     # each tolerance plan's heads, predicted against realised, and the plan with its heads cut on both sides: put in,
     # and its heads realised
     n_steps = (3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
-               + 3 * len(tol_plans))
+               + 3 * len(tol_plans) + 2 * len(shifted_plans))
     targets = [float(t) for t in args.target.split(",") if t]
     # each search: at most the bisection's steps down to one dimension a head (the widths it measures are steps)
     n_steps += len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1)
@@ -378,6 +390,16 @@ def main(argv=None):
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
                                                            truncated_heads, own_factors, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, BOTH_SIDES)
+    # where every head keeps both floors, the plans a user compressing the key side would read: each head's width
+    # from the curve shifted by its floors' gap (rank_plan(model="fitted")), cut on both sides; their heads against
+    # that prediction
+    for tol, plan in shifted_plans.items():
+        evaluate(f"rstar r*({tol:g}) {SHIFTED}", plan, sum(int(q["rank"]) for q in plan), factors=own_factors)
+        real = journal.step(f"realised|{tol:g}|{SHIFTED}", lambda: {
+            f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
+                                                           truncated_heads, own_factors, floor=False).items()})
+        heads_cmp += predicted_against_realised(plan, rows, real, tol, BOTH_SIDES_SHIFTED,
+                                                predicted_key="predicted_excess_fitted_model")
 
     # students in the heads' place: one trained per head at the plan's width on the fits' windows (one layer's heads
     # collected at a time), its factors saved as it finishes; the plan put back with them, and their heads realised
@@ -443,6 +465,13 @@ def main(argv=None):
         lines.append(f"\nr*({tol:g}) with each head cut on both sides (width {cut['width']}): excess "
                      f"{cut['excess']:+.4f} ± {cut['excess_se']:.4f}, against {own['excess']:+.4f} ± "
                      f"{own['excess_se']:.4f} cut on the query side.")
+    for tol, plan in shifted_plans.items():
+        cut = mine[f"rstar r*({tol:g}) {SHIFTED}"]
+        hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == BOTH_SIDES_SHIFTED]
+        lines.append(f"\nr*({tol:g}) read by the floor-shifted curve (rank_plan(model='fitted')), each head cut on both "
+                     f"sides (width {cut['width']}): excess {cut['excess']:+.4f} ± {cut['excess_se']:.4f}; heads "
+                     f"realising at most {tol:g} of their Var(Y) alone: {sum(h['alone'] <= tol for h in hs)} of "
+                     f"{len(hs)} (within 2 se of it: {sum(h['alone'] <= tol + 2 * h['alone_se'] for h in hs)}).")
     for tol in tol_plans if student_runs else ():
         own, taught = mine[f"rstar r*({tol:g})"], mine[f"rstar r*({tol:g}) (students)"]
         runs = [r for r in student_runs if r["tolerance"] == tol]
@@ -456,8 +485,7 @@ def main(argv=None):
     lines += ["", "Each head's predicted excess (its curve at the plan's rank) against its realised excess on the "
               "held-out windows, relative to its output's variance (standard errors over windows):", ""]
     lines += PREDICTED_HEADER
-    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", BOTH_SIDES, "student") if student_runs else
-                            ("head's kernel", BOTH_SIDES))
+    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", BOTH_SIDES, BOTH_SIDES_SHIFTED, "student"))
     lines.append(f"\n{elapsed:.0f} s in all; Palu's scores of the {fisher_loss}.")
     (out / "decoder_perplexity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
