@@ -521,12 +521,14 @@ def _heads(args):
         plans = {f"tolerance={t:g}": rank_plan(table, tolerance=t) for t in args.tolerance}
         if args.budget is not None:
             plans[f"budget={args.budget}"] = rank_plan(table, budget=args.budget)
-        if args.save_factors:
-            # the widths at which the saved factors themselves are predicted within each tolerance
-            try:
-                plans.update({f"tolerance={t:g} (fitted models)": rank_plan(table, tolerance=t, model="fitted")
-                              for t in args.tolerance})
-            except ValueError as exc:
+        # the widths at which the fits' own models (the saved factors) are predicted within each tolerance: the
+        # curve shifted by each head's floors' gap, also the prediction for a head's kernel cut on both sides (a
+        # rotary key cache compressed; docs/user_guide/real_models.md, "Which prediction fits the both-sided cut")
+        try:
+            plans.update({f"tolerance={t:g} (fitted models)": rank_plan(table, tolerance=t, model="fitted")
+                          for t in args.tolerance})
+        except ValueError as exc:
+            if args.save_factors:
                 print(f"(no plan for the fitted models: {exc})", file=sys.stderr)
         searches = _target_searches(args, model, tokenizer, table, probes, windows, memory_budget)
         plans.update({name: found["plan"] for name, found in searches.items()})

@@ -363,7 +363,8 @@ def test_heads_target_plans_the_smallest_width_the_model_keeps_within(tmp_path, 
     err = capsys.readouterr().err
     assert "the smallest width within 0.002" in err and "pass" in err
     plans = json.loads((out / "plan.json").read_text())
-    assert set(plans) == {"tolerance=0.05", "target=0.002", "target=0.5"}
+    # the fitted models' plan is written whether or not the factors are saved (the rows keep both floors)
+    assert set(plans) == {"tolerance=0.05", "tolerance=0.05 (fitted models)", "target=0.002", "target=0.5"}
     for name, target in (("target=0.002", 0.002), ("target=0.5", 0.5)):
         search, heads = plans[name]["search"], plans[name]["heads"]
         assert search["target"] == target and search["full_width"] == 128 and search["held_out_windows"] == 40
