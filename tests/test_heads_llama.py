@@ -512,3 +512,30 @@ def test_a_padded_or_shifted_window_is_refused(ids):
     pos[2:] += 3
     with pytest.raises(ValueError, match="different rotary positions"):
         collect_attention(_model("llama"), ids[:4], batch_size=4, position_ids=pos)
+
+
+def test_both_sides_cuts_a_rotary_head_with_its_own_query_and_key_maps(ids):
+    """truncated_heads(both_sides=True): each planned rotary head cut on both sides with its own maps, exactly as
+    passing those maps as ``factors``; a narrower class than the default query-side cut, so the head's output moves
+    further from the whole head's; the module restored on exit; refused with a cut that has its own key side."""
+    from rstar.heads import truncated_heads
+
+    model = _model("llama")
+    attn = model.model.layers[0].self_attn
+    before = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+    layer = collect_attention(model, ids, layers=[0])[0]
+    plan = [dict(layer=0, head=1, rank=2), dict(layer=0, head=2, rank=3)]
+    outputs = {}
+    for name, kw in (("query side", {}), ("both sides", dict(both_sides=True)),
+                     ("own factors", dict(factors={(0, h): layer.head(h).factors() for h in (1, 2)}))):
+        with truncated_heads(model, plan, [layer], **kw):
+            outputs[name] = collect_attention(model, ids, layers=[0])[0].Y
+        assert all(torch.equal(v, before[k]) for k, v in attn.state_dict().items())
+    np.testing.assert_allclose(outputs["both sides"], outputs["own factors"], atol=1e-6)
+    # heads 0 and 3 untouched; the cut heads further from the whole head when both sides are cut
+    np.testing.assert_allclose(outputs["both sides"][:, :, [0, 3]], layer.Y[:, :, [0, 3]], atol=1e-5)
+    err = {name: np.sum((outputs[name][:, :, [1, 2]] - layer.Y[:, :, [1, 2]]) ** 2) for name in outputs}
+    assert err["both sides"] > err["query side"] > 0
+    with pytest.raises(ValueError, match="has its own key-side cut"):
+        with truncated_heads(model, plan, [layer], metric="whitened", both_sides=True):
+            pass

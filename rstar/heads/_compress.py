@@ -177,7 +177,7 @@ def rotary_query_projection(query, key, rank, pairs, metric=None):
 
 
 @contextmanager
-def truncated_heads(model, plan, layers, metric="tokens", factors=None):
+def truncated_heads(model, plan, layers, metric="tokens", factors=None, both_sides=False):
     """Within the ``with`` block, each planned head of ``model`` computes its logits with its query–key map
     truncated to the plan's rank (:func:`truncated_head_factors`); the weights are restored on exit, even after
     an exception. Value maps, output projections and every other head are unchanged.
@@ -201,6 +201,13 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
         factors in rstar's convention on the head's features (logits ``x~ A B^T x~'^T / sqrt(d~)``;
         ``estimate_heads(keep_factors=True)``'s ``query_key_factors``, of any width), so that the fit's own rank-r
         models replace the heads. A planned head without an entry keeps its own map.
+    both_sides : bool, default=False
+        Cut a rotary head on both sides, each with its own query and key maps (what a compressed key cache holds:
+        the width-r class its risk curve counts), as ``factors`` with each planned head's own maps would; by
+        default a rotary head is cut on its query side only, a wider class. Its prediction is the curve shifted by
+        the floors' gap (``rank_plan(model="fitted")``; the user guide, "Which prediction fits the both-sided
+        cut"). Only with ``metric`` ``"tokens"`` or ``"weights"``; a BERT-style head's kernel is cut on both sides
+        either way.
 
     Notes
     -----
@@ -230,6 +237,9 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
 
     if metric not in ("tokens", "weights", "activations", "whitened"):
         raise ValueError(f"metric must be 'tokens', 'weights', 'activations' or 'whitened', got {metric!r}.")
+    if both_sides and metric not in ("tokens", "weights"):
+        raise ValueError(f"both_sides=True cuts a head's own query and key maps by 'tokens' or 'weights'; "
+                         f"metric={metric!r} has its own key-side cut.")
     modules = dict(model.named_modules())
     roots = {}
     by_index = {layer.index: layer for layer in layers}
@@ -255,9 +265,11 @@ def truncated_heads(model, plan, layers, metric="tokens", factors=None):
             raise ValueError(f"layer {index} head {head}: rank {rank} is outside 0 ... d_head = {d_head}.")
         module = modules[layer.name]
         if layer.style == "llama":
-            if factors is not None and (index, head) in factors:
-                q_edits, new_key = _llama_factor_cut(module, layer, pos, head, rank, metric, roots,
-                                                     factors[(index, head)])
+            own = factors.get((index, head)) if factors is not None else None
+            if own is None and both_sides:
+                own = layer.head(pos).factors()   # the head's own query and key maps, cut on both sides
+            if own is not None:
+                q_edits, new_key = _llama_factor_cut(module, layer, pos, head, rank, metric, roots, own)
                 edits += q_edits
                 ungroup.setdefault(index, (module, {}))[1][head] = new_key
                 continue

@@ -132,7 +132,7 @@ def rank_plan(table, *, tolerance=None, budget=None, model="kernel"):
     held out to the same models in sample (``+ risk_curve_floor - risk_curve_floor_in_sample``), since the held-out
     floor carries estimation error the fit's model does not subtract (a negative gap counts as none); None (NaN in
     a DataFrame) where the table has no such pair (a curve measured in sample). The same shift predicts a rotary
-    head's kernel cut on *both* sides (its own query and key maps, ``truncated_heads(factors=)``: a key cache
+    head's kernel cut on *both* sides (its own query and key maps, ``truncated_heads(both_sides=True)``: a key cache
     compressed): the curve's half models carry part of the floor's estimation error, so the curve sits below what
     a width-r head leaves by up to the floor. On SmolLM2's layers 13-15 (27 heads, ``benchmarks/decoder_perplexity.py
     --layers 13-15``) the point estimate plus the gap was within two standard errors of the both-sided cut's
@@ -141,9 +141,9 @@ def rank_plan(table, *, tolerance=None, budget=None, model="kernel"):
 
     ``model`` says which of the two the ranks are chosen by: ``"kernel"`` (the head's kernel cut, the curve itself:
     each head's r*(ε)) or ``"fitted"`` (the fit's own models, to be put back in the heads' place, or the heads'
-    kernels cut on both sides: the curve plus the floors' gap, so a head whose fit's model is not predicted within ε at any rank gets ``d_head``, flagged
-    ``reached=False``; every row needs both floors). In budget mode the gaps shift each head's curve by a constant,
-    so the split is the same either way.
+    kernels cut on both sides: the curve plus the floors' gap, so a head whose fit's model is not predicted within
+    ε at any rank gets ``d_head``, flagged ``reached=False``; every row needs both floors). In budget mode the gaps
+    shift each head's curve by a constant, so the split is the same either way.
 
     Returns
     -------
