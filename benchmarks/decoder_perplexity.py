@@ -175,8 +175,9 @@ def figure(data, path):
             continue
         name, excess = r["allocation"][len("rstar "):].replace("0.01", "1%").replace("0.05", "5%"), r["excess"]
         # beside its own kernels' star, the tolerance plan with each head cut on both sides (the class the curve
-        # counts: an open diamond) and put back with students (a black cross)
-        mark = next((m for suffix, m in ((SHIFTED, dict(marker="o", mfc="none", ms=8)),
+        # counts: an open diamond), the plan read by the floor-shifted curve cut on both sides (an open hexagon;
+        # tested first, its name ends in "(both sides)" too) and put back with students (a black cross)
+        mark = next((m for suffix, m in ((SHIFTED, dict(marker="h", mfc="none", ms=8)),
                                          ("(both sides)", dict(marker="D", mfc="none", ms=7)),
                                          ("(students)", dict(marker="x", ms=9))) if name.endswith(suffix)), None)
         if mark is not None:
@@ -202,6 +203,7 @@ def figure(data, path):
                                                                         1e-300) for li in layers]
         bx.plot(layers, ratio, marker="os"[k % 2], color=f"C{k}", label=f"r*({tol:.0%}) plan")
     bx.axhline(1, color="0.5", lw=0.8)
+    bx.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # layers are whole numbers
     bx.set(xlabel="layer", ylabel="Σ heads' excess, whole plan cut / its layer alone cut",
            title="a layer's excess grows with the layers cut before it")
     bx.grid(alpha=0.3)
@@ -255,9 +257,10 @@ def main(argv=None):
     tolerances = sorted({float(k[len("rank_at_"):]) for r in rows[:1] for k in r if k.startswith("rank_at_")}
                         or {0.01, 0.05})
     tol_plans = {tol: records(rank_plan(rows, tolerance=tol)) for tol in tolerances}
-    shifted_plans = ({tol: records(rank_plan(rows, tolerance=tol, model="fitted")) for tol in tolerances}
-                     if all(r.get("risk_curve_floor") is not None and r.get("risk_curve_floor_in_sample") is not None
-                            for r in rows) else {})
+    try:   # rank_plan refuses a row without both (finite) floors: then no such plans
+        shifted_plans = {tol: records(rank_plan(rows, tolerance=tol, model="fitted")) for tol in tolerances}
+    except ValueError:
+        shifted_plans = {}
     widths = sorted({sum(p["rank"] for p in plan) for plan in tol_plans.values()}
                     | {int(round(float(f) * full_width)) for f in args.fractions.split(",") if f})
     # the steps, counted before any runs (for the time left): the full model, Palu's scores and Eigen Attention's
@@ -452,8 +455,9 @@ def main(argv=None):
              "|---|---|" + "---|" * len(names) + "---|"]
     for W, vs in zip(widths, versus):
         at = {r["allocation"]: r for r in results if r["width_asked"] == W}
+        # the query-side tolerance plan at this width (not its both-sided, floor-shifted or student variants)
         tol = next((f"{r['allocation']}: {r['excess']:+.4f} ± {r['excess_se']:.4f}" for name, r in at.items()
-                    if name.startswith("rstar r*")), "—")
+                    if name in {f"rstar r*({t:g})" for t in tol_plans}), "—")
         best = min(at[n]["excess"] for n in names)
         cells = [(f"**{at[n]['excess']:+.4f}**" if at[n]["excess"] == best else f"{at[n]['excess']:+.4f}")
                  + f" ± {at[n]['excess_se']:.4f}" for n in names]
