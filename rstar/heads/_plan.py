@@ -131,14 +131,16 @@ def rank_plan(table, *, tolerance=None, budget=None, model="kernel"):
     is predicted by ``predicted_excess_fitted_model``: the same curve with its floor moved from the full half models
     held out to the same models in sample (``+ risk_curve_floor - risk_curve_floor_in_sample``), since the held-out
     floor carries estimation error the fit's model does not subtract (a negative gap counts as none); None (NaN in
-    a DataFrame) where the table has no such pair (a curve measured in sample). The same shift predicts a rotary
-    head's kernel cut on *both* sides (its own query and key maps, ``truncated_heads(both_sides=True)``: a key cache
-    compressed): the curve's half models carry part of the floor's estimation error, so its point estimate may sit
-    below what a width-r head leaves. On SmolLM2's layers 13-15 (27 heads, ``benchmarks/decoder_perplexity.py --layers
-    13-15``) the point estimate plus the gap was within two standard errors of the both-sided cut's realised excess
-    on 26 and 24 heads at 1% and 5% (the bare point estimate on 13 and 23, the curve on 24 and 23), and the ranks
-    read with ``model="fitted"`` held out at most ε on 22 and 20 of the 27 (the curve's ranks on 11 and 16). A
-    rotary head cut on its query side only (``truncated_heads``' default) realises less than the curve in sum.
+    a DataFrame) where the table has no such pair (a curve measured in sample). The same shift is the prediction
+    for a rotary head's kernel cut on *both* sides (its own query and key maps, ``truncated_heads(both_sides=True)``:
+    a key cache compressed): the curve's half models carry part of the floor's estimation error, so its point
+    estimate may sit below what a width-r head leaves. On SmolLM2's layers 13-17 (45 heads,
+    ``benchmarks/decoder_perplexity.py``) the point estimate plus the gap was within 8% of the both-sided cut's
+    summed realised excess (the bare point estimate short by up to 15%), within two standard errors head by head on
+    33 and 34 of 45 at 1% and 5% (26 and 24 of 27 on layers 13-15, 7 and 10 of 18 on 16-17: the standard errors
+    are the held-out windows', not the fits'), and the ranks read with ``model="fitted"`` held out at most ε on 34
+    and 34 of the 45 (the curve's ranks on 20 and 28). A rotary head cut on its query side only
+    (``truncated_heads``' default) realises less than the curve in sum.
 
     ``model`` says which of the two the ranks are chosen by: ``"kernel"`` (the head's kernel cut, the curve itself:
     each head's r*(ε)) or ``"fitted"`` (the fit's own models, to be put back in the heads' place, or the heads'
