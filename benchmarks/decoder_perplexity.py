@@ -18,7 +18,7 @@ Attention (own)") and SVD-LLM's whitened truncation of the query and key maps at
 (own)").
 
 Each tolerance plan is also put in with its heads cut on both sides — each head's own query and key maps projected on
-the top r directions of their logit family on each side (``truncated_heads(factors=...)``), the width-r class the
+the top r directions of their logit family on each side (``truncated_heads(both_sides=True)``), the width-r class the
 risk curve counts, where the query-side cut is a wider one — and each head's predicted excess is set against its
 realised excess under both cuts. Where every head's row keeps both floors of its curve (the all-heads journal from
 layer 12 head 8 on), the tolerance plans read by the floor-shifted curve (``rank_plan(model="fitted")``, the
@@ -49,6 +49,7 @@ done and the time left printed, and ``--resume`` continues an interrupted run.
 """
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -312,11 +313,11 @@ def main(argv=None):
     fisher_loss = fisher[0]["fisher_loss"]
     results, windows_of, versus = [], {}, []
 
-    def evaluate(name, plan, W, metric="tokens", factors=None, keep=True):
+    def evaluate(name, plan, W, metric="tokens", factors=None, keep=True, both_sides=False):
         plan = [dict(layer=k[0], head=k[1], rank=r) for k, r in zip(keys, plan_ranks(plan, keys))]
 
         def compute():
-            with truncated_heads(model, plan, layers, metric=metric, factors=factors):
+            with truncated_heads(model, plan, layers, metric=metric, factors=factors, both_sides=both_sides):
                 per_window = cross_entropy(model, held)
             ce = float(per_window.mean())
             return dict(allocation=name, truncation=metric, width_asked=W, width=sum(q["rank"] for q in plan),
@@ -377,30 +378,29 @@ def main(argv=None):
     # predicted against realised, per head, for each tolerance plan: each head's relative excess on the held-out
     # windows with its layer's planned heads cut (alone) and inside the model with every planned head cut
     heads_cmp = []
-    # each head's own query and key maps: truncated_heads cuts them on both sides (projected on the top r directions
-    # of their logit family on each side, as the curve's models are)
-    own_factors = {(layer.index, h): layer.head(pos).factors()
-                   for layer in layers for pos, h in enumerate(layer.held_heads)}
+    # each head cut on both sides with its own query and key maps (projected on the top r directions of their logit
+    # family on each side, as the curve's models are)
+    cut_both_sides = functools.partial(truncated_heads, both_sides=True)
     for tol, plan in tol_plans.items():
         real = journal.step(f"realised|{tol:g}", lambda: {
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
                                                            truncated_heads, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, "head's kernel")
         # the query-side cut above keeps each head's key map whole, a wider class than the width-r heads the curve
-        # counts; the same heads cut on both sides (their own factors, own_factors) are that class
-        evaluate(f"rstar r*({tol:g}) (both sides)", plan, sum(int(q["rank"]) for q in plan), factors=own_factors)
+        # counts; the same heads cut on both sides are that class
+        evaluate(f"rstar r*({tol:g}) (both sides)", plan, sum(int(q["rank"]) for q in plan), both_sides=True)
         real = journal.step(f"realised|{tol:g}|both sides", lambda: {
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
-                                                           truncated_heads, own_factors, floor=False).items()})
+                                                           cut_both_sides, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, BOTH_SIDES)
     # where every head keeps both floors, the plans a user compressing the key side would read: each head's width
     # from the curve shifted by its floors' gap (rank_plan(model="fitted")), cut on both sides; their heads against
     # that prediction
     for tol, plan in shifted_plans.items():
-        evaluate(f"rstar r*({tol:g}) {SHIFTED}", plan, sum(int(q["rank"]) for q in plan), factors=own_factors)
+        evaluate(f"rstar r*({tol:g}) {SHIFTED}", plan, sum(int(q["rank"]) for q in plan), both_sides=True)
         real = journal.step(f"realised|{tol:g}|{SHIFTED}", lambda: {
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
-                                                           truncated_heads, own_factors, floor=False).items()})
+                                                           cut_both_sides, floor=False).items()})
         heads_cmp += predicted_against_realised(plan, rows, real, tol, BOTH_SIDES_SHIFTED,
                                                 predicted_key="predicted_excess_fitted_model")
 
