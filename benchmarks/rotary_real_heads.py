@@ -90,11 +90,12 @@ def _fit_row(head, held, args):
                 planes=[int(rank_at_tolerance(planes, e)) for e in TOLERANCES],
                 eva=int(activation_svd_rank(head.X, 0.9)), seconds=seconds, inversion=est.inversion_,
                 inversion_reason=est.inversion_reason_,
-                # the curve r*(eps) is read from (its upper bound), its point estimate and standard error, ranks
+                # the curve r*(eps) is read from (its upper bound), its point estimate and standard errors (over
+                # samples; with the fits' own variability, from the halves' difference), ranks
                 # 0 ... d_head: what rstar.heads.rank_plan needs to allocate a budget over these heads
                 **{key: [float(v) for v in np.asarray(getattr(est, attr))[:head.d_head + 1]]
                    for key, attr in (("risk_curve", "risk_curve_upper_"), ("risk_curve_point", "risk_curve_"),
-                                     ("risk_curve_se", "risk_curve_se_"))},
+                                     ("risk_curve_se", "risk_curve_se_"), ("risk_curve_fit_se", "risk_curve_fit_se_"))},
                 # the floor the curve subtracts (the full half models held out) and the same models in sample:
                 # rank_plan's prediction for the fit's own models, and what the curve's excess is measured from
                 risk_curve_floor=float(est.risk_curve_floor_),

@@ -287,7 +287,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
         self.verdicts_ = list(gates) + [v for v in res.warnings if isinstance(v, identifiability.Verdict)]
-        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_distance_",
+        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_", "risk_curve_distance_",
                      "risk_curve_resolution_", "risk_curve_floor_", "risk_curve_floor_in_sample_",
                      "_risk_curve_full_rank", "_tolerance_gates"):
             self.__dict__.pop(attr, None)
@@ -326,7 +326,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         kw = {"ops": resolve_backend(self.device)} if self._inv.capabilities.reads_sample_passes else {}
         reading = tolerance_reading(self._inv, self._stats, ws, samples, self.tolerance, self.tolerance_level,
                                     noise_floor=(int(res.rank), int(res.rank_interval[1])), **kw)
-        for name in ("risk_curve_", "risk_curve_se_", "risk_curve_upper_", "risk_curve_distance_",
+        for name in ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_", "risk_curve_distance_",
                      "risk_curve_resolution_", "risk_curve_floor_", "risk_curve_floor_in_sample_"):
             setattr(self, name, getattr(reading, name.rstrip("_")))
         self._risk_curve_full_rank = reading.full_rank
@@ -620,6 +620,15 @@ _FITTED_DOC = """
         ``risk_curve_`` over the samples it was measured on, where the
         inversion measures its curve per sample (the factored least squares);
         None elsewhere.
+    risk_curve_fit_se_ : ndarray of shape (R + 1,) or None
+        Only with a ``tolerance``, where the curve is cross-fitted (the
+        factored least squares): its standard error with the fits' own
+        variability, from the difference between the two halves' excess
+        (each scored by the other half's model; one degree of freedom), at
+        least ``risk_curve_se_``
+        (:func:`rstar.risk.excess_risk_fit_standard_error`). The error to
+        set a predicted excess against; not read by ``rank_``. None
+        elsewhere.
     risk_curve_upper_ : ndarray of shape (R + 1,)
         Only with a ``tolerance``: the curve that ``rank_`` and
         ``rank_interval_``'s upper end are read from, ``risk_curve_ + z

@@ -153,6 +153,9 @@ class ToleranceReading:
         worse on other samples), and at least the in-sample side where the fit minimises the squared error on Y
         (the factored least squares; a fit on the log-attention minimises another loss), so the curve, measured
         against the held-out side, may understate the excess by up to their difference. None elsewhere.
+    risk_curve_fit_se : ndarray or None
+        Where the curve is cross-fitted and measured per sample: its standard error with the fits' own
+        variability (:func:`excess_risk_fit_standard_error`), at least ``risk_curve_se``; reported, not read.
     full_rank : int or None
         d where the curve reached the rank beyond which its models no longer change without reaching the
         tolerance (only the full model is then known to reach it).
@@ -168,6 +171,45 @@ class ToleranceReading:
     risk_curve_floor: float
     risk_curve_floor_in_sample: object
     full_rank: object
+    risk_curve_fit_se: object = None
+
+
+def excess_risk_fit_standard_error(sample_rss, sample_rss_full, tss, blocks):
+    """Standard error of each rank's relative excess risk with the models' own variability, where the curve is
+    cross-fitted: the samples come in two blocks, each scored by a model fitted on the other block.
+
+    :func:`excess_risk_standard_error` treats the models as fixed; here each block's mean excess per sample,
+    ``m_b = sum_{i in b} (rss_i(r) - rss_i(full)) / n_b``, is one replicate of fit and measurement together, and
+    the total ``n (m_1 + m_2) / 2`` has the standard error ``n |m_1 - m_2| / 2`` (relative to TSS), an estimate
+    with one degree of freedom (for equal blocks: the blocks' excess sums' difference). Two-fold cross-validation
+    has no unbiased estimate of its variance (Bengio & Grandvalet, 2004, JMLR 5: the folds' models share samples
+    with each other's scores), so this is a scale, not an interval: it is reported at least the sampling error.
+
+    Parameters
+    ----------
+    sample_rss : array-like of shape (n_ranks, n)
+    sample_rss_full : array-like of shape (n,)
+    tss : float
+    blocks : tuple of two ints
+        The sizes of the two blocks, in the samples' order (they sum to n).
+
+    Returns
+    -------
+    se : ndarray of shape (n_ranks,)
+
+    Examples
+    --------
+    >>> excess_risk_fit_standard_error([[2.0, 2.0, 1.0, 1.0]], [1.0, 1.0, 1.0, 1.0], 4.0, (2, 2))
+    array([0.5])
+    """
+    diff = np.asarray(sample_rss, dtype=float) - np.asarray(sample_rss_full, dtype=float)[None, :]
+    n1, n2 = (int(b) for b in blocks)
+    n = diff.shape[1]
+    sampling = excess_risk_standard_error(sample_rss, sample_rss_full, tss)
+    if n1 < 1 or n2 < 1 or n1 + n2 != n or not tss > 0:
+        return sampling
+    between = n * np.abs(diff[:, :n1].mean(axis=1) - diff[:, n1:].mean(axis=1)) / (2.0 * float(tss))
+    return np.maximum(sampling, between)
 
 
 def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise_floor, **kw):
@@ -223,6 +265,7 @@ def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise
         return curve, se, distance, np.maximum(upper, excess_risk_upper_bound(distance, distance_se, tolerance_level))
 
     curve, se, distance, upper = read(rss, parts, distance_parts)
+    blocks = inv.cross_fit_blocks(stats, ws) if per_sample else None
     # go on until half the tolerance is reached (the interval's upper end), or the limit
     while rank_at_tolerance(upper, tol / 2) is None and len(curve) <= limit:
         more = range(len(curve), min(limit, 2 * len(curve)) + 1)
@@ -241,7 +284,9 @@ def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise
                             risk_curve_floor=float(floor), risk_curve_floor_in_sample=floor_in_sample,
                             # a curve that reaches the limit and not a tolerance: only the full model (rank d) is
                             # known to reach it
-                            full_rank=int(ws.dim) if len(curve) > limit else None)
+                            full_rank=int(ws.dim) if len(curve) > limit else None,
+                            risk_curve_fit_se=(None if blocks is None
+                                               else excess_risk_fit_standard_error(parts, full_parts, tss, blocks)))
 
 
 def tolerance_interval(curve, upper, rank, tolerance, dim):

@@ -9,7 +9,8 @@ from sklearn.base import clone
 
 from rstar import MPRankEstimator, RStarEstimator, UnidentifiableRankWarning
 from rstar.datasets import make_attention_task, make_linear_proxy
-from rstar.risk import rank_at_tolerance, relative_excess_risk
+from rstar.risk import (excess_risk_fit_standard_error, excess_risk_standard_error, rank_at_tolerance,
+                        relative_excess_risk)
 
 from _reasons import assert_warned
 
@@ -162,3 +163,23 @@ def test_every_inversion_has_a_curve():
                                   random_state=0, return_teacher=True)
     est = SoftmaxInversionEstimator(value_map=t.value_map, tolerance=0.05).fit(X, Y)
     assert est.inversion_ == "softmax_exact" and est.rank_ == 3 and est.risk_curve_[2] > 0.1
+
+
+def test_fit_standard_error_is_the_blocks_difference_and_at_least_the_sampling_one():
+    rng = np.random.default_rng(0)
+    full = rng.random(40)
+    same = full[None, :] + rng.random((3, 40))
+    # two blocks of one law: their difference is that law's sampling error again, so the larger of the two
+    sampling = excess_risk_standard_error(same, full, 7.0)
+    between = 40 * np.abs((same - full)[:, :25].mean(1) - (same - full)[:, 25:].mean(1)) / (2 * 7.0)
+    assert np.allclose(excess_risk_fit_standard_error(same, full, 7.0, (25, 15)), np.maximum(sampling, between))
+    # a second block scored by a worse model: the blocks' gap, not the spread within them, sets the error
+    shifted = same.copy()
+    shifted[:, 25:] += 5.0
+    se = excess_risk_fit_standard_error(shifted, full, 7.0, (25, 15))
+    assert np.all(se > 3 * excess_risk_standard_error(same, full, 7.0))
+    assert np.allclose(se, 40 * np.abs((shifted - full)[:, :25].mean(1) - (shifted - full)[:, 25:].mean(1)) / 14)
+    # blocks that do not split the samples, or no variance to scale: the sampling error alone
+    assert np.allclose(excess_risk_fit_standard_error(shifted, full, 7.0, (20, 15)),
+                       excess_risk_standard_error(shifted, full, 7.0))
+    assert np.all(excess_risk_fit_standard_error(shifted, full, 0.0, (25, 15)) == 0)

@@ -266,7 +266,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         ``risk_curve`` (a list, None without tolerances) is the head's predicted relative excess at ranks
         0 ... d_head, the upper bound ``rank_at_<ε>`` is read from (``risk_curve_upper_``), which
         :func:`rank_plan` splits a total width by; ``risk_curve_point`` and ``risk_curve_se`` are the curve's
-        point estimate and standard error (``risk_curve_``, ``risk_curve_se_``; None where not measured), and
+        point estimate and standard error (``risk_curve_``, ``risk_curve_se_``; None where not measured),
+        ``risk_curve_fit_se`` that error with the fits' own variability (``risk_curve_fit_se_``), and
         ``risk_curve_floor`` and ``risk_curve_floor_in_sample`` the floor that curve subtracts and its in-sample
         side (``risk_curve_floor_``, ``risk_curve_floor_in_sample_``: their gap bounds how far the curve may
         understate the excess); ``seconds`` is the head's wall-clock time (its fit, readings and truncation columns).
@@ -410,7 +411,8 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
     row["risk_curve"] = (None if note or not tolerances or getattr(est, "risk_curve_upper_", None) is None
                          else [float(v) for v in np.asarray(est.risk_curve_upper_)[:head.d_head + 1]])
     # the curve's point estimate and standard error (predicted excess against realised: rstar.heads' benchmarks)
-    for key, attr in (("risk_curve_point", "risk_curve_"), ("risk_curve_se", "risk_curve_se_")):
+    for key, attr in (("risk_curve_point", "risk_curve_"), ("risk_curve_se", "risk_curve_se_"),
+                      ("risk_curve_fit_se", "risk_curve_fit_se_")):
         value = None if row["risk_curve"] is None else getattr(est, attr, None)
         row[key] = None if value is None else [float(v) for v in np.asarray(value)[:head.d_head + 1]]
     for key, attr in (("risk_curve_floor", "risk_curve_floor_"),

@@ -136,6 +136,12 @@ class Inversion:
         sample)."""
         return None
 
+    def cross_fit_blocks(self, stats, ws):
+        """Where the curve is cross-fitted (the factored fit's half models, each scored on the other half): the
+        sizes of the two blocks of :meth:`rank_residual_samples`' arrays that one model scored, in their order;
+        None here."""
+        return None
+
     def half_disagreement(self, stats, ws):
         """Where the curve is measured on models fitted on half the samples: how far the two halves' full models
         disagree, relative to Var(Y) (the curve's resolution); None here."""

@@ -438,6 +438,14 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
                                                       rotary=rotary)
                                for (X, Y), (A, B, V) in zip(halves, models)])
 
+    def cross_fit_blocks(self, stats, ws):
+        """The factored run's two blocks (the second half's samples under the first half's model, then the
+        first's under the second's: :meth:`rank_residual_samples`' order); None for the other runs."""
+        if ws.inversion != self.factored_name:
+            return None
+        first, second = self._halves(stats)
+        return (len(second[0]), len(first[0]))
+
     def half_disagreement(self, stats, ws):
         """The factored run's :func:`factored_half_disagreement` (None for the other runs)."""
         if ws.inversion != self.factored_name:

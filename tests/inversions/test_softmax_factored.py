@@ -644,6 +644,33 @@ def test_the_cross_fitted_curve_reports_the_floor_it_subtracts_and_its_in_sample
     assert lin.risk_curve_floor_in_sample_ is None and 0 < lin.risk_curve_floor_ < 1
 
 
+def test_the_cross_fitted_curve_s_fit_error_is_the_halves_difference():
+    # the curve's samples come as the second half under the first half's model, then the first under the second's;
+    # risk_curve_fit_se_ sets the two blocks' mean excess against each other (at least the per-sample error)
+    X, Y, teacher = _task(3, seed=1, n=301, noise=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnidentifiableRankWarning)
+        est = RStarEstimator(value_map=teacher.value_map, tolerance=0.05).fit(X, Y)
+    halves = est._inv._halves(est._stats)
+    blocks = est._inv.cross_fit_blocks(est._stats, est.statistic_)
+    assert blocks == (len(halves[1][0]), len(halves[0][0])) and blocks[0] != blocks[1]
+    (A1, B1), _ = est.statistic_.null.half_kernels
+    V = est._inv.value_map
+    full, *ranked = est._inv.rank_residual_samples(est._stats, est.statistic_, [None, 0, 1, 2])
+    X2, Y2 = halves[1]
+    own = np.sum((sf._attention(X2, A1, B1) @ (X2 @ V) - Y2) ** 2, axis=(1, 2))
+    assert np.allclose(full[:blocks[0]], own)
+    tss = total_sum_of_squares(centred_sums(None, np.concatenate([Yh for _, Yh in halves])))
+    diff = np.array(ranked) - full
+    between = len(X) * np.abs(diff[:, :blocks[0]].mean(1) - diff[:, blocks[0]:].mean(1)) / (2 * tss)
+    assert np.allclose(est.risk_curve_fit_se_[:3], np.maximum(est.risk_curve_se_[:3], between))
+    assert np.all(est.risk_curve_fit_se_ >= est.risk_curve_se_)
+    assert est.risk_curve_fit_se_.shape == est.risk_curve_.shape
+    # closed-form curves are not cross-fitted: no fit error to report
+    Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
+    assert RStarEstimator("linear_qk", tolerance=0.05).fit(Xq, Yq).risk_curve_fit_se_ is None
+
+
 def test_balanced_factors_keep_the_kernel_and_scale_by_its_singular_values():
     rng = np.random.default_rng(3)
     A, B = rng.standard_normal((12, 4)) * [10.0, 3.0, 1.0, 0.1], rng.standard_normal((12, 4))

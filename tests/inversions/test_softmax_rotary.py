@@ -218,6 +218,9 @@ def test_a_positional_rotary_head_is_read_at_its_width():
     share = float(np.sum(noise**2)) / float(np.sum((Y - Y.reshape(-1, DV).mean(axis=0)) ** 2))
     assert share < est.risk_curve_floor_ < 1.2 * share
     assert est.risk_curve_floor_in_sample_ < est.risk_curve_floor_
+    # the rotary curve is cross-fitted too: its error with the fits' own variability, at least the samples'
+    assert est.risk_curve_fit_se_.shape == est.risk_curve_.shape
+    assert np.all(est.risk_curve_fit_se_ >= est.risk_curve_se_) and np.any(est.risk_curve_fit_se_ > est.risk_curve_se_)
     Xh = rng.standard_normal((200, T, D))
     Xh[:, :, 0] = 3.0
     Yh = sf.factored_outputs(Xh, Xh @ V, A, B, MASK, rotary=POS)
