@@ -185,10 +185,11 @@ def realised_excess(model, plan, layers, held, collect_attention, truncated_head
     return out
 
 
-def within_point(hs, key="predicted_point"):
+def within_point(hs, key="predicted_point", se="predicted_se"):
     """Heads whose realised excess (alone) is within two standard errors of the curve's point estimate (or of the
-    prediction under ``key``), the two errors combined."""
-    return sum(abs(h["alone"] - h[key]) <= 2 * np.hypot(h["alone_se"], h["predicted_se"]) for h in hs)
+    prediction under ``key``), the two errors combined (the curve's under ``se``: over samples, or with the fits'
+    own variability, ``predicted_fit_se``)."""
+    return sum(abs(h["alone"] - h[key]) <= 2 * np.hypot(h["alone_se"], h[se]) for h in hs)
 
 
 def predicted_against_realised(plan, rows, realised, tolerance, truncated, predicted_key="predicted_excess"):
@@ -202,11 +203,13 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated, predi
     for p in plan:
         key = (int(p["layer"]), int(p["head"]))
         real, row = realised[f"{key[0]},{key[1]}"], by_key[key]
-        point = se = own = None
+        point = se = fit_se = own = None
         if row.get("risk_curve_point") is not None and row.get("risk_curve_se") is not None:
             # the curve's point estimate at the rank (beyond where it was measured: its last value)
             k = min(int(p["rank"]), len(row["risk_curve_point"]) - 1)
             point, se = float(row["risk_curve_point"][k]), float(row["risk_curve_se"][k])
+            if row.get("risk_curve_fit_se") is not None:
+                fit_se = float(row["risk_curve_fit_se"][k])
             fitted = p.get("predicted_excess_fitted_model")
             if fitted is not None and np.isfinite(fitted):
                 # the fit's own model: the point estimate with its floor moved in sample, by the gap rank_plan put
@@ -214,7 +217,7 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated, predi
                 own = point + float(fitted) - float(p["predicted_excess"])
         out.append(dict(tolerance=tolerance, truncated=truncated, layer=key[0], head=key[1], rank=int(p["rank"]),
                         predicted=float(p[predicted_key]), predicted_point=point, predicted_se=se,
-                        predicted_own_model=own, **real))
+                        predicted_fit_se=fit_se, predicted_own_model=own, **real))
     return out
 
 
@@ -223,8 +226,9 @@ PREDICTED_HEADER = ["| ε | rank-r model | heads | realised (alone) ≤ predicte
                     "Σ predicted | Σ realised alone | Σ realised in the model | median realised/predicted (alone) | "
                     "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) | "
                     "point estimate, floor moved in sample (the fit's own model's prediction): within 2 se (both) · "
-                    "Σ predicted |",
-                    "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                    "Σ predicted | the same two within 2 se, the fits' own variability in the curve's error "
+                    "(risk_curve_fit_se): point · floor moved |",
+                    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def predicted_rows(heads_cmp, tolerances, models):
@@ -246,7 +250,11 @@ def predicted_rows(heads_cmp, tolerances, models):
                          + (f" {within_point(hs, 'predicted_own_model')} · "
                             f"{sum(h['predicted_own_model'] for h in hs):.3f} |"
                             if all(h.get("predicted_own_model") is not None for h in hs)
-                            else " — |"))
+                            else " — |")
+                         + (f" {within_point(hs, se='predicted_fit_se')} · "
+                            + (f"{within_point(hs, 'predicted_own_model', 'predicted_fit_se')} |"
+                               if all(h.get("predicted_own_model") is not None for h in hs) else "— |")
+                            if all(h.get("predicted_fit_se") is not None for h in hs) else " — |"))
     return lines
 
 

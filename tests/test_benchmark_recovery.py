@@ -248,13 +248,20 @@ def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
     # the prediction for its own model (0.0003); both heads must carry it for the column to be counted
     assert runs.within_point(own[:1]) == 0 and runs.within_point(own[:1], "predicted_own_model") == 1
     line = runs.predicted_rows(own[:1], [0.01], ("fit's model",))[0]
-    assert line.endswith("| 1 · 0.010 |") and line.count("|") == runs.PREDICTED_HEADER[0].count("|")
-    assert runs.predicted_rows(own, [0.01], ("fit's model",))[0].endswith("| — |")
+    assert line.endswith("| 1 · 0.010 | — |") and line.count("|") == runs.PREDICTED_HEADER[0].count("|")
+    assert runs.predicted_rows(own, [0.01], ("fit's model",))[0].endswith("| — | — |")
+    # with the fits' own variability in the curve's error (the halves' difference: 0.003 at rank 2) the point is
+    # within 2 se too (0.0057 <= 2 * hypot(0.0005, 0.003)); counted where every head carries it
+    fitted_rows = [dict(rows[0], risk_curve_fit_se=[0.02, 0.002, 0.003]), dict(rows[1], risk_curve_fit_se=[0.01, 0.001])]
+    with_fit = runs.predicted_against_realised(plan, fitted_rows, real, 0.01, "fit's model")
+    assert with_fit[0]["predicted_fit_se"] == 0.003 and runs.within_point(with_fit[:1], se="predicted_fit_se") == 1
+    assert runs.predicted_rows(with_fit[:1], [0.01], ("fit's model",))[0].endswith("| 1 · 0.010 | 1 · 1 |")
+    assert runs.predicted_rows(with_fit, [0.01], ("fit's model",))[0].endswith("| — | 2 · — |")
     kernel = runs.predicted_rows(runs.predicted_against_realised(plan, rows, real, 0.01, "head's kernel")[:1],
                                  [0.01], ("head's kernel",))[0]
     # a truncated kernel (rotary heads cut on both sides) is set against the same prediction where the row has the
     # floors: the curve, fitted on half the windows, carries estimation error the kernel's truncation does not
-    assert kernel.endswith("| 0 | 1 · 0.010 |")
+    assert kernel.endswith("| 0 | 1 · 0.010 | — |")
     # a negative gap (the in-sample side above the held-out one) moves nothing, as in rank_plan
     from rstar.heads import rank_plan
 
@@ -288,3 +295,20 @@ def test_the_all_heads_summary_says_where_readings_fall_against_the_truncation_r
             "both, 1 one above and 1 equal to it, short of ε held out.") in text
     assert ("ε = 0.05: r*(ε) − truncation rank 0: 3, +1: 1; widths summed 9 against 8; of the 2 not both, 1 one "
             "above and 1 equal to it, short of ε held out.") in text
+
+
+def test_refits_are_set_against_each_other_by_either_error():
+    """curve_fit_error.py: every pair of fits, at the ranks where the first fit's curve lies in [low, high],
+    agrees where the curves differ by at most twice their errors combined."""
+    cfe = pytest.importorskip("curve_fit_error")
+    fits = [dict(risk_curve=[0.5, 0.05, 0.001], risk_curve_se=[0.01, 0.001, 0.0001],
+                 risk_curve_fit_se=[0.01, 0.004, 0.0001]),
+            dict(risk_curve=[0.5, 0.06, 0.001], risk_curve_se=[0.01, 0.001, 0.0001],
+                 risk_curve_fit_se=[0.01, 0.004, 0.0001])]
+    agree = cfe.pair_agreement(fits, 0.005, 0.1)
+    # rank 1 alone: 0.01 apart is 7 sampling errors but under two fit errors (2 * hypot(0.004, 0.004) = 0.0113)
+    assert agree["ranks"] == [1]
+    assert agree["risk_curve_se"]["within"] == 0 and agree["risk_curve_fit_se"]["within"] == 1
+    assert agree["risk_curve_se"]["ratio"] == pytest.approx(np.std([0.05, 0.06], ddof=1) / 0.001)
+    table = cfe.summary([dict(layer=3, head=1, fits=fits)], 0.005, 0.1)
+    assert "| 3 | 1 | 1–1 | 0 / 1 · 7.07 | 1 / 1 · 1.77 |" in table and table.endswith("| 0 / 1 (0%) | 1 / 1 (100%) |")
