@@ -626,9 +626,10 @@ _FITTED_DOC = """
         variability, from the difference between the two halves' excess
         (each scored by the other half's model; one degree of freedom), at
         least ``risk_curve_se_``
-        (:func:`rstar.risk.excess_risk_fit_standard_error`). The error to
-        set a predicted excess against; not read by ``rank_``. None
-        elsewhere.
+        (:func:`rstar.risk.excess_risk_fit_standard_error`). A better scale
+        than ``risk_curve_se_`` to set a predicted excess against, still
+        short of a refit's spread (``benchmarks/curve_fit_error.py``); not
+        read by ``rank_``. None elsewhere.
     risk_curve_upper_ : ndarray of shape (R + 1,)
         Only with a ``tolerance``: the curve that ``rank_`` and
         ``rank_interval_``'s upper end are read from, ``risk_curve_ + z

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
-           "excess_risk_standard_error", "excess_risk_upper_bound", "rank_at_tolerance", "rank_read_again",
+           "excess_risk_standard_error", "excess_risk_fit_standard_error", "excess_risk_upper_bound", "rank_at_tolerance", "rank_read_again",
            "tolerance_interval", "tolerance_reading", "ToleranceReading"]
 
 
@@ -180,10 +180,12 @@ def excess_risk_fit_standard_error(sample_rss, sample_rss_full, tss, blocks):
 
     :func:`excess_risk_standard_error` treats the models as fixed; here each block's mean excess per sample,
     ``m_b = sum_{i in b} (rss_i(r) - rss_i(full)) / n_b``, is one replicate of fit and measurement together, and
-    the total ``n (m_1 + m_2) / 2`` has the standard error ``n |m_1 - m_2| / 2`` (relative to TSS), an estimate
-    with one degree of freedom (for equal blocks: the blocks' excess sums' difference). Two-fold cross-validation
-    has no unbiased estimate of its variance (Bengio & Grandvalet, 2004, JMLR 5: the folds' models share samples
-    with each other's scores), so this is a scale, not an interval: it is reported at least the sampling error.
+    the total (``n_1 m_1 + n_2 m_2``, about ``n (m_1 + m_2) / 2``) has the standard error ``n |m_1 - m_2| / 2``
+    (relative to TSS), an estimate with one degree of freedom (for equal blocks: the blocks' excess sums'
+    difference; its root mean square is the standard error, its typical value about a fifth below). Two-fold
+    cross-validation has no unbiased estimate of its variance (Bengio & Grandvalet, 2004, JMLR 5: the folds'
+    models share samples with each other's scores), so this is a scale, not an interval: it is reported at least
+    the sampling error.
 
     Parameters
     ----------
@@ -191,7 +193,7 @@ def excess_risk_fit_standard_error(sample_rss, sample_rss_full, tss, blocks):
     sample_rss_full : array-like of shape (n,)
     tss : float
     blocks : tuple of two ints
-        The sizes of the two blocks, in the samples' order (they sum to n).
+        The sizes of the two blocks, in the samples' order (positive, summing to n: else ValueError).
 
     Returns
     -------
@@ -205,8 +207,10 @@ def excess_risk_fit_standard_error(sample_rss, sample_rss_full, tss, blocks):
     diff = np.asarray(sample_rss, dtype=float) - np.asarray(sample_rss_full, dtype=float)[None, :]
     n1, n2 = (int(b) for b in blocks)
     n = diff.shape[1]
+    if n1 < 1 or n2 < 1 or n1 + n2 != n:
+        raise ValueError(f"blocks {tuple(blocks)} do not split the {n} samples into two")
     sampling = excess_risk_standard_error(sample_rss, sample_rss_full, tss)
-    if n1 < 1 or n2 < 1 or n1 + n2 != n or not tss > 0:
+    if not tss > 0:
         return sampling
     between = n * np.abs(diff[:, :n1].mean(axis=1) - diff[:, n1:].mean(axis=1)) / (2.0 * float(tss))
     return np.maximum(sampling, between)

@@ -179,7 +179,7 @@ def test_fit_standard_error_is_the_blocks_difference_and_at_least_the_sampling_o
     se = excess_risk_fit_standard_error(shifted, full, 7.0, (25, 15))
     assert np.all(se > 3 * excess_risk_standard_error(same, full, 7.0))
     assert np.allclose(se, 40 * np.abs((shifted - full)[:, :25].mean(1) - (shifted - full)[:, 25:].mean(1)) / 14)
-    # blocks that do not split the samples, or no variance to scale: the sampling error alone
-    assert np.allclose(excess_risk_fit_standard_error(shifted, full, 7.0, (20, 15)),
-                       excess_risk_standard_error(shifted, full, 7.0))
+    # blocks that do not split the samples are a wiring mistake; no variance to scale, no error
+    with pytest.raises(ValueError, match="do not split the 40 samples"):
+        excess_risk_fit_standard_error(shifted, full, 7.0, (20, 15))
     assert np.all(excess_risk_fit_standard_error(shifted, full, 0.0, (25, 15)) == 0)
