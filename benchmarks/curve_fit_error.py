@@ -84,8 +84,8 @@ def summary(rows, low, high):
             total[key][0] += a["within"]
             total[key][1] += a["pairs"]
             cells.append(f"{a['within']} / {a['pairs']} · {a['ratio']:.2f}")
-        lines.append(f"| {row['layer']} | {row['head']} | {ranks[0] if ranks else '—'}–{ranks[-1] if ranks else '—'} | "
-                     + " | ".join(cells) + " |")
+        span = f"{ranks[0]}–{ranks[-1]}" if ranks else "—–—"
+        lines.append(f"| {row['layer']} | {row['head']} | {span} | " + " | ".join(cells) + " |")
     lines.append("| all | | | " + " | ".join(f"{w} / {p} ({100 * w / max(p, 1):.0f}%)" for w, p in total.values())
                  + " |")
     return "\n".join(lines)

@@ -287,7 +287,8 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
         self.verdicts_ = list(gates) + [v for v in res.warnings if isinstance(v, identifiability.Verdict)]
-        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_", "risk_curve_distance_",
+        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_",
+                     "risk_curve_distance_",
                      "risk_curve_resolution_", "risk_curve_floor_", "risk_curve_floor_in_sample_",
                      "_risk_curve_full_rank", "_tolerance_gates"):
             self.__dict__.pop(attr, None)
@@ -326,7 +327,8 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         kw = {"ops": resolve_backend(self.device)} if self._inv.capabilities.reads_sample_passes else {}
         reading = tolerance_reading(self._inv, self._stats, ws, samples, self.tolerance, self.tolerance_level,
                                     noise_floor=(int(res.rank), int(res.rank_interval[1])), **kw)
-        for name in ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_", "risk_curve_distance_",
+        for name in ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_",
+                     "risk_curve_distance_",
                      "risk_curve_resolution_", "risk_curve_floor_", "risk_curve_floor_in_sample_"):
             setattr(self, name, getattr(reading, name.rstrip("_")))
         self._risk_curve_full_rank = reading.full_rank

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
-           "excess_risk_standard_error", "excess_risk_fit_standard_error", "excess_risk_upper_bound", "rank_at_tolerance", "rank_read_again",
-           "tolerance_interval", "tolerance_reading", "ToleranceReading"]
+           "excess_risk_standard_error", "excess_risk_fit_standard_error", "excess_risk_upper_bound",
+           "rank_at_tolerance", "rank_read_again", "tolerance_interval", "tolerance_reading", "ToleranceReading"]
 
 
 

@@ -252,7 +252,8 @@ def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
     assert runs.predicted_rows(own, [0.01], ("fit's model",))[0].endswith("| — | — |")
     # with the fits' own variability in the curve's error (the halves' difference: 0.003 at rank 2) the point is
     # within 2 se too (0.0057 <= 2 * hypot(0.0005, 0.003)); counted where every head carries it
-    fitted_rows = [dict(rows[0], risk_curve_fit_se=[0.02, 0.002, 0.003]), dict(rows[1], risk_curve_fit_se=[0.01, 0.001])]
+    fitted_rows = [dict(rows[0], risk_curve_fit_se=[0.02, 0.002, 0.003]),
+                   dict(rows[1], risk_curve_fit_se=[0.01, 0.001])]
     with_fit = runs.predicted_against_realised(plan, fitted_rows, real, 0.01, "fit's model")
     assert with_fit[0]["predicted_fit_se"] == 0.003 and runs.within_point(with_fit[:1], se="predicted_fit_se") == 1
     assert runs.predicted_rows(with_fit[:1], [0.01], ("fit's model",))[0].endswith("| 1 · 0.010 | 1 · 1 |")
@@ -311,4 +312,5 @@ def test_refits_are_set_against_each_other_by_either_error():
     assert agree["risk_curve_se"]["within"] == 0 and agree["risk_curve_fit_se"]["within"] == 1
     assert agree["risk_curve_se"]["ratio"] == pytest.approx(np.std([0.05, 0.06], ddof=1) / 0.001)
     table = cfe.summary([dict(layer=3, head=1, fits=fits)], 0.005, 0.1)
-    assert "| 3 | 1 | 1–1 | 0 / 1 · 7.07 | 1 / 1 · 1.77 |" in table and table.endswith("| 0 / 1 (0%) | 1 / 1 (100%) |")
+    assert "| 3 | 1 | 1–1 | 0 / 1 · 7.07 | 1 / 1 · 1.77 |" in table
+    assert table.endswith("| 0 / 1 (0%) | 1 / 1 (100%) |")
