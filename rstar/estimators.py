@@ -67,6 +67,13 @@ _SHARED_CONSTRAINTS = {
 }
 
 
+#: The fitted attributes a tolerance reading sets (each the ``ToleranceReading`` field of its name without the
+#: trailing underscore), cleared at every fit.
+_RISK_CURVE_ATTRIBUTES = ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_",
+                          "risk_curve_distance_", "risk_curve_resolution_", "risk_curve_floor_",
+                          "risk_curve_floor_in_sample_")
+
+
 def _budget_config(memory_budget, compute_budget, calibration):
     """``(memory bytes, multiply-adds, the factored fit's multiply-adds)`` of :class:`rstar.budgets.CostBudget`:
     ``compute_budget="auto"`` chooses within the calibration's ``compute_budget`` and lets the factored fit run to
@@ -287,10 +294,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
         self.verdicts_ = list(gates) + [v for v in res.warnings if isinstance(v, identifiability.Verdict)]
-        for attr in ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_",
-                     "risk_curve_distance_",
-                     "risk_curve_resolution_", "risk_curve_floor_", "risk_curve_floor_in_sample_",
-                     "_risk_curve_full_rank", "_tolerance_gates"):
+        for attr in _RISK_CURVE_ATTRIBUTES + ("_risk_curve_full_rank", "_tolerance_gates"):
             self.__dict__.pop(attr, None)
         rank = res.rank if self.rank is None else self.rank
         if self.tolerance is not None:
@@ -327,9 +331,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         kw = {"ops": resolve_backend(self.device)} if self._inv.capabilities.reads_sample_passes else {}
         reading = tolerance_reading(self._inv, self._stats, ws, samples, self.tolerance, self.tolerance_level,
                                     noise_floor=(int(res.rank), int(res.rank_interval[1])), **kw)
-        for name in ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_",
-                     "risk_curve_distance_",
-                     "risk_curve_resolution_", "risk_curve_floor_", "risk_curve_floor_in_sample_"):
+        for name in _RISK_CURVE_ATTRIBUTES:
             setattr(self, name, getattr(reading, name.rstrip("_")))
         self._risk_curve_full_rank = reading.full_rank
         # what the gates read, kept so that rank_at_tolerance reads another tolerance through them

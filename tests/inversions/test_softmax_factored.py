@@ -666,6 +666,7 @@ def test_the_cross_fitted_curve_s_fit_error_is_the_halves_difference():
     # ranks 0-2: the sampling error is the larger; ranks 3-5: the blocks' difference (0.0098 against 0.0045 at 3)
     assert np.all(between[3:] > est.risk_curve_se_[3:6])
     assert np.allclose(est.risk_curve_fit_se_[:6], np.maximum(est.risk_curve_se_[:6], between))
+    assert np.all(est.risk_curve_fit_se_ >= est.risk_curve_se_)
     assert est.risk_curve_fit_se_.shape == est.risk_curve_.shape
     # closed-form curves are not cross-fitted: no fit error to report
     Xq, Yq = make_attention_task(300, kind="linear_qk", seq_len=12, n_features=6, rank=2, random_state=0)
