@@ -15,9 +15,9 @@ else 1) sets the CPU threads of torch and of numpy/scipy's BLAS.
 and prints its rank, interval, inversion and warnings.
 
 ``rstar heads [--model minilm|PATH] [--seq-len T] [--n-samples n] [--layers 0,1] [--heads 0,3]
-[--tolerance 0.01 0.05] [--out DIR] [--memory-budget 512MiB] [--resume]`` collects every self-attention head's
-inputs and outputs on English text that ships with Python (in groups of layers within the memory budget), fits
-each head (a progress bar with the time left; each head's row appended to ``DIR/heads.jsonl`` when fitted, so
+[--tolerance 0.01 0.05] [--out DIR] [--memory-budget 512MiB] [--n-jobs N] [--resume]`` collects every
+self-attention head's inputs and outputs on English text that ships with Python (in groups of layers within the
+memory budget), fits each head (N at once in worker processes; a progress bar with the time left; each head's row appended to ``DIR/heads.jsonl`` when fitted, so
 ``--resume`` continues an interrupted run), prints the table, and writes ``heads.csv``/``heads.json`` and a
 layer x head heatmap (:mod:`rstar.heads`).
 
@@ -102,6 +102,9 @@ def _parser():
                             "collected inputs and outputs (read in groups of layers, each group by its own forward "
                             "pass) beside one head's samples in its fit (also RStarEstimator's memory_budget). A run "
                             "that cannot fit it stops before the forward pass, saying how much it needs")
+    heads.add_argument("--n-jobs", type=int, default=1,
+                       help="heads fitted at once, each in its own worker process with cores / N threads (-1: one "
+                            "per core); the memory budget then holds N heads' samples in their fits")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
                             "(the other options must be the same)")
@@ -270,23 +273,27 @@ def _byte_size(text, option):
     return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
-def _layers_within(layers, n, budget):
-    """The groups of the layers to read (indices), each group's collected inputs and outputs (every head's) and one
-    head's samples in its fit within ``budget`` bytes; ``layers`` are the layers read on one window (their sizes
-    per window). A layer and a head's samples that exceed the budget are a one-line error saying what would fit."""
+def _layers_within(layers, n, budget, fits=1):
+    """The groups of the layers to read (indices), each group's collected inputs and outputs (every head's) and
+    ``fits`` heads' samples in their fits (the heads fitted at once) within ``budget`` bytes; ``layers`` are the
+    layers read on one window (their sizes per window). A layer and the heads' samples that exceed the budget are
+    a one-line error saying what would fit."""
     from .budgets import _bytes, sample_bytes
 
     T = layers[0].X.shape[1]
     per_layer = [n * (layer.X.nbytes + layer.Y.nbytes) // layer.X.shape[0] for layer in layers]
     per_head = [sample_bytes(n, T, layer.X.shape[2] + int(layer.has_bias), next(iter(layer.heads())).d_head)
                 for layer in layers]
-    need = max(per_layer) + max(per_head)
+    fitting = fits * max(per_head)
+    need = max(per_layer) + fitting
     if need > budget:
+        heads = "one head's samples in its fit" if fits == 1 else f"{fits} heads' samples in their fits (--n-jobs)"
         raise ValueError(f"--memory-budget {_bytes(budget)} is less than one layer's inputs and outputs "
-                         f"({_bytes(max(per_layer))}) and one head's samples in its fit ({_bytes(max(per_head))}) "
+                         f"({_bytes(max(per_layer))}) and {heads} ({_bytes(fitting)}) "
                          f"at --n-samples {n} and --seq-len {T}: give --memory-budget "
-                         f"{-(-need // 2**20)}MiB or more, or fewer windows.")
-    hold = budget - max(per_head)      # the layers held beside one head's fit
+                         f"{-(-need // 2**20)}MiB or more, " + ("or fewer windows." if fits == 1
+                                                                else "fewer --n-jobs, or fewer windows."))
+    hold = budget - fitting      # the layers held beside the heads' fits
     groups, held = [], hold + 1
     for layer, size in zip(layers, per_layer):
         if held + size > hold:
@@ -351,6 +358,8 @@ def _check_heads_args(args, model=None):
     if model is None:
         if args.n_samples < 1:
             raise ValueError(f"--n-samples must be >= 1 token window, got {args.n_samples}.")
+        if args.n_jobs == 0:
+            raise ValueError("--n-jobs must be a number of worker processes (>= 1) or -1 (one per core), got 0.")
         if args.seq_len < 1:
             raise ValueError(f"--seq-len must be >= 1 token, got {args.seq_len}.")
         bad = [t for t in args.tolerance if not 0 < t < 1]
@@ -444,7 +453,11 @@ def _heads(args):
     t0 = time.perf_counter()
     # the layers read on one window: their names, heads and sizes, before the memory of all the windows is spent
     probes = collect_attention(model, windows[:1], layers=layers)
-    groups = _layers_within(probes, len(windows), memory_budget)
+    from joblib import effective_n_jobs
+
+    # the heads fitted at once (-1: one per core), whose samples the memory budget holds beside the layers
+    jobs = max(1, int(effective_n_jobs(args.n_jobs)))
+    groups = _layers_within(probes, len(windows), memory_budget, fits=jobs)
     if heads is not None:
         probes = [layer.select_heads(heads) for layer in probes]
     total = sum(len(list(layer.heads())) for layer in probes)
@@ -478,8 +491,10 @@ def _heads(args):
             fitted.append(row)
             if len(fitted) == 1 and todo > 1:
                 per_head = time.perf_counter() - t_fit
-                print(f"\nfirst head fitted in {per_head:.1f} s: about {per_head * todo / 60:.1f} minutes for the "
-                      f"{todo} heads", file=sys.stderr, flush=True)
+                at_once = min(jobs, todo)
+                print(f"\nfirst head fitted in {per_head:.1f} s: about {per_head * todo / at_once / 60:.1f} minutes "
+                      f"for the {todo} heads" + (f", {at_once} at a time" if at_once > 1 else ""),
+                      file=sys.stderr, flush=True)
 
         bar = _progress_bar(todo)
         try:
@@ -493,7 +508,8 @@ def _heads(args):
                 print(f"read in {time.perf_counter() - t_read:.1f} s", file=sys.stderr, flush=True)
                 estimate_heads(collected, RStarEstimator(device=args.device, memory_budget=memory_budget),
                                tolerances=tuple(args.tolerance), skip=skip, on_row=write, progress=bar,
-                               rank_bound=not args.no_rank_bound, keep_factors=args.save_factors)
+                               rank_bound=not args.no_rank_bound, keep_factors=args.save_factors,
+                               n_jobs=args.n_jobs)
                 del collected
         except KeyboardInterrupt:
             print(f"\ninterrupted: {len(done) + len(fitted)} of {total} heads are in {progress_file}; rerun the "

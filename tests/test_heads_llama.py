@@ -539,3 +539,17 @@ def test_both_sides_cuts_a_rotary_head_with_its_own_query_and_key_maps(ids):
     with pytest.raises(ValueError, match="has its own key-side cut"):
         with truncated_heads(model, plan, [layer], metric="whitened", both_sides=True):
             pass
+
+
+def test_rotary_heads_fitted_in_worker_processes_read_as_one_after_another():
+    # the default estimator (torch where present) in joblib's workers: the same rotary fits, the same readings
+    layers = collect_attention(_model("llama"), np.random.default_rng(1).integers(0, 50, size=(400, 9)), layers=[0])
+    pick = [layers[0].select_heads([0, 2, 3])]
+    one = estimate_heads(pick, tolerances=(0.05,))
+    two = estimate_heads(pick, tolerances=(0.05,), n_jobs=2)
+    assert list(two["head"]) == [0, 2, 3] and list(two["kv_group"]) == [0, 1, 1]
+    assert set(two["inversion"]) == {"softmax_rotary_least_squares"}
+    for key in ("rank", "rank_at_0.05", "truncation_rank_at_0.05", "warnings"):
+        assert list(two[key]) == list(one[key]), key
+    for a, b in zip(one["risk_curve"], two["risk_curve"]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)

@@ -30,6 +30,7 @@ Examples
 [4, 4]
 """
 
+import numbers
 import time
 import warnings
 
@@ -207,7 +208,8 @@ def _truncation_rank(curve, tolerance, d_head):
 
 
 def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, value_map_known=True,
-                   truncation=True, skip=(), on_row=None, progress=False, rank_bound=True, keep_factors=False):
+                   truncation=True, skip=(), on_row=None, progress=False, rank_bound=True, keep_factors=False,
+                   n_jobs=None):
     """Fit a data-only estimator on every head and return one row per head.
 
     Parameters
@@ -248,6 +250,15 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         ``d_head``; :meth:`rstar.RStarEstimator.query_key_factors`), in rstar's convention on the head's features
         (logits ``x~ A B^T x~'^T / sqrt(d~)``). Truncated in the tokens' metric they are the fit's own rank-r
         models (what its risk curve measures), which :func:`truncated_heads` (``factors=``) puts into the model.
+    n_jobs : int or None, default=None
+        Heads fitted at once, each in its own worker process (:class:`joblib.Parallel`; -1: one per CPU core).
+        None or 1 fits them one after another in this process. The heads are independent fits, so the rows are
+        those of the one-after-another run (each fit's seed is the estimator's ``random_state``); ``on_row`` and
+        the progress bar see each row as its head finishes, in the order they finish, and the table is in the
+        heads' order. joblib's process backend gives each worker ``cores // n_jobs`` threads (torch's and
+        BLAS's), so the heads share the cores instead of each fit's products spreading over all of them; an
+        active ``joblib.parallel_config(backend="dask")`` sends the heads to a dask cluster's workers instead.
+        Each worker holds one head's samples (its layer's inputs and its outputs) in its fit at a time.
 
     Returns
     -------
@@ -273,6 +284,9 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         understate the excess); ``seconds`` is the head's wall-clock time (its fit, readings and truncation columns).
     """
     tolerances = tuple(float(t) for t in tolerances)
+    if n_jobs is not None and (isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs == 0):
+        raise ValueError(f"n_jobs must be a nonzero int (heads fitted at once; -1: one per core) or None, "
+                         f"got {n_jobs!r}.")
     probe = RStarEstimator() if estimator is None else estimator
     for layer in layers:
         why = _outside_the_estimators(layer, probe)
@@ -285,22 +299,46 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     no_operators = {}
     own_bar = progress is True
     bar = _progress_bar(len(todo)) if own_bar else (None if progress is False or progress is None else progress)
+    args = (estimator, tolerances, value_map_known, truncation)
+    if n_jobs is None or n_jobs == 1:
+        fitted = (_timed_fit_head(layer, head, *args, no_operators, rank_bound, keep_factors) for layer, head in todo)
+    else:
+        from joblib import Parallel, delayed
+
+        # each task carries the head (its samples) and its layer's index and name, not the layer's other heads
+        fitted = Parallel(n_jobs=n_jobs, return_as="generator_unordered")(
+            delayed(_timed_fit_head)(_LayerName(layer.index, layer.name), head, *args, {}, rank_bound, keep_factors)
+            for layer, head in todo)
     try:
-        for layer, head in todo:
-            started = time.perf_counter()
-            row = _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators,
-                            rank_bound, keep_factors)
-            row["seconds"] = round(time.perf_counter() - started, 3)
+        for row in fitted:
             rows.append(row)
             if on_row is not None:
                 on_row(row)
             if bar is not None:
-                bar.set_postfix_str(f"layer {layer.index} head {head.head}: r*={row['rank']}", refresh=False)
+                bar.set_postfix_str(f"layer {row['layer']} head {row['head']}: r*={row['rank']}", refresh=False)
                 bar.update(1)
     finally:
         if own_bar:
             bar.close()
-    return _table(rows)
+    order = {(layer.index, head.head): k for k, (layer, head) in enumerate(todo)}
+    return _table(sorted(rows, key=lambda row: order[(row["layer"], row["head"])]))
+
+
+class _LayerName:
+    """What a head's fit needs of its layer (its index and name), without the layer's samples."""
+
+    def __init__(self, index, name):
+        self.index, self.name = index, name
+
+
+def _timed_fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators, rank_bound,
+                    keep_factors):
+    """:func:`_fit_head`'s row with the head's wall-clock ``seconds``."""
+    started = time.perf_counter()
+    row = _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators, rank_bound,
+                    keep_factors)
+    row["seconds"] = round(time.perf_counter() - started, 3)
+    return row
 
 
 def _outside_the_estimators(layer, estimator):
