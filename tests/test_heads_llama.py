@@ -553,3 +553,21 @@ def test_rotary_heads_fitted_in_worker_processes_read_as_one_after_another():
         assert list(two[key]) == list(one[key]), key
     for a, b in zip(one["risk_curve"], two["risk_curve"]):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_heads_go_to_a_dask_cluster_under_joblibs_dask_backend():
+    distributed = pytest.importorskip("distributed")
+    import joblib
+
+    layers = collect_attention(_model("llama"), np.random.default_rng(1).integers(0, 50, size=(400, 9)), layers=[0])
+    pick = [layers[0].select_heads([0, 2])]
+    one = estimate_heads(pick, tolerances=(0.05,))
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=None) as cluster, distributed.Client(cluster):
+        with joblib.parallel_config(backend="dask"), distributed.get_task_stream() as stream:
+            two = estimate_heads(pick, tolerances=(0.05,), n_jobs=-1)
+    # the two heads' fits ran as tasks on the cluster's workers
+    assert len([t for t in stream.data if "timed_fit_head" in str(t["key"])]) >= 2, stream.data
+    assert list(two["head"]) == [0, 2]
+    assert list(two["rank_at_0.05"]) == list(one["rank_at_0.05"])
+    assert list(two["truncation_rank_at_0.05"]) == list(one["truncation_rank_at_0.05"])
