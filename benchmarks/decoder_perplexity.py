@@ -40,6 +40,8 @@ Usage::
     python benchmarks/decoder_perplexity.py --table results/rotary_diag.json                   # about 50 minutes
     python benchmarks/decoder_perplexity.py --table results/rotary_diag.json --students        # + a student per head
     python benchmarks/decoder_perplexity.py --table benchmarks/journals/rotary_all.json.partial.jsonl --layers 0-7
+    python benchmarks/decoder_perplexity.py --table benchmarks/journals/rotary_all.json.partial.jsonl --model-only \
+        --out results/decoder_whole   # every head of all 30 layers cut at once, the model-level rows only
 
 The last cuts every head of layers 0-7 from the all-heads run's journal as it stands (about 25 minutes); a layer
 asked for whose heads are not all in the table is refused. Writes ``decoder_perplexity.json``,
@@ -158,7 +160,11 @@ def figure(data, path):
     import matplotlib.pyplot as plt
 
     results = data["results"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[1.5, 1]))
+    tols = sorted({h["tolerance"] for h in data["head_excess"] if h["truncated"] == "head's kernel"})
+    if tols:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[1.5, 1]))
+    else:   # --model-only: no heads realised alone, the left panel only
+        fig, ax = plt.subplots(figsize=(8.5, 4.8))
     styles = {"rstar budget": ("C3", "o", "-"), "uniform": ("C0", "s", "--"), "weight energy": ("C1", "^", "--"),
               "EVA": ("C5", "P", "--"), "Palu": ("C4", "D", "--"), "Eigen Attention": ("C2", "v", "--"),
               "Eigen Attention (own)": ("C2", "v", ":"), "SVD-LLM (own)": ("C7", "X", ":")}
@@ -196,19 +202,19 @@ def figure(data, path):
            title=f"SmolLM2-135M, {len(data['heads'])} heads of {layer_span(h[0] for h in data['heads'])} cut")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    tols = sorted({h["tolerance"] for h in data["head_excess"] if h["truncated"] == "head's kernel"})
     for k, tol in enumerate(tols):
         hs = [h for h in data["head_excess"] if h["tolerance"] == tol and h["truncated"] == "head's kernel"]
         layers = sorted({h["layer"] for h in hs})
         ratio = [sum(h["inside"] for h in hs if h["layer"] == li) / max(sum(h["alone"] for h in hs if h["layer"] == li),
                                                                         1e-300) for li in layers]
         bx.plot(layers, ratio, marker="os"[k % 2], color=f"C{k}", label=f"r*({tol:.0%}) plan")
-    bx.axhline(1, color="0.5", lw=0.8)
-    bx.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # layers are whole numbers
-    bx.set(xlabel="layer", ylabel="Σ heads' excess, whole plan cut / its layer alone cut",
-           title="a layer's excess grows with the layers cut before it")
-    bx.grid(alpha=0.3)
-    bx.legend(fontsize=8)
+    if tols:
+        bx.axhline(1, color="0.5", lw=0.8)
+        bx.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # layers are whole numbers
+        bx.set(xlabel="layer", ylabel="Σ heads' excess, whole plan cut / its layer alone cut",
+               title="a layer's excess grows with the layers cut before it")
+        bx.grid(alpha=0.3)
+        bx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -238,6 +244,9 @@ def main(argv=None):
     p.add_argument("--students", action="store_true",
                    help="also put back the tolerance plans with a rotary student per head (rstar.students)")
     p.add_argument("--student-epochs", type=int, default=3000, help="the students' max_epochs")
+    p.add_argument("--model-only", action="store_true",
+                   help="the model's excess under each plan only, without each head's realised excess alone (a "
+                        "forward pass per layer and plan: the whole model's cut in minutes, not hours)")
     p.add_argument("--student-validation", type=float, default=None, metavar="FRACTION",
                    help="stop each student on this share of its windows held out (validation_fraction)")
     args = p.parse_args(argv)
@@ -269,17 +278,19 @@ def main(argv=None):
     # each tolerance plan's heads, predicted against realised, and the plan with its heads cut on both sides: put in,
     # and its heads realised
     n_steps = (3 + sum(sum(sum(q["rank"] for q in plan) == W for plan in tol_plans.values()) + 8 for W in widths)
-               + 3 * len(tol_plans) + 2 * len(shifted_plans))
+               + (1 if args.model_only else 3) * len(tol_plans) + (1 if args.model_only else 2) * len(shifted_plans))
     targets = [float(t) for t in args.target.split(",") if t]
     # each search: at most the bisection's steps down to one dimension a head (the widths it measures are steps)
     n_steps += len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1)
     # per tolerance plan: a student per head of width > 0, the plan put back, its heads realised
     n_students = sum(sum(q["rank"] > 0 for q in plan) for plan in tol_plans.values()) if args.students else 0
-    n_steps += n_students + (2 * len(tol_plans) if args.students else 0)
+    n_steps += n_students + ((1 if args.model_only else 2) * len(tol_plans) if args.students else 0)
     record = dict(table=str(Path(args.table).resolve()), n_eval=args.n_eval, n_calib=args.n_calib,
                   fractions=args.fractions, seed=args.seed)
     if args.layers is not None:   # (a run of a whole table keeps its record, so that it resumes as before)
         record.update(layers=args.layers)
+    if args.model_only:   # (likewise)
+        record.update(model_only=True)
     if args.students:   # (a run without students keeps its record, so that it resumes as before)
         record.update(students=True, student_epochs=args.student_epochs,
                       **({} if args.student_validation is None else dict(student_validation=args.student_validation)))
@@ -382,13 +393,16 @@ def main(argv=None):
     # family on each side, as the curve's models are)
     cut_both_sides = functools.partial(truncated_heads, both_sides=True)
     for tol, plan in tol_plans.items():
-        real = journal.step(f"realised|{tol:g}", lambda: {
-            f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
-                                                           truncated_heads, floor=False).items()})
-        heads_cmp += predicted_against_realised(plan, rows, real, tol, "head's kernel")
+        if not args.model_only:
+            real = journal.step(f"realised|{tol:g}", lambda: {
+                f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
+                                                               truncated_heads, floor=False).items()})
+            heads_cmp += predicted_against_realised(plan, rows, real, tol, "head's kernel")
         # the query-side cut above keeps each head's key map whole, a wider class than the width-r heads the curve
         # counts; the same heads cut on both sides are that class
         evaluate(f"rstar r*({tol:g}) (both sides)", plan, sum(int(q["rank"]) for q in plan), both_sides=True)
+        if args.model_only:
+            continue
         real = journal.step(f"realised|{tol:g}|both sides", lambda: {
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
                                                            cut_both_sides, floor=False).items()})
@@ -398,6 +412,8 @@ def main(argv=None):
     # that prediction
     for tol, plan in shifted_plans.items():
         evaluate(f"rstar r*({tol:g}) {SHIFTED}", plan, sum(int(q["rank"]) for q in plan), both_sides=True)
+        if args.model_only:
+            continue
         real = journal.step(f"realised|{tol:g}|{SHIFTED}", lambda: {
             f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
                                                            cut_both_sides, floor=False).items()})
@@ -430,6 +446,8 @@ def main(argv=None):
                 student_runs.append(info)
             W = sum(int(q["rank"]) for q in plan)
             evaluate(f"rstar r*({tol:g}) (students)", plan, W, factors=factors)
+            if args.model_only:
+                continue
             real = journal.step(f"realised|{tol:g}|student", lambda: {
                 f"{k[0]},{k[1]}": v for k, v in realised_excess(model, plan, layers, held, collect_attention,
                                                                truncated_heads, factors, floor=False).items()})
@@ -473,9 +491,10 @@ def main(argv=None):
         cut = mine[f"rstar r*({tol:g}) {SHIFTED}"]
         hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == BOTH_SIDES_SHIFTED]
         lines.append(f"\nr*({tol:g}) read by the floor-shifted curve (rank_plan(model='fitted')), each head cut on "
-                     f"both sides (width {cut['width']}): excess {cut['excess']:+.4f} ± {cut['excess_se']:.4f}; heads "
-                     f"realising at most {tol:g} of their Var(Y) alone: {sum(h['alone'] <= tol for h in hs)} of "
-                     f"{len(hs)} (within 2 se of it: {sum(h['alone'] <= tol + 2 * h['alone_se'] for h in hs)}).")
+                     f"both sides (width {cut['width']}): excess {cut['excess']:+.4f} ± {cut['excess_se']:.4f}"
+                     + ("." if not hs else
+                        f"; heads realising at most {tol:g} of their Var(Y) alone: {sum(h['alone'] <= tol for h in hs)}"
+                        f" of {len(hs)} (within 2 se of it: {sum(h['alone'] <= tol + 2 * h['alone_se'] for h in hs)})."))
     for tol in tol_plans if student_runs else ():
         own, taught = mine[f"rstar r*({tol:g})"], mine[f"rstar r*({tol:g}) (students)"]
         runs = [r for r in student_runs if r["tolerance"] == tol]
@@ -486,10 +505,11 @@ def main(argv=None):
                      f"{min(r['train_r2'] for r in runs):.3f}–{max(r['train_r2'] for r in runs):.3f}.")
     lines += [search_line(found, full_width, "the excess cross-entropy (nats/token, paired)", "{:+.4f}", "{:.4f}")
               for found in searches]
-    lines += ["", "Each head's predicted excess (its curve at the plan's rank) against its realised excess on the "
-              "held-out windows, relative to its output's variance (standard errors over windows):", ""]
-    lines += PREDICTED_HEADER
-    lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", BOTH_SIDES, BOTH_SIDES_SHIFTED, "student"))
+    if heads_cmp:   # (not with --model-only)
+        lines += ["", "Each head's predicted excess (its curve at the plan's rank) against its realised excess on the "
+                  "held-out windows, relative to its output's variance (standard errors over windows):", ""]
+        lines += PREDICTED_HEADER
+        lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", BOTH_SIDES, BOTH_SIDES_SHIFTED, "student"))
     lines.append(f"\n{elapsed:.0f} s in all; Palu's scores of the {fisher_loss}.")
     (out / "decoder_perplexity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
