@@ -490,11 +490,12 @@ def main(argv=None):
     for tol, plan in shifted_plans.items():
         cut = mine[f"rstar r*({tol:g}) {SHIFTED}"]
         hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == BOTH_SIDES_SHIFTED]
+        within = sum(h["alone"] <= tol for h in hs)
+        within_2se = sum(h["alone"] <= tol + 2 * h["alone_se"] for h in hs)
         lines.append(f"\nr*({tol:g}) read by the floor-shifted curve (rank_plan(model='fitted')), each head cut on "
                      f"both sides (width {cut['width']}): excess {cut['excess']:+.4f} ± {cut['excess_se']:.4f}"
-                     + ("." if not hs else
-                        f"; heads realising at most {tol:g} of their Var(Y) alone: {sum(h['alone'] <= tol for h in hs)}"
-                        f" of {len(hs)} (within 2 se of it: {sum(h['alone'] <= tol + 2 * h['alone_se'] for h in hs)})."))
+                     + ("." if not hs else f"; heads realising at most {tol:g} of their Var(Y) alone: {within} of "
+                                           f"{len(hs)} (within 2 se of it: {within_2se})."))
     for tol in tol_plans if student_runs else ():
         own, taught = mine[f"rstar r*({tol:g})"], mine[f"rstar r*({tol:g}) (students)"]
         runs = [r for r in student_runs if r["tolerance"] == tol]

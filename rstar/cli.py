@@ -17,9 +17,9 @@ and prints its rank, interval, inversion and warnings.
 ``rstar heads [--model minilm|PATH] [--seq-len T] [--n-samples n] [--layers 0,1] [--heads 0,3]
 [--tolerance 0.01 0.05] [--out DIR] [--memory-budget 512MiB] [--n-jobs N] [--resume]`` collects every
 self-attention head's inputs and outputs on English text that ships with Python (in groups of layers within the
-memory budget), fits each head (N at once in worker processes; a progress bar with the time left; each head's row appended to ``DIR/heads.jsonl`` when fitted, so
-``--resume`` continues an interrupted run), prints the table, and writes ``heads.csv``/``heads.json`` and a
-layer x head heatmap (:mod:`rstar.heads`).
+memory budget), fits each head (N at once in worker processes; a progress bar with the time left; each head's
+row appended to ``DIR/heads.jsonl`` when fitted, so ``--resume`` continues an interrupted run), prints the table,
+and writes ``heads.csv``/``heads.json`` and a layer x head heatmap (:mod:`rstar.heads`).
 
 Every subcommand's ``--help`` lists its options with their defaults; a user's mistake (a missing or unreadable
 file, an option out of range) ends with one line ``rstar: error: ...`` and exit status 2.

@@ -755,8 +755,8 @@ def test_heads_fitted_in_worker_processes_give_the_same_table(ids):
     assert [(r["layer"], r["head"]) for r in two] == [(0, 0), (0, 2)]
     assert sorted((r["layer"], r["head"]) for r in seen) == [(0, 0), (0, 2)]
     for a, b in zip(one, two):
-        for key in ("inversion", "rank", "rank_lower", "rank_upper", "rank_at_0.05", "rank_interval_at_0.05", "kv_group",
-                    "truncation_rank_at_0.05", "warnings"):
+        for key in ("inversion", "rank", "rank_lower", "rank_upper", "rank_at_0.05", "rank_interval_at_0.05",
+                    "kv_group", "truncation_rank_at_0.05", "warnings"):
             assert b[key] == a[key], key
         np.testing.assert_allclose(b["risk_curve"], a["risk_curve"], rtol=1e-6, atol=1e-9)
     for bad in (0, 1.5, True, "2"):
