@@ -33,6 +33,7 @@ Examples
 import numbers
 import time
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 from sklearn.base import clone
@@ -306,9 +307,11 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     else:
         from joblib import Parallel, delayed
 
-        # each task carries the head (its samples) and its layer's index and name, not the layer's other heads
+        # each task carries the head (its samples) and its layer's index and name, not the layer's other heads; the
+        # shapes without rank-r operators are each task's own to find (an empty no_operators)
         fitted = Parallel(n_jobs=n_jobs, return_as="generator_unordered")(
-            delayed(_timed_fit_head)(_LayerName(layer.index, layer.name), head, *args, {}, rank_bound, keep_factors)
+            delayed(_timed_fit_head)(SimpleNamespace(index=layer.index, name=layer.name), head, *args, {}, rank_bound,
+                                     keep_factors)
             for layer, head in todo)
     try:
         for row in fitted:
@@ -323,13 +326,6 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
             bar.close()
     order = {(layer.index, head.head): k for k, (layer, head) in enumerate(todo)}
     return _table(sorted(rows, key=lambda row: order[(row["layer"], row["head"])]))
-
-
-class _LayerName:
-    """What a head's fit needs of its layer (its index and name), without the layer's samples."""
-
-    def __init__(self, index, name):
-        self.index, self.name = index, name
 
 
 def _timed_fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators, rank_bound,
