@@ -105,7 +105,7 @@ def _parser():
     heads.add_argument("--n-jobs", type=_n_jobs, default="auto",
                        help="heads fitted at once, each in its own worker process with cores / N threads (-1: one "
                             "per core; auto: one per core, no more than the heads to fit or than --memory-budget "
-                            "holds); the memory budget then holds N heads' samples in their fits, and each worker "
+                            "holds, and one at a time where the fits run on a GPU); the memory budget then holds N heads' samples in their fits, and each worker "
                             "process adds its own interpreter and torch (about 0.4 GB)")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
@@ -278,6 +278,16 @@ def _cores():
     from joblib import effective_n_jobs
 
     return max(1, int(effective_n_jobs(-1)))
+
+
+def _gpu_device(device):
+    """The CUDA device the fits' loss evaluations would run on for ``--device`` (None: the CPU's)."""
+    from ._backend import check_device, resolve_backend
+
+    if check_device(device) != "torch":
+        return None
+    dev = resolve_backend(device).device
+    return str(dev) if dev.type == "cuda" else None
 
 
 def _byte_size(text, option):
@@ -497,7 +507,11 @@ def _heads(args):
     # the heads fitted at once, whose samples the memory budget holds beside the layers (-1: one per core; auto:
     # one per core, no more than the heads to fit or than the budget holds): on 2 cores one fit gained 1.36 times
     # from the second core, two heads at once 1.38 times (docs/user_guide/real_models.md, "Heads at once")
-    if args.n_jobs == "auto":
+    gpu = _gpu_device(args.device) if args.n_jobs == "auto" else None
+    if gpu is not None:
+        # one device: a worker per core would each hold its own CUDA context and queue on the same GPU
+        jobs, workers = 1, f"; one head at a time on {gpu} (--n-jobs auto)"
+    elif args.n_jobs == "auto":
         held = _heads_within(probes, len(windows), memory_budget)
         jobs = max(1, min(_cores(), todo, held))
         workers = (f"; {jobs} heads at a time (--n-jobs auto: one per core"

@@ -513,7 +513,11 @@ def test_heads_n_jobs_auto_fits_one_head_per_core_within_the_budget(tmp_path, ca
     assert "at a time" not in capsys.readouterr().out
     # an explicit count is kept (and the budget must hold it)
     assert cli.main(argv + ["--heads", "0,3,5", "--n-jobs", "3", "--out", str(tmp_path / "e")]) == 130
-    assert asked == [2, 1, 2, 1, 3]
+    # fits on a GPU: one at a time (a worker per core would each open the device)
+    monkeypatch.setattr(cli, "_gpu_device", lambda device: "cuda:0")
+    assert cli.main(argv + ["--heads", "0,3,5", "--out", str(tmp_path / "g")]) == 130
+    assert "; one head at a time on cuda:0 (--n-jobs auto)." in capsys.readouterr().out
+    assert asked == [2, 1, 2, 1, 3, 1]
     with pytest.raises(SystemExit) as stop:
         cli.main(argv + ["--n-jobs", "many", "--out", str(tmp_path / "f")])
     assert stop.value.code == 2
