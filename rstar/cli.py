@@ -105,8 +105,9 @@ def _parser():
     heads.add_argument("--n-jobs", type=_n_jobs, default="auto",
                        help="heads fitted at once, each in its own worker process with cores / N threads (-1: one "
                             "per core; auto: one per core, no more than the heads to fit or than --memory-budget "
-                            "holds, and one at a time where the fits run on a GPU); the memory budget then holds N heads' samples in their fits, and each worker "
-                            "process adds its own interpreter and torch (about 0.4 GB)")
+                            "holds, and one at a time where the fits run on a GPU); the memory budget then holds N "
+                            "heads' samples in their fits, and each worker process adds its own interpreter and "
+                            "torch (about 0.36 GiB on Linux x86-64)")
     heads.add_argument("--resume", action="store_true",
                        help="continue an interrupted run in --out: the heads in its heads.jsonl are not fitted again "
                             "(the other options must be the same)")
