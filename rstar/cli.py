@@ -513,11 +513,14 @@ def _heads(args):
         # one device: a worker per core would each hold its own CUDA context and queue on the same GPU
         jobs, workers = 1, f"; one head at a time on {gpu} (--n-jobs auto)"
     elif args.n_jobs == "auto":
-        held = _heads_within(probes, len(windows), memory_budget)
-        jobs = max(1, min(_cores(), todo, held))
-        workers = (f"; {jobs} heads at a time (--n-jobs auto: one per core"
-                   + (f", as many as --memory-budget {args.memory_budget} holds" if held < min(_cores(), todo)
-                      else "") + ")" if jobs > 1 else "")
+        held, wanted = _heads_within(probes, len(windows), memory_budget), min(_cores(), todo)
+        jobs = max(1, min(wanted, held))
+        if jobs > 1:
+            workers = (f"; {jobs} heads at a time (--n-jobs auto: one per core"
+                       + (f", as many as --memory-budget {args.memory_budget} holds" if held < wanted else "") + ")")
+        else:
+            workers = (f"; one head at a time (--n-jobs auto: --memory-budget {args.memory_budget} holds one "
+                       "head's fit beside the layers)" if held < wanted else "")
     else:
         jobs = max(1, int(effective_n_jobs(args.n_jobs)))
         workers = f"; {jobs} heads at a time" if jobs > 1 else ""
