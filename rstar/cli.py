@@ -282,13 +282,10 @@ def _cores():
 
 
 def _gpu_device(device):
-    """The CUDA device the fits' loss evaluations would run on for ``--device`` (None: the CPU's)."""
-    from ._backend import check_device, resolve_backend
+    """The CUDA device ``--device`` puts the fits on (None: the CPU's): estimate_heads' rule for ``"auto"``."""
+    from .heads import _gpu_device as gpu_device
 
-    if check_device(device) != "torch":
-        return None
-    dev = resolve_backend(device).device
-    return str(dev) if dev.type == "cuda" else None
+    return gpu_device(device)
 
 
 def _byte_size(text, option):

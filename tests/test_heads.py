@@ -759,6 +759,36 @@ def test_heads_fitted_in_worker_processes_give_the_same_table(ids):
                     "kv_group", "truncation_rank_at_0.05", "warnings"):
             assert b[key] == a[key], key
         np.testing.assert_allclose(b["risk_curve"], a["risk_curve"], rtol=1e-6, atol=1e-9)
-    for bad in (0, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="n_jobs must be a nonzero int"):
+    for bad in (0, 1.5, True, "2", "all"):
+        with pytest.raises(ValueError, match="n_jobs must be a nonzero int .*, 'auto' or None"):
             estimate_heads([layer], est, tolerances=(), n_jobs=bad)
+
+
+def test_heads_n_jobs_auto_is_one_per_core_and_one_on_a_gpu(ids, monkeypatch):
+    # n_jobs="auto": one head per core, no more than the heads to fit, one at a time where the fits run on a GPU
+    import joblib
+
+    import rstar.heads as heads_module
+
+    torch.manual_seed(0)
+    layer = collect_attention(_Block(d=6, heads=3), ids)[0]
+    asked = []
+
+    class Recording:
+        # joblib.Parallel's place: the count it is given, then the fits one after another
+        def __init__(self, n_jobs, **kwargs):
+            asked.append(n_jobs)
+
+        def __call__(self, tasks):
+            return (fn(*a, **k) for fn, a, k in tasks)
+
+    monkeypatch.setattr(joblib, "Parallel", Recording)
+    monkeypatch.setattr(joblib, "effective_n_jobs", lambda n: 4)
+    est = RStarEstimator(random_state=0, device="cpu")
+    auto = estimate_heads([layer], est, tolerances=(), n_jobs="auto")
+    assert asked == [3] and len(auto) == 3
+    estimate_heads([layer], est, tolerances=(), skip={(0, 1)}, n_jobs="auto")
+    assert asked == [3, 2]
+    monkeypatch.setattr(heads_module, "_gpu_device", lambda device: "cuda:0")
+    estimate_heads([layer], est, tolerances=(), skip={(0, 1)}, n_jobs="auto")
+    assert asked == [3, 2]   # one after another in this process: no Parallel

@@ -251,9 +251,10 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         ``d_head``; :meth:`rstar.RStarEstimator.query_key_factors`), in rstar's convention on the head's features
         (logits ``x~ A B^T x~'^T / sqrt(d~)``). Truncated in the tokens' metric they are the fit's own rank-r
         models (what its risk curve measures), which :func:`truncated_heads` (``factors=``) puts into the model.
-    n_jobs : int or None, default=None
-        Heads fitted at once, each in its own worker process (:class:`joblib.Parallel`; -1: one per CPU core).
-        None or 1 fits them one after another in this process. The heads are independent fits, so the rows are
+    n_jobs : int, "auto" or None, default=None
+        Heads fitted at once, each in its own worker process (:class:`joblib.Parallel`; -1: one per CPU core;
+        ``"auto"``: one per core, no more than the heads to fit, and one after another where the estimator's fits
+        run on a GPU, which every worker would open). None or 1 fits them one after another in this process. The heads are independent fits, so the rows are
         those of the one-after-another run (each fit's seed is the estimator's ``random_state``) up to the float32
         sums' rounding on another number of threads, which can move a reading that sits at a tie; ``on_row`` and
         the progress bar see each row as its head finishes, in the order they finish, and the table is in the
@@ -286,8 +287,9 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         understate the excess); ``seconds`` is the head's wall-clock time (its fit, readings and truncation columns).
     """
     tolerances = tuple(float(t) for t in tolerances)
-    if n_jobs is not None and (isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs == 0):
-        raise ValueError(f"n_jobs must be a nonzero int (heads fitted at once; -1: one per core) or None, "
+    if n_jobs is not None and not (isinstance(n_jobs, str) and n_jobs == "auto") and (
+            isinstance(n_jobs, bool) or not isinstance(n_jobs, numbers.Integral) or n_jobs == 0):
+        raise ValueError(f"n_jobs must be a nonzero int (heads fitted at once; -1: one per core), 'auto' or None, "
                          f"got {n_jobs!r}.")
     probe = RStarEstimator() if estimator is None else estimator
     for layer in layers:
@@ -302,6 +304,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     own_bar = progress is True
     bar = _progress_bar(len(todo)) if own_bar else (None if progress is False or progress is None else progress)
     args = (estimator, tolerances, value_map_known, truncation)
+    if isinstance(n_jobs, str):
+        n_jobs = _heads_at_once(len(todo), RStarEstimator(device="auto") if estimator is None else estimator)
     if n_jobs is None or n_jobs == 1:
         fitted = (_timed_fit_head(layer, head, *args, no_operators, rank_bound, keep_factors) for layer, head in todo)
     else:
@@ -326,6 +330,29 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
             bar.close()
     order = {(layer.index, head.head): k for k, (layer, head) in enumerate(todo)}
     return _table(sorted(rows, key=lambda row: order[(row["layer"], row["head"])]))
+
+
+def _gpu_device(device):
+    """The CUDA device an estimator's ``device`` puts its fits' loss evaluations on (None: the CPU's)."""
+    from .._backend import check_device, resolve_backend
+
+    if check_device(device) != "torch":
+        return None
+    dev = resolve_backend(device).device
+    return str(dev) if dev.type == "cuda" else None
+
+
+def _heads_at_once(n_heads, estimator):
+    """How many of ``n_heads`` heads :func:`estimate_heads` fits at once with ``n_jobs="auto"``: one per core
+    (joblib's count, CPU affinity and container limits included), no more than the heads, and 1 where
+    ``estimator``'s fits run on a GPU (a worker per core would each open a CUDA context and queue on the one
+    device). On 2 CPU cores two MiniLM heads at once gave 1.38 times the heads a minute of one after another on
+    both cores, two SmolLM2 heads 1.23 times (``benchmarks/heads_parallel.py``)."""
+    from joblib import effective_n_jobs
+
+    if _gpu_device(estimator.get_params().get("device", "cpu")) is not None:
+        return 1
+    return max(1, min(int(effective_n_jobs(-1)), int(n_heads)))
 
 
 def _timed_fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators, rank_bound,
