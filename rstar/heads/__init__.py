@@ -254,9 +254,10 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     n_jobs : int, "auto" or None, default=None
         Heads fitted at once, each in its own worker process (:class:`joblib.Parallel`; -1: one per CPU core;
         ``"auto"``: one per core, no more than the heads to fit, and one after another where the estimator's fits
-        run on a GPU, which every worker would open). None or 1 fits them one after another in this process. The heads are independent fits, so the rows are
-        those of the one-after-another run (each fit's seed is the estimator's ``random_state``) up to the float32
-        sums' rounding on another number of threads, which can move a reading that sits at a tie; ``on_row`` and
+        run on a GPU, which every worker would open). None or 1 fits them one after another in this process. The
+        heads are independent fits, so the rows are those of the one-after-another run (each fit's seed is the
+        estimator's ``random_state``) up to the float32 sums' rounding on another number of threads, which can move
+        a reading that sits at a tie; ``on_row`` and
         the progress bar see each row as its head finishes, in the order they finish, and the table is in the
         heads' order. joblib's process backend gives each worker ``cores // n_jobs`` threads (torch's and
         BLAS's), so the heads share the cores instead of each fit's products spreading over all of them; an
