@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import numpy as np
 from sklearn.base import clone
 
+from .._backend import check_device, resolve_backend
 from ..estimators import RStarEstimator
 from ..risk import rank_at_tolerance
 from ._anchors import (EIGEN_ATTENTION_THRESHOLDS, eigen_attention_head_curve, eigen_attention_head_rank,
@@ -335,8 +336,6 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
 
 def _gpu_device(device):
     """The CUDA device an estimator's ``device`` puts its fits' loss evaluations on (None: the CPU's)."""
-    from .._backend import check_device, resolve_backend
-
     if check_device(device) != "torch":
         return None
     dev = resolve_backend(device).device
