@@ -274,20 +274,6 @@ def _n_jobs(text):
         raise argparse.ArgumentTypeError(f"expected auto or a number of worker processes, got {text!r}") from None
 
 
-def _cores():
-    """The cores this process may use (joblib's count: CPU affinity and container limits included)."""
-    from joblib import effective_n_jobs
-
-    return max(1, int(effective_n_jobs(-1)))
-
-
-def _gpu_device(device):
-    """The CUDA device ``--device`` puts the fits on (None: the CPU's): estimate_heads' rule for ``"auto"``."""
-    from .heads import _gpu_device as gpu_device
-
-    return gpu_device(device)
-
-
 def _byte_size(text, option):
     """``"4GiB"`` -> 4294967296 (KiB/MiB/GiB/TiB, kB/MB/GB/TB, or a plain number of bytes), or a one-line error
     naming the option."""
@@ -464,7 +450,7 @@ def _heads(args):
     from . import RStarEstimator
     from ._backend import check_device
     from .heads import collect_attention, estimate_heads, plot_head_rank_panels, rank_pattern, rank_plan, text_windows
-    from .heads import _progress_bar
+    from .heads import _heads_at_once, _progress_bar
     from .heads._plan import _rows
 
     layers = None if args.layers is None else _index_list(args.layers, "--layers")
@@ -503,16 +489,15 @@ def _heads(args):
     skip = {(int(r["layer"]), int(r["head"])) for r in done}
     todo = total - len(skip)
     # the heads fitted at once, whose samples the memory budget holds beside the layers (-1: one per core; auto:
-    # one per core, no more than the heads to fit or than the budget holds): on 2 cores one fit gained 1.36 times
-    # from the second core, two heads at once 1.38 times (docs/user_guide/real_models.md, "Heads at once")
-    gpu = _gpu_device(args.device) if args.n_jobs == "auto" else None
-    if gpu is not None:
-        # one device: a worker per core would each hold its own CUDA context and queue on the same GPU
-        jobs, workers = 1, f"; one head at a time on {gpu} (--n-jobs auto)"
-    elif args.n_jobs == "auto":
-        held, wanted = _heads_within(probes, len(windows), memory_budget), min(_cores(), todo)
+    # estimate_heads(n_jobs="auto")'s count, one per core, no more than the heads left, one on a GPU, and no more
+    # than the budget holds; docs/user_guide/real_models.md, "Heads at once")
+    if args.n_jobs == "auto":
+        wanted, gpu = _heads_at_once(todo, args.device)
+        held = _heads_within(probes, len(windows), memory_budget)
         jobs = max(1, min(wanted, held))
-        if jobs > 1:
+        if gpu is not None:
+            workers = f"; one head at a time on {gpu} (--n-jobs auto)"
+        elif jobs > 1:
             workers = (f"; {jobs} heads at a time (--n-jobs auto: one per core"
                        + (f", as many as --memory-budget {args.memory_budget} holds" if held < wanted else "") + ")")
         else:

@@ -499,7 +499,9 @@ def test_heads_n_jobs_auto_fits_one_head_per_core_within_the_budget(tmp_path, ca
         raise KeyboardInterrupt
 
     monkeypatch.setattr(heads_module, "estimate_heads", stopped)
-    monkeypatch.setattr(cli, "_cores", lambda: 4)
+    import joblib
+
+    monkeypatch.setattr(joblib, "effective_n_jobs", lambda n: 4 if n == -1 else n)   # four cores
     argv = ["heads", "--layers", "0", "--n-samples", "60", "--seq-len", "12", "--tolerance"]
     assert cli.main(argv + ["--heads", "0,3", "--out", str(tmp_path / "a")]) == 130
     assert "; 2 heads at a time (--n-jobs auto: one per core)." in capsys.readouterr().out
@@ -515,7 +517,7 @@ def test_heads_n_jobs_auto_fits_one_head_per_core_within_the_budget(tmp_path, ca
     # an explicit count is kept (and the budget must hold it)
     assert cli.main(argv + ["--heads", "0,3,5", "--n-jobs", "3", "--out", str(tmp_path / "e")]) == 130
     # fits on a GPU: one at a time (a worker per core would each open the device)
-    monkeypatch.setattr(cli, "_gpu_device", lambda device: "cuda:0")
+    monkeypatch.setattr(heads_module, "_gpu_device", lambda device: "cuda:0")
     assert cli.main(argv + ["--heads", "0,3,5", "--out", str(tmp_path / "g")]) == 130
     assert "; one head at a time on cuda:0 (--n-jobs auto)." in capsys.readouterr().out
     assert asked == [2, 1, 2, 1, 3, 1]

@@ -307,7 +307,7 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
     bar = _progress_bar(len(todo)) if own_bar else (None if progress is False or progress is None else progress)
     args = (estimator, tolerances, value_map_known, truncation)
     if isinstance(n_jobs, str):
-        n_jobs = _heads_at_once(len(todo), RStarEstimator(device="auto") if estimator is None else estimator)
+        n_jobs = _heads_at_once(len(todo), _head_estimator(estimator).get_params().get("device", "cpu"))[0]
     if n_jobs is None or n_jobs == 1:
         fitted = (_timed_fit_head(layer, head, *args, no_operators, rank_bound, keep_factors) for layer, head in todo)
     else:
@@ -342,17 +342,23 @@ def _gpu_device(device):
     return str(dev) if dev.type == "cuda" else None
 
 
-def _heads_at_once(n_heads, estimator):
-    """How many of ``n_heads`` heads :func:`estimate_heads` fits at once with ``n_jobs="auto"``: one per core
-    (joblib's count, CPU affinity and container limits included), no more than the heads, and 1 where
-    ``estimator``'s fits run on a GPU (a worker per core would each open a CUDA context and queue on the one
-    device). On 2 CPU cores two MiniLM heads at once gave 1.38 times the heads a minute of one after another on
-    both cores, two SmolLM2 heads 1.23 times (``benchmarks/heads_parallel.py``)."""
+def _heads_at_once(n_heads, device):
+    """``(count, gpu)``: how many of ``n_heads`` heads :func:`estimate_heads` (and ``rstar heads``) fit at once
+    with ``n_jobs="auto"`` for an estimator's ``device`` — one per core (joblib's count, CPU affinity and container
+    limits included), no more than the heads, and 1 where the fits run on a GPU (a worker per core would each open
+    a CUDA context and queue on the one device) — and that GPU (:func:`_gpu_device`; None on the CPU). On 2 CPU
+    cores two MiniLM heads at once gave 1.38 times the heads a minute of one after another on both cores, two
+    SmolLM2 heads 1.23 times (``benchmarks/heads_parallel.py``)."""
     from joblib import effective_n_jobs
 
-    if _gpu_device(estimator.get_params().get("device", "cpu")) is not None:
-        return 1
-    return max(1, min(int(effective_n_jobs(-1)), int(n_heads)))
+    gpu = _gpu_device(device)
+    return (1 if gpu is not None else max(1, min(int(effective_n_jobs(-1)), int(n_heads)))), gpu
+
+
+def _head_estimator(estimator):
+    """The estimator each head is fitted with (a clone of it): the one given, or by default ``RStarEstimator``
+    with its loss on torch where torch is installed (``device="auto"``)."""
+    return RStarEstimator(device="auto") if estimator is None else estimator
 
 
 def _timed_fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators, rank_bound,
@@ -412,7 +418,7 @@ class _LineProgress:
 def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, no_operators, rank_bound=True,
               keep_factors=False):
     """One head's row of :func:`estimate_heads`."""
-    est = clone(RStarEstimator(device="auto") if estimator is None else estimator)
+    est = clone(_head_estimator(estimator))
     if head.causal:
         if "causal" not in est.get_params():
             raise ValueError(f"layer {layer.index} ({layer.name}) is causal, and {type(est).__name__}'s "
