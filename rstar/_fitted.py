@@ -9,7 +9,7 @@ from sklearn.utils.validation import check_is_fitted
 from ._backend import resolve_backend
 from ._validation import check_tokens
 from .metrics import token_r2_score
-from .risk import rank_read_again, tolerance_interval
+from .risk import held_out_reach, rank_read_again, tolerance_interval
 from .rules import identifiability
 
 __all__ = ["FittedOperatorMixin"]
@@ -43,8 +43,9 @@ class FittedOperatorMixin:
         -----
         UnidentifiableRankWarning
             Where the fit's gates hold at this tolerance: the curve is measured against a fit that did not identify
-            its statistic, its halves disagree by more than the tolerance resolves, or the tolerance is finer than
-            the noise (the same warnings ``fit`` gives at its own tolerance).
+            its statistic (and the rank read does not hold the tolerance on its own held-out risk:
+            :func:`rstar.risk.held_out_reach`), its halves disagree by more than the tolerance resolves, or the
+            tolerance is finer than the noise (the same warnings ``fit`` gives at its own tolerance).
 
         Raises
         ------
@@ -61,7 +62,9 @@ class FittedOperatorMixin:
         if gates_in is None:   # pragma: no cover - every fit with a curve records its gates
             return (rank, (rank, rank)) if return_interval else rank
         interval = tolerance_interval(curve, upper, rank, tolerance, int(gates_in["dim"]))
-        gates = identifiability.tolerance_verdicts(tolerance=float(tolerance), rank=rank,
+        reach = held_out_reach(upper if upper is not None else curve, self.__dict__.get("risk_curve_floor_", 0.0),
+                               self.__dict__.get("risk_curve_floor_in_sample_"), tolerance)
+        gates = identifiability.tolerance_verdicts(tolerance=float(tolerance), rank=rank, held_out_reach=reach,
                                                    calibration=self._calibration(), **gates_in)
         for v in gates:
             if v.category is not None:

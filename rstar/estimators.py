@@ -32,7 +32,7 @@ from .exceptions import InversionFallbackWarning
 from .inversions import choose_inversion, make_inversion
 from .inversions._numerics.rotary import RotaryPositions
 from .model_check import model_check
-from .risk import tolerance_reading
+from .risk import held_out_reach, tolerance_reading
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule, identifiability
 from .rules.split_half import split_half_counts
 from ._fitted import FittedOperatorMixin
@@ -342,8 +342,10 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                                      noise_lower=int(res.rank_interval[0]), noise_upper=int(res.rank_interval[1]),
                                      floor_gap=(None if reading.risk_curve_floor_in_sample is None
                                                 else reading.risk_curve_floor - reading.risk_curve_floor_in_sample))
+        reach = held_out_reach(reading.risk_curve_upper, reading.risk_curve_floor, reading.risk_curve_floor_in_sample,
+                               self.tolerance)
         gates = identifiability.tolerance_verdicts(tolerance=self.tolerance, rank=reading.rank, calibration=cal,
-                                                   **self._tolerance_gates)
+                                                   held_out_reach=reach, **self._tolerance_gates)
         _warn(_issued(gates), stacklevel=6)
         self.verdicts_ += gates
         return reading.rank, identifiability.covering(reading.interval, gates)

@@ -21,7 +21,7 @@ import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
            "excess_risk_standard_error", "excess_risk_fit_standard_error", "excess_risk_upper_bound",
-           "rank_at_tolerance", "rank_read_again", "tolerance_interval", "tolerance_reading", "ToleranceReading"]
+           "rank_at_tolerance", "held_out_reach", "rank_read_again", "tolerance_interval", "tolerance_reading", "ToleranceReading"]
 
 
 
@@ -127,6 +127,28 @@ def rank_at_tolerance(curve, tolerance):
     """
     hits = np.flatnonzero(np.asarray(curve, dtype=float) <= float(tolerance))
     return int(hits[0]) if hits.size else None
+
+
+def held_out_reach(upper, floor, floor_in_sample, tolerance):
+    """The smallest rank whose models' own held-out risk reaches ``tolerance``: ``upper[r] + floor <= tolerance``
+    (None where no rank of the curve does, or where the curve is not cross-fitted: ``floor_in_sample`` None).
+
+    A cross-fitted curve's excess is measured from the full models' held-out residual, ``floor``; adding it back
+    gives each rank-r model's own risk on samples it was not fitted on (its upper bound), relative to Var(Y). The
+    best unconstrained model's risk is at least zero, so a rank-r model within the tolerance there has an excess
+    within it over any floor: r*(tolerance) is at most this rank, whether or not the full model the curve
+    subtracts was the best one. An in-sample curve has no such bound (a model does better on its own samples).
+
+    Examples
+    --------
+    >>> held_out_reach([0.3, 0.04, 0.01, 0.0], 0.02, 0.0, 0.05)
+    2
+    >>> held_out_reach([0.3, 0.04], 0.02, None, 0.05) is None
+    True
+    """
+    if floor_in_sample is None:
+        return None
+    return rank_at_tolerance(np.asarray(upper, dtype=float) + float(floor), tolerance)
 
 
 @dataclass

@@ -479,23 +479,35 @@ def rule_verdict(reason, **f):
 
 
 def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreement, noise_lower, noise_upper,
-                       calibration, floor_gap=None):
+                       calibration, floor_gap=None, held_out_reach=None):
     """The gates on r*(tolerance) read off a risk curve: a curve measured against a fit that did not identify
     its statistic, a curve that does not resolve the tolerance, a curve whose floor may understate the excess by
     more than the tolerance (``floor_gap``: the full models' residual held out less in sample, relative to
     Var(Y); None where the curve is not cross-fitted), and a tolerance finer than the noise (``noise_lower``,
-    ``noise_upper``: the noise-floor estimate's interval)."""
+    ``noise_upper``: the noise-floor estimate's interval).
+
+    ``held_out_reach`` (:func:`rstar.risk.held_out_reach`; None where the curve is not cross-fitted or does not
+    reach the tolerance that way) is the smallest rank whose models' own held-out risk is within the tolerance:
+    r*(tolerance) is at most it whatever the full model the curve subtracts, so it is the upper end of the gates
+    whose doubt is that floor (the unidentified fit's, the floor gap's), where they would otherwise reach ``dim``,
+    and a reading at that rank is not one an unidentified fit can have made too small: it is not warned for it.
+    (Not the noise's gate: directions fitted to noise have read short of the tolerance on other windows while
+    their held-out risk on the other half reached it — SmolLM2 layer 7 head 7 below.)"""
     tol = float(tolerance)
     out = []
-    if not identified:
+    reach = None if held_out_reach is None else int(held_out_reach)
+    upper_end = int(dim) if reach is None else min(max(reach, int(rank)), int(dim))
+    if not identified and (reach is None or reach > rank):
         # the inversion could not identify its statistic (e.g. a factored fit whose count had not settled):
-        # the full model the curve is measured against may itself fall short, so r*(tolerance) is a lower end
+        # the full model the curve is measured against may itself fall short, so r*(tolerance) is a lower end,
+        # up to the rank whose models reach the tolerance held out on their own
         out.append(Verdict(
             "curve_against_unidentified_fit", UnidentifiableRankWarning,
             f"tolerance={tol:g} is read off a risk curve measured against the {inversion} fit, which did not "
             f"identify its statistic (see the other warning): that fit may fall short of the unconstrained "
-            f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {dim}. What would "
-            "help: the remedy the other warning names.", (None, int(dim))))
+            f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {upper_end}"
+            + (f" (the rank whose models' own held-out risk is within the tolerance)" if reach is not None else "")
+            + ". What would help: the remedy the other warning names.", (None, upper_end)))
     fraction = calibration.curve_resolution_fraction
     halves_apart, floor_unknown = curve_resolution_misses(tol, disagreement, floor_gap, calibration)
     if halves_apart:
@@ -523,8 +535,8 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
             f"tolerance={tol:g} is finer than this risk curve's floor is known: its full models leave "
             f"{floor_gap:.3g} of Var(Y) more on the other half's samples than on their own, so the unconstrained "
             "model's risk, which the curve's excess is measured from, is known only within that much, more than "
-            f"the tolerance; the rank read ({rank}) may be too small, and rank_interval_ reaches {dim}. The full "
-            "models do not generalise: more samples, or a larger compute_budget, would help.", (None, int(dim))))
+            f"the tolerance; the rank read ({rank}) may be too small, and rank_interval_ reaches {upper_end}. The "
+            "full models do not generalise: more samples, or a larger compute_budget, would help.", (None, upper_end)))
     if rank > noise_upper:
         # the directions the reading counts beyond the noise floor are not told from noise: fitted from these
         # samples they carry noise, so the curve along them neither bounds r*(tolerance) from above (better

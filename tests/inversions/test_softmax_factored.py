@@ -15,7 +15,7 @@ from rstar.datasets import make_attention_task
 from rstar.inversions import SplitHalfNull, WhitenedStatistic, choose_inversion
 from rstar.inversions._kernel import SoftmaxOperator
 from rstar.inversions.softmax_factored import FACTORED_NAME, factored_fit_blocker, factored_statistic, truncated_kernel
-from rstar.risk import centred_sums, total_sum_of_squares
+from rstar.risk import centred_sums, held_out_reach, total_sum_of_squares
 from rstar.rules import MarchenkoPasturRule, split_half_result
 
 from _reasons import assert_warned, reasons
@@ -153,15 +153,38 @@ def test_factors_capped_by_the_budget_are_warned_with_an_interval_to_d():
 
 def test_a_curve_against_an_unsettled_fit_reaches_the_class_bound_not_d():
     """max_rank is the class's bound on r* (a head's d_head): r*(tolerance) read off a curve measured against a
-    fit that did not settle is warned with an interval up to that bound, as the noise-floor count's is."""
+    fit that did not settle is warned with an interval up to that bound, as the noise-floor count's is — unless
+    the rank read holds the tolerance on its own held-out risk (the curve plus the floor it subtracts), which
+    bounds r*(tolerance) whatever the full model was."""
     X, Y, teacher = _task(10, n=800)
     cal = DEFAULT_CALIBRATION.replace(factored_max_iter=20)
-    est = RStarEstimator(value_map=teacher.value_map, max_rank=12, tolerance=0.05, calibration=cal)
+    # the noise (0.05 of Y's scale) leaves the full models about 0.047 of Var(Y) held out: at 1% no rank's own
+    # held-out risk is within the tolerance, so the reading is warned and reaches the bound
+    est = RStarEstimator(value_map=teacher.value_map, max_rank=12, tolerance=0.01, calibration=cal)
     with pytest.warns(UnidentifiableRankWarning) as caught:
         est.fit(X, Y)
+    assert_warned(caught, "factored_unsettled", category=UnidentifiableRankWarning)
     assert_warned(caught, "curve_against_unidentified_fit", bounds=(None, 12), category=UnidentifiableRankWarning)
     assert est.rank_interval_[1] == 12 and est.rank_interval_[0] <= est.rank_ <= 12
-    assert est.rank_at_tolerance(0.01, return_interval=True)[1][1] == 12
+    assert 0.03 < est.risk_curve_floor_ < 0.07
+    # at 10% the planted rank's own held-out risk is within it: read there, not warned for the curve (the
+    # noise-floor count still is), and its interval ends at the held-out reach, not at the bound
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rank, (lo, hi) = est.rank_at_tolerance(0.1, return_interval=True)
+    assert rank == 10 and lo <= 10 <= hi < 12
+    assert "curve_against_unidentified_fit" not in reasons(caught)
+    assert held_out_reach(est.risk_curve_upper_, est.risk_curve_floor_, est.risk_curve_floor_in_sample_, 0.1) == 10
+    est.set_params(tolerance=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.fit(X, Y)
+    assert "factored_unsettled" in reasons(caught) and "curve_against_unidentified_fit" not in reasons(caught)
+    assert est.rank_ == 10 and est.rank_interval_[1] < 12
+    # a reading at 1% again through the gates: warned up to the bound
+    with pytest.warns(UnidentifiableRankWarning) as caught:
+        assert est.rank_at_tolerance(0.01, return_interval=True)[1][1] == 12
+    assert_warned(caught, "curve_against_unidentified_fit", bounds=(None, 12))
 
 
 def test_tolerance_curve_and_predict_survive_pickle():

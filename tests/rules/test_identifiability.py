@@ -110,6 +110,15 @@ def test_tolerance_gates():
     assert idf.tolerance_verdicts(**kw) == []
     assert [v.reason for v in idf.tolerance_verdicts(**dict(kw, identified=False))] == [
         "curve_against_unidentified_fit"]
+    # a cross-fitted curve whose rank-3 models hold the tolerance on their own held-out risk: r*(eps) <= 3 whatever
+    # the full model it subtracts, so an unidentified fit cannot have made the reading too small
+    assert idf.tolerance_verdicts(**dict(kw, identified=False, held_out_reach=3)) == []
+    later = idf.tolerance_verdicts(**dict(kw, identified=False, held_out_reach=5))
+    assert [v.reason for v in later] == ["curve_against_unidentified_fit"] and later[0].bounds == (None, 5)
+    assert "reaches 5 (the rank whose models' own held-out risk" in later[0].message
+    assert idf.tolerance_verdicts(**dict(kw, identified=False, held_out_reach=None))[0].bounds == (None, 16)
+    # the noise's gate keeps every rank (directions fitted to noise have read short on other windows)
+    assert idf.tolerance_verdicts(**dict(kw, rank=5, held_out_reach=5))[0].bounds == (2, 16)
     fraction = DEFAULT_CALIBRATION.curve_resolution_fraction
     assert idf.tolerance_verdicts(**dict(kw, disagreement=fraction * 0.05 * 0.99)) == []
     assert [v.reason for v in idf.tolerance_verdicts(**dict(kw, disagreement=fraction * 0.05 * 1.01))] == [
@@ -125,6 +134,7 @@ def test_tolerance_gates():
     gap = idf.tolerance_verdicts(**dict(kw, floor_gap=0.08))
     assert [v.reason for v in gap] == ["curve_floor_gap"] and gap[0].bounds == (None, 16)
     assert idf.covering((3, 5), gap) == (3, 16) and "0.08 of Var(Y)" in gap[0].message
+    assert idf.tolerance_verdicts(**dict(kw, floor_gap=0.08, held_out_reach=7))[0].bounds == (None, 7)
 
 
 def test_estimator_gates_on_the_samples():
