@@ -21,7 +21,8 @@ import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
            "excess_risk_standard_error", "excess_risk_fit_standard_error", "excess_risk_upper_bound",
-           "rank_at_tolerance", "held_out_reach", "rank_read_again", "tolerance_interval", "tolerance_reading", "ToleranceReading"]
+           "rank_at_tolerance", "held_out_reach", "rank_read_again", "tolerance_interval", "tolerance_reading",
+           "ToleranceReading"]
 
 
 
