@@ -226,8 +226,42 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated, predi
                 own = point + float(fitted) - float(p["predicted_excess"])
         out.append(dict(tolerance=tolerance, truncated=truncated, layer=key[0], head=key[1], rank=int(p["rank"]),
                         predicted=float(p[predicted_key]), predicted_point=point, predicted_se=se,
-                        predicted_fit_se=fit_se, predicted_own_model=own, **real))
+                        predicted_fit_se=fit_se, predicted_own_model=own, warned=reading_warned(row, tolerance),
+                        **real))
     return out
+
+
+def reading_warned(row, tolerance):
+    """Whether a head's row (``rstar heads``' table, or a journal's) carries a warning on its r*(``tolerance``)."""
+    warnings = row.get("warnings") or []
+    if isinstance(warnings, str):
+        warnings = warnings.split(" | ")
+    return any(f"tolerance={float(tolerance):g} " in w for w in warnings)
+
+
+#: The header of :func:`unwarned_rows`' table.
+UNWARNED_HEADER = ["| ε | rank-r model | readings not warned | realised (alone) within ε | point estimate within 2 "
+                   "se (both) | the fit's own model's prediction within 2 se (both) |",
+                   "|---|---|---|---|---|---|"]
+
+
+def unwarned_rows(heads_cmp, tolerances, models):
+    """Per tolerance and rank-r model, over the heads whose reading is not warned: how many, how many realise at
+    most ε alone, and how many are within two standard errors of the curve's point estimate and of the fit's own
+    model's prediction (markdown rows)."""
+    lines = []
+    for tol in tolerances:
+        for what in models:
+            hs = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what and not h.get("warned")]
+            every = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
+            if not every:
+                continue
+            point = within_point(hs) if hs and hs[0]["predicted_point"] is not None else "—"
+            own = (within_point(hs, "predicted_own_model")
+                   if hs and all(h.get("predicted_own_model") is not None for h in hs) else "—")
+            lines.append(f"| {tol:g} | {what} | {len(hs)} of {len(every)} | {sum(h['alone'] <= tol for h in hs)} | "
+                         f"{point} | {own} |")
+    return lines
 
 
 #: The header of :func:`predicted_rows`' table.

@@ -68,8 +68,9 @@ from pathlib import Path
 
 import numpy as np
 
-from _runs import (PREDICTED_HEADER, Journal, plan_ranks, predicted_against_realised, predicted_rows,
-                   realised_excess, record_search, records, search_line, student_step, timed_records)
+from _runs import (PREDICTED_HEADER, UNWARNED_HEADER, Journal, plan_ranks, predicted_against_realised,
+                   predicted_rows, realised_excess, record_search, records, search_line, student_step, timed_records,
+                   unwarned_rows)
 
 
 def _embed(model, windows, batch=50):
@@ -343,6 +344,9 @@ def main(argv=None):
     lines += [""] + PREDICTED_HEADER
     lines += predicted_rows(heads_cmp, tol_plans, ("head's kernel", "fit's model", "fit's model at its width",
                                                     "student"))
+    lines += ["", "The same over the heads whose r*(ε) the table's row does not warn:", ""] + UNWARNED_HEADER
+    lines += unwarned_rows(heads_cmp, tol_plans, ("head's kernel", "fit's model", "fit's model at its width",
+                                                  "student"))
     lines.append(f"\n{elapsed:.0f} s in this process (steps read back from the journal cost nothing here; Fisher "
                  f"scores {t_fisher:.0f} s, their loss the {fisher_loss}; Eigen Attention's sweep {t_sweep:.0f} s).")
     if student_runs:
