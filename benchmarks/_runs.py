@@ -256,7 +256,7 @@ def unwarned_rows(heads_cmp, tolerances, models):
             every = [h for h in heads_cmp if h["tolerance"] == tol and h["truncated"] == what]
             if not every:
                 continue
-            point = within_point(hs) if hs and hs[0]["predicted_point"] is not None else "—"
+            point = within_point(hs) if hs and all(h["predicted_point"] is not None for h in hs) else "—"
             own = (within_point(hs, "predicted_own_model")
                    if hs and all(h.get("predicted_own_model") is not None for h in hs) else "—")
             lines.append(f"| {tol:g} | {what} | {len(hs)} of {len(every)} | {sum(h['alone'] <= tol for h in hs)} | "

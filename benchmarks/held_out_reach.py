@@ -12,8 +12,10 @@ For each MiniLM head asked for (T = 32, ``--n-samples`` fitted windows, as the R
 V known, ``tolerance=0.01``, ``max_rank=d_head``, ``device="auto"``), the readings at 1% and 5% with their
 intervals and the reasons they are warned for, the held-out reach, the realised excess of ``predict(X, rank=r)``
 on ``--n-held`` other windows (sufficient: at most ε) and the head's truncation rank on the fitted windows (within:
-the reading no larger). The summary counts them by group: settled fits unwarned or warned, unsettled fits whose
-reading the held-out reach vouches for ("unsettled, not warned"), and unsettled fits still warned. The default
+the reading no larger). The summary counts them by group: settled fits unwarned or warned (by any gate), unsettled
+fits whose reading the held-out reach vouches for ("unsettled, not warned"), and unsettled fits still warned (by
+that gate or another). Sufficiency is that of ``predict``'s model (the halves' mean), which the reading's upper
+bound also covers (its distance from the curve's models). The default
 heads are the 31 whose readings an earlier run of ``rstar heads`` warned (22 of them for the unsettled fit alone)
 and 12 others.
 
@@ -56,8 +58,10 @@ def head_row(head, held):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         est.fit(head.features(), head.Y)
+    in_sample = est.risk_curve_floor_in_sample_   # None where the fit fell back from the factored least squares
     row = dict(head=head.head, seconds=round(time.perf_counter() - started, 1), fit_reasons=_reasons(caught),
-               floor=float(est.risk_curve_floor_), floor_in_sample=float(est.risk_curve_floor_in_sample_))
+               inversion=est.inversion_, floor=float(est.risk_curve_floor_),
+               floor_in_sample=None if in_sample is None else float(in_sample))
     Y = held.Y
     tss = float(np.sum((Y - Y.reshape(-1, Y.shape[2]).mean(axis=0)) ** 2))
     for tol in TOLERANCES:

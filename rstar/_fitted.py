@@ -62,8 +62,9 @@ class FittedOperatorMixin:
         if gates_in is None:   # pragma: no cover - every fit with a curve records its gates
             return (rank, (rank, rank)) if return_interval else rank
         interval = tolerance_interval(curve, upper, rank, tolerance, int(gates_in["dim"]))
-        reach = held_out_reach(upper if upper is not None else curve, self.__dict__.get("risk_curve_floor_", 0.0),
-                               self.__dict__.get("risk_curve_floor_in_sample_"), tolerance)
+        floor = self.__dict__.get("risk_curve_floor_")
+        reach = None if floor is None else held_out_reach(upper if upper is not None else curve, floor,
+                                                          self.__dict__.get("risk_curve_floor_in_sample_"), tolerance)
         gates = identifiability.tolerance_verdicts(tolerance=float(tolerance), rank=rank, held_out_reach=reach,
                                                    calibration=self._calibration(), **gates_in)
         for v in gates:

@@ -135,10 +135,13 @@ def held_out_reach(upper, floor, floor_in_sample, tolerance):
     (None where no rank of the curve does, or where the curve is not cross-fitted: ``floor_in_sample`` None).
 
     A cross-fitted curve's excess is measured from the full models' held-out residual, ``floor``; adding it back
-    gives each rank-r model's own risk on samples it was not fitted on (its upper bound), relative to Var(Y). The
-    best unconstrained model's risk is at least zero, so a rank-r model within the tolerance there has an excess
-    within it over any floor: r*(tolerance) is at most this rank, whether or not the full model the curve
-    subtracts was the best one. An in-sample curve has no such bound (a model does better on its own samples).
+    gives each rank-r model's own risk on samples it was not fitted on, relative to Var(Y) (with the curve's
+    confidence margin; the floor is added as measured). The best unconstrained model's risk is at least zero, so
+    a rank-r model within the tolerance there has an excess within it over any floor: r*(tolerance) is at most
+    this rank, whether or not the full model the curve subtracts was the best one, up to the held-out estimate's
+    sampling error. An in-sample curve has no such bound (a model does better on its own samples). The curve is
+    measured up to where its upper bound reaches half the tolerance (:func:`tolerance_reading`), so a rank beyond
+    that is not found (None).
 
     Examples
     --------

@@ -488,11 +488,12 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
 
     ``held_out_reach`` (:func:`rstar.risk.held_out_reach`; None where the curve is not cross-fitted or does not
     reach the tolerance that way) is the smallest rank whose models' own held-out risk is within the tolerance:
-    r*(tolerance) is at most it whatever the full model the curve subtracts, so it is the upper end of the gates
-    whose doubt is that floor (the unidentified fit's, the floor gap's), where they would otherwise reach ``dim``,
+    r*(tolerance) is at most it whatever the full model the curve subtracts (up to the held-out estimate's own
+    sampling error), so it is the upper end of the unidentified fit's gate, which would otherwise reach ``dim``,
     and a reading at that rank is not one an unidentified fit can have made too small: it is not warned for it.
-    (Not the noise's gate: directions fitted to noise have read short of the tolerance on other windows while
-    their held-out risk on the other half reached it — SmolLM2 layer 7 head 7 below.)"""
+    (Not the floor gap's gate: its floor exceeds the tolerance, so no rank reaches it that way. Not the noise's:
+    directions fitted to noise have read short of the tolerance on other windows while their held-out risk on the
+    other half reached it — SmolLM2 layer 7 head 7 below.)"""
     tol = float(tolerance)
     out = []
     reach = None if held_out_reach is None else int(held_out_reach)
@@ -535,8 +536,8 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
             f"tolerance={tol:g} is finer than this risk curve's floor is known: its full models leave "
             f"{floor_gap:.3g} of Var(Y) more on the other half's samples than on their own, so the unconstrained "
             "model's risk, which the curve's excess is measured from, is known only within that much, more than "
-            f"the tolerance; the rank read ({rank}) may be too small, and rank_interval_ reaches {upper_end}. The "
-            "full models do not generalise: more samples, or a larger compute_budget, would help.", (None, upper_end)))
+            f"the tolerance; the rank read ({rank}) may be too small, and rank_interval_ reaches {dim}. The full "
+            "models do not generalise: more samples, or a larger compute_budget, would help.", (None, int(dim))))
     if rank > noise_upper:
         # the directions the reading counts beyond the noise floor are not told from noise: fitted from these
         # samples they carry noise, so the curve along them neither bounds r*(tolerance) from above (better
