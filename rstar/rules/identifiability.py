@@ -507,7 +507,7 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
             f"tolerance={tol:g} is read off a risk curve measured against the {inversion} fit, which did not "
             f"identify its statistic (see the other warning): that fit may fall short of the unconstrained "
             f"model, so the rank read ({rank}) may be too small; rank_interval_ reaches {upper_end}"
-            + (f" (the rank whose models' own held-out risk is within the tolerance)" if reach is not None else "")
+            + (" (the rank whose models' own held-out risk is within the tolerance)" if reach is not None else "")
             + ". What would help: the remedy the other warning names.", (None, upper_end)))
     fraction = calibration.curve_resolution_fraction
     halves_apart, floor_unknown = curve_resolution_misses(tol, disagreement, floor_gap, calibration)
