@@ -47,7 +47,8 @@ does not share. With the fits' own models saved and both floors in the rows, eac
 chosen by that prediction (``rank_plan(model="fitted")``: each head at the smallest width where its fit's own model
 is predicted within ε), put back with those models (``rstar tolerance ε (fit's models at their widths)``), every
 allocation also run at its total width, and its per-head realised excess (``fit's model at its width``, against
-that plan's own prediction, ``predicted_excess_fitted_model``).
+that plan's own prediction, ``predicted_excess_fitted_model``). The same counts are given again over the heads whose
+r*(ε) the table's row does not warn (the warnings of the rstar version that wrote the table).
 
 Usage::
 
