@@ -497,7 +497,7 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
     tol = float(tolerance)
     out = []
     reach = None if held_out_reach is None else int(held_out_reach)
-    upper_end = int(dim) if reach is None else min(max(reach, int(rank)), int(dim))
+    upper_end = int(dim) if reach is None else min(reach, int(dim))   # (the verdict is issued for reach > rank)
     if not identified and (reach is None or reach > rank):
         # the inversion could not identify its statistic (e.g. a factored fit whose count had not settled):
         # the full model the curve is measured against may itself fall short, so r*(tolerance) is a lower end,
