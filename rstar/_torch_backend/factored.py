@@ -16,7 +16,7 @@ attention, ``R_i = P_i X_i V - Y_i``, ``dL_i = (dP_i - rowsum(dP_i * P_i)) * P_i
 import numpy as np
 import torch
 
-__all__ = ["FactoredHalfLoss", "rotate_tensor", "sample_chunks", "query_key_tensors", "factor_gradients"]
+__all__ = ["FactoredHalfLoss", "TokensInBasis", "rotate_tensor", "sample_chunks", "query_key_tensors", "factor_gradients"]
 
 
 def rotate_tensor(U, rot, sign=1.0):
@@ -63,6 +63,37 @@ def factor_gradients(Xf, dA, dB, rot=None):
     return (Xf.T @ torch.cat([dA, dB], dim=2).reshape(-1, 2 * q)).to(torch.float64)
 
 
+class TokensInBasis:
+    """A half's tokens (n, T, d) on the device, and ``X P`` for the last basis P asked for.
+
+    ``tokens(None)`` is X; ``tokens(P)`` is ``X P`` (in X's dtype), formed chunk by chunk when P differs from the
+    last basis asked for (the same array object, or equal entries) and then kept: one more tensor of X's size on
+    the device while a basis is in use. L-BFGS in the token metric's whitened coordinates (``P = M^{-1/2}``)
+    then evaluates ``X P A~`` where it formed ``P A~`` on the CPU (numpy, float64) at each evaluation and
+    ``P grad`` after it: on a MiniLM head 6% of the fit's time, on a SmolLM2 rotary head (d = 577, q = 64)
+    11%, and on a GPU the one ``d x d`` product per evaluation left on the CPU."""
+
+    def __init__(self, X, parts):
+        self.X, self.parts = X, parts
+        self._basis, self._key, self._XP = None, None, None
+
+    def __call__(self, basis):
+        if basis is None:
+            return self.X
+        if basis is not self._basis:
+            key = np.array(basis, dtype=float)
+            if self._key is None or key.shape != self._key.shape or not np.array_equal(key, self._key):
+                n, T, d = self.X.shape
+                Pt = torch.as_tensor(key, device=self.X.device).to(self.X.dtype)
+                self._XP = None          # the old basis's tensor freed before the new one is formed
+                XP = torch.empty((n, T, key.shape[1]), dtype=self.X.dtype, device=self.X.device)
+                for part in self.parts:
+                    XP[part] = self.X[part] @ Pt
+                self._XP, self._key = XP, key
+            self._basis = basis
+        return self._XP
+
+
 class FactoredHalfLoss:
     """One half's samples on a device and its factored loss.
 
@@ -82,7 +113,18 @@ class FactoredHalfLoss:
         The numpy path's bound on a chunk's largest temporary (``chunk T^2`` or ``chunk T d`` float64 entries);
         here twice as many entries in float32 (the same bytes): one chunk of 250 MiniLM windows (T = 32, d = 385)
         evaluated in 10 ms where three took 15.
+
+    Notes
+    -----
+    Called with ``basis=P`` (a d x d matrix), the factors are taken in the coordinates ``A = P A~``,
+    ``B = P B~`` and the gradients returned are those in ``A~, B~``: the tokens' projections run on ``X P``,
+    formed once for that basis on the device (:class:`TokensInBasis`), so an optimiser working in preconditioned
+    coordinates (:func:`rstar.inversions._numerics.softmax_factored.fit_factored_pair`) makes no ``d x d`` product
+    of its own at each evaluation.
     """
+
+    #: the loss takes ``basis=`` (the factors in preconditioned coordinates)
+    takes_basis = True
 
     def __init__(self, X, Y, mask, device, dtype, chunk_entries, rotary=None):
         self.device, self.dtype = device, dtype
@@ -98,6 +140,7 @@ class FactoredHalfLoss:
         self.mask = None if mask is None else torch.as_tensor(np.asarray(mask, dtype=bool), device=device)
         self.parts = sample_chunks(n, T, d, dtype, chunk_entries)
         self._path = (None, None)
+        self.tokens = TokensInBasis(self.X, self.parts)
 
     def _tensor(self, a):
         return torch.as_tensor(np.asarray(a, dtype=float), device=self.device).to(self.dtype)
@@ -112,8 +155,9 @@ class FactoredHalfLoss:
         self._path = (np.array(V, dtype=float), Z)
         return Z
 
-    def __call__(self, A, B, V, value_grad=False):
-        """``(f, grad_A, grad_B, grad_V)`` (grad_V None unless ``value_grad``), as numpy float64."""
+    def __call__(self, A, B, V, value_grad=False, basis=None):
+        """``(f, grad_A, grad_B, grad_V)`` (grad_V None unless ``value_grad``), as numpy float64; with ``basis=P``
+        the factors are ``P A, P B`` and grad_A, grad_B those in A and B (the class notes)."""
         _, _, d, d_v = self.shape
         q = A.shape[1]
         c = 1.0 / np.sqrt(d)
@@ -123,9 +167,10 @@ class FactoredHalfLoss:
         f = torch.zeros((), dtype=torch.float64, device=self.device)
         g = torch.zeros((d, 2 * q), dtype=torch.float64, device=self.device)
         gV = torch.zeros((d, d_v), dtype=torch.float64, device=self.device) if value_grad else None
+        Xq = self.tokens(basis)
         for part in self.parts:
-            X, Zp, Y = self.X[part], Z[part], self.Y[part]
-            Xf, XA, XB = query_key_tensors(X, AB, self.rot)
+            Zp, Y = Z[part], self.Y[part]
+            Xf, XA, XB = query_key_tensors(Xq[part], AB, self.rot)
             L = XA @ XB.transpose(1, 2)
             if self.mask is not None:
                 L = L.masked_fill(~self.mask, float("-inf"))
@@ -136,6 +181,7 @@ class FactoredHalfLoss:
             dL = (dP - (dP * P).sum(dim=-1, keepdim=True)) * P
             g += factor_gradients(Xf, dL @ XB, dL.transpose(1, 2) @ XA, self.rot)
             if value_grad:
-                gV += (2.0 * (Xf.T @ (P.transpose(1, 2) @ R).reshape(-1, d_v))).to(torch.float64)
+                Xv = self.X[part].reshape(-1, d)     # V's gradient in the tokens' own coordinates
+                gV += (2.0 * (Xv.T @ (P.transpose(1, 2) @ R).reshape(-1, d_v))).to(torch.float64)
         g = g.cpu().numpy()
         return (float(f), g[:, :q] * c, g[:, q:].copy(), None if gV is None else gV.cpu().numpy())

@@ -15,7 +15,7 @@ and ``h = max(0, l - ebar - U)`` on rows with a known entry: ``f = sum W (e - eb
 import numpy as np
 import torch
 
-from .factored import factor_gradients, query_key_tensors, sample_chunks
+from .factored import TokensInBasis, factor_gradients, query_key_tensors, sample_chunks
 
 __all__ = ["LogAttentionHalfLoss"]
 
@@ -37,7 +37,14 @@ class LogAttentionHalfLoss:
         twice as many entries in float32 (the same bytes).
     rotary : RotaryPositions or None
         A rotary head's positions (:mod:`rstar.inversions._numerics.rotary`).
+
+    Notes
+    -----
+    ``basis=P``: the factors in preconditioned coordinates, as
+    :class:`rstar._torch_backend.factored.FactoredHalfLoss` takes them.
     """
+
+    takes_basis = True
 
     def __init__(self, X, targets, device, dtype, chunk_entries, rotary=None):
         self.device, self.dtype = device, dtype
@@ -56,10 +63,11 @@ class LogAttentionHalfLoss:
         self.inv_mass = torch.where(mass > 0, 1.0 / torch.where(mass > 0, mass, torch.ones_like(mass)),
                                     torch.zeros_like(mass))
         self.parts = sample_chunks(n, T, d, dtype, chunk_entries)
+        self.tokens = TokensInBasis(self.X, self.parts)
 
-    def __call__(self, A, B, V=None, value_grad=False):
+    def __call__(self, A, B, V=None, value_grad=False, basis=None):
         """``(f, grad_A, grad_B, None)`` as numpy float64 (V, the known value map the targets were read with, is
-        not fitted)."""
+        not fitted); with ``basis=P`` the factors are ``P A, P B`` and the gradients those in A and B."""
         if value_grad:
             raise ValueError("the log-attention loss reads the attention with a known value map; it fits no V.")
         d, q = self.shape[2], A.shape[1]
@@ -68,9 +76,10 @@ class LogAttentionHalfLoss:
                              device=self.device).to(self.dtype)
         f = torch.zeros((), dtype=torch.float64, device=self.device)
         g = torch.zeros((d, 2 * q), dtype=torch.float64, device=self.device)
+        Xq = self.tokens(basis)
         for part in self.parts:
             W, U, C, has, inv_mass = self.W[part], self.U[part], self.C[part], self.has[part], self.inv_mass[part]
-            Xf, XA, XB = query_key_tensors(self.X[part], AB, self.rot)
+            Xf, XA, XB = query_key_tensors(Xq[part], AB, self.rot)
             G = XA @ XB.transpose(1, 2)
             E = G - self.L[part]
             ebar = (W * E).sum(dim=2, keepdim=True) * inv_mass

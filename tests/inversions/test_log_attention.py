@@ -137,6 +137,13 @@ def test_torch_log_attention_loss_agrees_with_numpy():
         np.testing.assert_allclose(tB, gB, rtol=rtol, atol=rtol * np.abs(gB).max())
     with pytest.raises(ValueError, match="fits no V"):
         loss(A, B, np.eye(D), value_grad=True)
+    # the factors in a basis P: the loss of P A, P B, its gradients P^T times
+    Pm = rng.standard_normal((D, D))
+    ft, tA, tB, _ = loss(A, B, np.eye(D), basis=Pm)
+    f, gA, gB = log_attention_loss(X, targets, Pm @ A, Pm @ B, rotary=POS)
+    assert ft == pytest.approx(f, rel=1e-4)
+    np.testing.assert_allclose(tA, Pm.T @ gA, rtol=1e-4, atol=1e-4 * np.abs(Pm.T @ gA).max())
+    np.testing.assert_allclose(tB, Pm.T @ gB, rtol=1e-4, atol=1e-4 * np.abs(Pm.T @ gB).max())
 
 
 def test_the_half_losses_are_made_on_the_back_end_asked_for():

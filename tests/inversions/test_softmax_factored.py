@@ -494,6 +494,71 @@ def test_torch_half_loss_agrees_with_numpy(causal):
     assert loss(A, B, 2 * V)[0] == pytest.approx(ref(A, B, 2 * V)[0], rel=1e-4)
 
 
+@pytest.mark.parametrize("rotary", [False, True])
+def test_torch_half_loss_in_a_basis_is_the_loss_of_the_basis_factors(rotary):
+    # basis=P: the factors P A, P B, the gradients in A and B (P^T times the plain ones); the V path unchanged
+    torch = pytest.importorskip("torch")
+    from rstar._torch_backend.factored import FactoredHalfLoss
+    from rstar.inversions._numerics.rotary import RotaryPositions
+
+    rng = np.random.default_rng(2)
+    n, T, d, d_v, q = 30, 6, 10, 4, 4
+    X, Y = rng.standard_normal((n, T, d)), rng.standard_normal((n, T, d_v))
+    A, B, V = rng.standard_normal((d, q)), rng.standard_normal((d, q)), rng.standard_normal((d, d_v))
+    P = rng.standard_normal((d, d))     # not symmetric: the gradient is P^T's, not P's
+    pos = RotaryPositions(np.outer(np.arange(T), [1.0, 0.3])) if rotary else None
+    loss = FactoredHalfLoss(X, Y, sf.causal_mask(T), torch.device("cpu"), torch.float64, chunk_entries=7 * T * d,
+                            rotary=pos)
+    for value_grad in (False, True):
+        want, got = loss(P @ A, P @ B, V, value_grad), loss(A, B, V, value_grad, basis=P)
+        assert got[0] == pytest.approx(want[0], rel=1e-10)
+        for w, g in zip(want[1:3], got[1:3]):
+            np.testing.assert_allclose(g, P.T @ w, rtol=1e-9, atol=1e-9 * np.abs(P.T @ w).max())
+        if value_grad:
+            np.testing.assert_allclose(got[3], want[3], rtol=1e-9)
+    # a new basis is formed afresh, and None is the tokens themselves again
+    assert loss(A, B, V, basis=2 * P)[0] == pytest.approx(loss(2 * P @ A, 2 * P @ B, V)[0], rel=1e-10)
+    assert loss(A, B, V)[0] == pytest.approx(loss(A, B, V, basis=np.eye(d))[0], rel=1e-10)
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_fit_on_losses_in_the_preconditioned_basis_is_the_fit_without(known, monkeypatch):
+    # torch's losses take the factors in L-BFGS's whitened coordinates (V known): the same iterations as the
+    # losses that are given P A~ and return P grad, in float64 to round-off
+    torch = pytest.importorskip("torch")
+    from rstar._torch_backend.factored import FactoredHalfLoss
+
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((160, 6, 10)) * np.linspace(0.3, 3.0, 10)   # anisotropic tokens: P far from I
+    Y = rng.standard_normal((160, 6, 4))
+    halves = ((X[:80], Y[:80]), (X[80:], Y[80:]))
+    V = rng.standard_normal((X.shape[2], Y.shape[2])) if known else None
+    roots = sf.token_metric_roots_of_halves(halves)
+    pre = (roots[1], roots[0])      # as the inversion's: L-BFGS on M^{1/2} A
+    starts = [(rng.standard_normal((10, 3)) * 0.3, rng.standard_normal((10, 3)) * 0.3) for _ in halves]
+    calls = []
+
+    class Recording(FactoredHalfLoss):
+        def __call__(self, *args, **kwargs):
+            calls.append("basis" in kwargs)
+            return super().__call__(*args, **kwargs)
+
+    def fit(takes_basis):
+        monkeypatch.setattr(Recording, "takes_basis", takes_basis)
+        losses = [Recording(Xh, Yh, None, torch.device("cpu"), torch.float64, 10**6) for Xh, Yh in halves]
+        calls.clear()
+        fits = sf.fit_factored_pair(halves, 3, starts, value_map=V, max_iter=60, precondition=pre, losses=losses)
+        return fits, set(calls)
+
+    folded, used = fit(True)
+    plain, unused = fit(False)
+    assert used == {known} and unused == {False}     # the basis is used exactly where V is known
+    for a, b in zip(folded, plain):
+        assert a.n_iter == b.n_iter
+        np.testing.assert_allclose(a.kernel, b.kernel, rtol=1e-6, atol=1e-8 * np.abs(b.kernel).max())
+        assert a.rss == pytest.approx(b.rss, rel=1e-8)
+
+
 def test_split_half_values_are_the_singular_values_of_the_half_sum_and_difference():
     from rstar.inversions.softmax_factored import _split_half, _split_half_values
 

@@ -519,7 +519,8 @@ def balanced_factor_scales(At, Bt, damping):
 
 
 def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, check_every=None,
-              block_precondition=None, factor_pairs=(), rescale_every=None, damping=0.0, memory=20):
+              block_precondition=None, factor_pairs=(), rescale_every=None, damping=0.0, memory=20,
+              preconditioned_fun=None):
     """L-BFGS (:func:`rstar.inversions._numerics.lbfgs.minimize_lbfgs`) on the blocks (each ``d x k``) in preconditioned
     coordinates ``block = P (block~ * scale)``.
 
@@ -533,8 +534,11 @@ def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, ch
     ``rescale_every`` iterations (and at the start) they are re-factored in balance in their whitened coordinates
     and given the column scales of :func:`balanced_factor_scales` (``damping``), and L-BFGS restarts from there
     (the kernel, and so the loss, unchanged; its curvature memory cleared: the coordinates changed). ``memory``:
-    the curvature pairs L-BFGS keeps. Returns ``(blocks, f, n_iter, converged)``; converged means stopped on the
-    loss tolerance or with no step left to take (not the iteration limit, not ``on_check``).
+    the curvature pairs L-BFGS keeps. ``preconditioned_fun`` (with one common ``precondition``): ``fun`` of the
+    blocks in the preconditioned coordinates ``block~ * scale``, with its gradients in them — the loss applies P
+    itself (to its tokens, once), and L-BFGS's evaluations make no ``P`` product here. Returns ``(blocks, f,
+    n_iter, converged)``; converged means stopped on the loss tolerance or with no step left to take (not the
+    iteration limit, not ``on_check``).
     """
     d = blocks[0].shape[0]
     edges = np.cumsum([0] + [b.shape[1] for b in blocks])
@@ -556,7 +560,13 @@ def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, ch
         M = apply(theta.reshape(d, edges[-1]) * scale, 0)
         return [np.ascontiguousarray(M[:, edges[k]:edges[k + 1]]) for k in range(len(blocks))]
 
+    folded = preconditioned_fun is not None and common and pre[0] is not None
+
     def wrapped(theta):
+        if folded:
+            M = theta.reshape(d, edges[-1]) * scale
+            f, grads = preconditioned_fun([M[:, edges[k]:edges[k + 1]] for k in range(len(blocks))])
+            return f, (np.hstack(grads) * scale).ravel()
         f, grads = fun(unpack(theta))
         return f, (apply(np.hstack(grads), 0) * scale).ravel()   # P symmetric: d f / d b~ = P^T d f / d b
 
@@ -668,13 +678,21 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
     losses = half_losses(halves, mask, calibration=calibration, rotary=rotary) if losses is None else losses
     paths = [None if fitted_v else X @ V for (X, _), V in zip(halves, known_maps)]
 
-    def fun(bl):
+    def fun(bl, **basis):
         f, grads = 0.0, []
         for loss, part, V in zip(losses, split(bl), known_maps):
-            fp, gA, gB, gV = loss(part[0], part[1], part[2] if fitted_v else V, value_grad=fitted_v)
+            fp, gA, gB, gV = loss(part[0], part[1], part[2] if fitted_v else V, value_grad=fitted_v, **basis)
             grads += [gA, gB, gV] if fitted_v else [gA, gB]
             f += fp
         return f, grads
+
+    # V known and losses that take the factors in preconditioned coordinates (torch's): P is applied to their
+    # tokens once, not to the factors and gradients at every evaluation
+    folded = None
+    if (precondition is not None and not fitted_v
+            and all(getattr(loss, "takes_basis", False) for loss in losses)):
+        def folded(bl):
+            return fun(bl, basis=precondition[0])
 
     def as_fits(bl, rss=(np.nan, np.nan), nit=0, converged=False):
         out = []
@@ -692,7 +710,8 @@ def fit_factored_pair(halves, rank, starts, value_map=None, mask=None, max_iter=
                                       block_precondition=own if fitted_v else None, factor_pairs=pairs,
                                       rescale_every=calibration.factored_rescale_iter,
                                       damping=calibration.factored_scale_damping,
-                                      memory=calibration.factored_scaled_memory if pairs else 20)
+                                      memory=calibration.factored_scaled_memory if pairs else 20,
+                                      preconditioned_fun=folded)
     rss = [factored_rss(X, X @ part[2] if fitted_v else Z, Y, part[0], part[1], mask, calibration=calibration,
                         rotary=rotary)
            for (X, Y), Z, part in zip(halves, paths, split(bl))]
