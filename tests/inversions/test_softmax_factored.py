@@ -466,15 +466,20 @@ def test_value_map_metric_reaches_the_same_fit():
         np.testing.assert_allclose(a.kernel, b.kernel, atol=0.05 * np.abs(b.kernel).max())
 
 
+def _random_half(seed, n=30, T=6, d=10, d_v=4, q=3):
+    """``(X, Y, A, B, V)``: one half's samples and factors, all standard normal."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, T, d)), rng.standard_normal((n, T, d_v)), rng.standard_normal((d, q)),
+            rng.standard_normal((d, q)), rng.standard_normal((d, d_v)))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_half_loss_agrees_with_numpy(causal):
     torch = pytest.importorskip("torch")
     from rstar._torch_backend.factored import FactoredHalfLoss
 
-    rng = np.random.default_rng(1)
-    n, T, d, d_v, q = 30, 6, 10, 4, 3
-    X, Y = rng.standard_normal((n, T, d)), rng.standard_normal((n, T, d_v))
-    A, B, V = rng.standard_normal((d, q)), rng.standard_normal((d, q)), rng.standard_normal((d, d_v))
+    X, Y, A, B, V = _random_half(1)
+    T, d = X.shape[1:]
     mask = sf.causal_mask(T) if causal else None
     ref = sf.NumpyHalfLoss(X, Y, mask)
     for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
@@ -501,11 +506,9 @@ def test_torch_half_loss_in_a_basis_is_the_loss_of_the_basis_factors(rotary):
     from rstar._torch_backend.factored import FactoredHalfLoss
     from rstar.inversions._numerics.rotary import RotaryPositions
 
-    rng = np.random.default_rng(2)
-    n, T, d, d_v, q = 30, 6, 10, 4, 4
-    X, Y = rng.standard_normal((n, T, d)), rng.standard_normal((n, T, d_v))
-    A, B, V = rng.standard_normal((d, q)), rng.standard_normal((d, q)), rng.standard_normal((d, d_v))
-    P = rng.standard_normal((d, d))     # not symmetric: the gradient is P^T's, not P's
+    X, Y, A, B, V = _random_half(2, q=4)
+    T, d = X.shape[1:]
+    P = np.random.default_rng(3).standard_normal((d, d))     # not symmetric: the gradient is P^T's, not P's
     pos = RotaryPositions(np.outer(np.arange(T), [1.0, 0.3])) if rotary else None
     loss = FactoredHalfLoss(X, Y, sf.causal_mask(T), torch.device("cpu"), torch.float64, chunk_entries=7 * T * d,
                             rotary=pos)
