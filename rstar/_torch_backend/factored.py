@@ -16,7 +16,8 @@ attention, ``R_i = P_i X_i V - Y_i``, ``dL_i = (dP_i - rowsum(dP_i * P_i)) * P_i
 import numpy as np
 import torch
 
-__all__ = ["FactoredHalfLoss", "TokensInBasis", "rotate_tensor", "sample_chunks", "query_key_tensors", "factor_gradients"]
+__all__ = ["FactoredHalfLoss", "TokensInBasis", "rotate_tensor", "sample_chunks", "query_key_tensors",
+           "factor_gradients"]
 
 
 def rotate_tensor(U, rot, sign=1.0):
