@@ -36,7 +36,8 @@ class FittedOperatorMixin:
         rank : int
             The smallest rank whose relative excess risk (its upper bound) is at most ``tolerance``; the number
             of features d where the curve reached the rank beyond which its models no longer change (the
-            factored fit's q) without reaching ``tolerance``, as ``fit`` reads it.
+            factored fit's q) without reaching ``tolerance``, as ``fit`` reads it. Never more than ``max_rank``
+            where it is given (the class's bound: a reading beyond is warned and read at the bound).
         interval : tuple of int, only if ``return_interval``
 
         Warns
@@ -70,8 +71,9 @@ class FittedOperatorMixin:
         for v in gates:
             if v.category is not None:
                 warnings.warn(v.warning(), stacklevel=2)
-        interval = identifiability.covering(interval, gates)
-        return (rank, (int(interval[0]), int(interval[1]))) if return_interval else rank
+        rank, interval = identifiability.within_class(rank, identifiability.covering(interval, gates),
+                                                      gates_in["dim"])
+        return (rank, interval) if return_interval else rank
 
     @property
     def statistic_(self):

@@ -348,7 +348,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                                                    held_out_reach=reach, **self._tolerance_gates)
         _warn(_issued(gates), stacklevel=6)
         self.verdicts_ += gates
-        return reading.rank, identifiability.covering(reading.interval, gates)
+        return identifiability.within_class(reading.rank, identifiability.covering(reading.interval, gates), dim)
 
     def _model_checks(self, ws, res, samples, found, cal):
         """The model checks where the samples are at hand: the first-order softmax model

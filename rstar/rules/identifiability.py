@@ -20,7 +20,7 @@ from ..inversions._statistic import curve_resolution_misses
 
 __all__ = ["REASONS", "Verdict", "covering", "estimator_verdicts", "fallback_verdict", "first_order_misfit_verdict",
            "operator_misfit_verdict", "rule_verdict", "said_by_the_inversion", "statistic_verdicts",
-           "tolerance_verdicts"]
+           "tolerance_verdicts", "within_class"]
 
 
 class Verdict(tuple):
@@ -100,7 +100,23 @@ REASONS = {
                        "in sample), so the curve may understate the excess by that much",
     "tolerance_below_noise": "the rank read at the tolerance exceeds the noise-floor estimate's upper end "
                              "(the interval runs from the noise floor's lower end to d)",
+    "tolerance_beyond_class_bound": "the curve reaches the tolerance only beyond the class's bound on r* "
+                                    "(max_rank): read at the bound, the interval every rank the class allows",
 }
+
+
+def within_class(rank, interval, dim):
+    """A reading and its interval kept within the class's ranks, ``0 ... dim`` (``dim``: the smaller of d and the
+    estimator's ``max_rank``): r*(tolerance) <= r* <= dim, whatever a curve read (where it read beyond, the verdict
+    ``tolerance_beyond_class_bound`` of :func:`tolerance_verdicts` says so).
+
+    Examples
+    --------
+    >>> within_class(43, (0, 46), 32)
+    (32, (0, 32))
+    """
+    dim = int(dim)
+    return min(int(rank), dim), (min(int(interval[0]), dim), min(int(interval[1]), dim))
 
 
 def covering(interval, verdicts):
@@ -493,9 +509,28 @@ def tolerance_verdicts(*, tolerance, rank, dim, inversion, identified, disagreem
     and a reading at that rank is not one an unidentified fit can have made too small: it is not warned for it.
     (Not the floor gap's gate: its floor exceeds the tolerance, so no rank reaches it that way. Not the noise's:
     directions fitted to noise have read short of the tolerance on other windows while their held-out risk on the
-    other half reached it — SmolLM2 layer 7 head 7 below.)"""
+    other half reached it — SmolLM2 layer 7 head 7 below.)
+
+    ``dim`` is every rank the class allows (the smaller of d and ``max_rank``). A ``rank`` read beyond it (a
+    factored fit's curve runs to the rank of its halves' mean kernel, up to twice the rank fitted) is the class's
+    bound, :func:`within_class`, and the verdict ``tolerance_beyond_class_bound`` says why: the fit's models of
+    rank at most ``dim`` fall short of the tolerance, so the data have not placed r*(tolerance) below the bound;
+    the other gates read the rank at the bound."""
     tol = float(tolerance)
     out = []
+    if rank > dim:
+        # the class bounds r*(tolerance) <= r* <= dim (a head's d_head), so a curve that reaches the tolerance
+        # only beyond it has models of at most dim that fall short: its reading places nothing below the bound
+        # (MiniLM layer 1 head 1, max_rank = 32: read 43 (0, 46) off its halves' mean kernel, of rank up to 64)
+        out.append(Verdict(
+            "tolerance_beyond_class_bound", UnidentifiableRankWarning,
+            f"tolerance={tol:g} is reached by this risk curve only at rank {int(rank)}, beyond the class's bound on "
+            f"r* (max_rank, or d: {int(dim)}): its models of rank at most {int(dim)} fall short of the tolerance, "
+            f"so the reading is the bound, {int(dim)}, and rank_interval_ is every rank the class allows, "
+            f"(0, {int(dim)}). The fit has not found a model of the class that reaches the tolerance: more samples, "
+            "a larger compute_budget, or a larger tolerance would help (or a larger max_rank, if the bound is not "
+            "the class's).", (0, int(dim))))
+        rank = int(dim)
     reach = None if held_out_reach is None else int(held_out_reach)
     upper_end = int(dim) if reach is None else min(reach, int(dim))   # (the verdict is issued for reach > rank)
     if not identified and (reach is None or reach > rank):

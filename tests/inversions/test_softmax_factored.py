@@ -132,6 +132,27 @@ def test_a_class_bound_on_r_star_is_the_largest_rank_fitted_and_is_read_there():
     assert est.statistic_.null.fitted_rank == 12 and est.rank_ == 10
 
 
+def test_a_reading_beyond_max_rank_is_read_at_the_bound_and_warned():
+    # max_rank below the data's rank: the curve of the halves' mean kernel (of rank up to 2 max_rank) reaches 1%
+    # only beyond the bound; r*(1%) <= max_rank by the class, so the reading is the bound, warned, (0, max_rank)
+    X, Y, teacher = _task(10, n=800)
+    est = RStarEstimator(value_map=teacher.value_map, max_rank=6, tolerance=0.001,
+                         calibration=DEFAULT_CALIBRATION.replace(factored_max_iter=20))
+    with pytest.warns(UnidentifiableRankWarning) as caught:
+        est.fit(X, Y)
+    assert np.argmax(est.risk_curve_upper_ <= 0.001) > 6          # the curve itself reads beyond the bound
+    assert_warned(caught, "tolerance_beyond_class_bound", bounds=(0, 6), category=UnidentifiableRankWarning)
+    assert est.rank_ == 6 and est.rank_interval_ == (0, 6)
+    with pytest.warns(UnidentifiableRankWarning) as caught:
+        assert est.rank_at_tolerance(0.001, return_interval=True) == (6, (0, 6))
+    assert_warned(caught, "tolerance_beyond_class_bound", bounds=(0, 6))
+    # a tolerance the bound's models reach: no such verdict, the reading within the bound
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rank, (lo, hi) = est.rank_at_tolerance(0.2, return_interval=True)
+    assert "tolerance_beyond_class_bound" not in reasons(caught) and rank <= hi <= 6
+
+
 def test_factors_capped_by_the_budget_are_warned_with_an_interval_to_d():
     X, Y, teacher = _task(10, n=800)
     # enough for the first rank's start and two segments, not for a doubling

@@ -134,6 +134,16 @@ def test_tolerance_gates():
     gap = idf.tolerance_verdicts(**dict(kw, floor_gap=0.08))
     assert [v.reason for v in gap] == ["curve_floor_gap"] and gap[0].bounds == (None, 16)
     assert idf.covering((3, 5), gap) == (3, 16) and "0.08 of Var(Y)" in gap[0].message
+    # a curve that reaches the tolerance only beyond the class's bound (dim: d, or max_rank): read at the bound,
+    # every rank the class allows, and the other gates read the rank at the bound
+    beyond = idf.tolerance_verdicts(**dict(kw, rank=20, noise_upper=18))
+    assert [v.reason for v in beyond] == ["tolerance_beyond_class_bound"] and beyond[0].bounds == (0, 16)
+    assert "only at rank 20" in beyond[0].message and "the reading is the bound, 16" in beyond[0].message
+    assert [v.reason for v in idf.tolerance_verdicts(**dict(kw, rank=20))] == ["tolerance_beyond_class_bound",
+                                                                              "tolerance_below_noise"]
+    assert "the rank it reads (16)" in idf.tolerance_verdicts(**dict(kw, rank=20))[1].message
+    assert idf.within_class(20, idf.covering((18, 22), beyond), 16) == (16, (0, 16))
+    assert idf.tolerance_verdicts(**dict(kw, rank=16, noise_upper=18)) == []
 
 
 def test_estimator_gates_on_the_samples():
