@@ -106,9 +106,10 @@ REASONS = {
 
 
 def within_class(rank, interval, dim):
-    """A reading and its interval kept within the class's ranks, ``0 ... dim`` (``dim``: the smaller of d and the
-    estimator's ``max_rank``): r*(tolerance) <= r* <= dim, whatever a curve read (where it read beyond, the verdict
-    ``tolerance_beyond_class_bound`` of :func:`tolerance_verdicts` says so).
+    """A reading and its interval kept within the ranks the class allows, from 0 to ``dim``.
+
+    ``dim`` is the smaller of d and the estimator's ``max_rank``: ``r*(tolerance) <= r* <= dim``, whatever a curve
+    read (where it read beyond, the verdict ``tolerance_beyond_class_bound`` of :func:`tolerance_verdicts` says so).
 
     Examples
     --------
