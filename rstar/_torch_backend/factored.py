@@ -69,10 +69,10 @@ class TokensInBasis:
 
     ``tokens(None)`` is X; ``tokens(P)`` is ``X P`` (in X's dtype), formed chunk by chunk where P is neither the
     last basis asked for (the same array) nor equal to it, and then kept: one more tensor of X's size on the
-    device from the first basis asked for on (the loss's lifetime: one fit). L-BFGS in the token metric's whitened coordinates (``P = M^{-1/2}``)
-    then evaluates ``X P A~`` where it formed ``P A~`` on the CPU (numpy, float64) at each evaluation and
-    ``P grad`` after it: on a MiniLM head 6% of the fit's time, on a SmolLM2 rotary head (d = 577, q = 64)
-    11%, and on a GPU the one ``d x d`` product per evaluation left on the CPU."""
+    device from the first basis asked for on (the loss's lifetime: one fit). L-BFGS in the token metric's
+    whitened coordinates (``P = M^{-1/2}``) then evaluates ``X P A~`` where it formed ``P A~`` on the CPU (numpy,
+    float64) at each evaluation and ``P grad`` after it: on a MiniLM head 6% of the fit's time, on a SmolLM2
+    rotary head (d = 577, q = 64) 11%, and on a GPU the one ``d x d`` product per evaluation left on the CPU."""
 
     def __init__(self, X, parts):
         self.X, self.parts = X, parts
