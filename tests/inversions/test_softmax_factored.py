@@ -581,6 +581,10 @@ def test_a_fit_on_losses_in_the_preconditioned_basis_is_the_fit_without(known, m
         assert a.n_iter == b.n_iter
         np.testing.assert_allclose(a.kernel, b.kernel, rtol=1e-6, atol=1e-8 * np.abs(b.kernel).max())
         assert a.rss == pytest.approx(b.rss, rel=1e-8)
+    # the blocks in preconditioned coordinates need one common precondition to be in
+    with pytest.raises(ValueError, match="one common precondition"):
+        sf._minimize(lambda bl: (0.0, bl), [np.ones((10, 3))], None, 5, 1e-9, 1,
+                     preconditioned_fun=lambda bl: (0.0, bl))
 
 
 def test_split_half_values_are_the_singular_values_of_the_half_sum_and_difference():

@@ -560,10 +560,12 @@ def _minimize(fun, blocks, precondition, max_iter, tol, n_obs, on_check=None, ch
         M = apply(theta.reshape(d, edges[-1]) * scale, 0)
         return [np.ascontiguousarray(M[:, edges[k]:edges[k + 1]]) for k in range(len(blocks))]
 
-    folded = preconditioned_fun is not None and common and pre[0] is not None
+    if preconditioned_fun is not None and not (common and pre[0] is not None):
+        raise ValueError("preconditioned_fun takes the blocks in one common precondition's coordinates; "
+                         "give that precondition (and no block_precondition of its own to any block).")
 
     def wrapped(theta):
-        if folded:
+        if preconditioned_fun is not None:
             M = theta.reshape(d, edges[-1]) * scale
             f, grads = preconditioned_fun([M[:, edges[k]:edges[k + 1]] for k in range(len(blocks))])
             return f, (np.hstack(grads) * scale).ravel()
