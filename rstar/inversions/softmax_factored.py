@@ -554,40 +554,50 @@ def factored_output_distances(ws, samples, value_map, ranks, mask=None, *, calib
     noise it overstates it (the full model's fitted noise counts as lost). It involves no Y, so it is measured
     on the samples fitted without their optimism.
 
+    Parameters
+    ----------
+    samples : tuple (X, Y), or a sequence of them
+        The samples, or their parts (the halves), read part by part (no joined copy); V is refitted on all.
+
     Returns
     -------
     list of ndarray of shape (n,)
+        The parts' samples in order.
     """
-    X = samples[0]
+    parts = sf.sample_parts(samples)
     top = len(ws.null.singular_vectors[1])
-    Z_known = None if value_map is None else X @ value_map
-
-    def model(r):
-        A, B, V = _truncated_model(ws, samples, value_map, min(top, r), mask, calibration)
-        return (X @ V if Z_known is None else Z_known), A, B
-
-    Z, A, B = model(top)
-    full = sf.factored_outputs(X, Z, A, B, mask, calibration=calibration)
-    # each rank's model measured against the full model's outputs (computed once)
-    if Z_known is None:
-        # V refitted at each rank: the truncated factors are needed for it
-        return [sf.factored_sample_rss(X, Z, full, A, B, mask, calibration=calibration)
-                for Z, A, B in map(model, ranks)]
-    # V known: the truncations on the tokens projected on the half-sum's directions
+    A, B, V = _truncated_model(ws, parts, value_map, top, mask, calibration)
+    # V refitted at each rank: the truncated factors are needed for it (small: d x r each)
+    models = None if value_map is not None else [_truncated_model(ws, parts, value_map, min(top, r), mask,
+                                                                  calibration) for r in ranks]
     U, _, W = ws.null.singular_vectors
-    proj = _ProjectedTokens(X, ws.null.metric, (U, W), _top_width(ranks, top))
-    return [proj.sample_rss(A, B, min(int(r), top), Z_known, full, mask, None, calibration) for r in ranks]
+    out = [[] for _ in ranks]
+    for X, _ in parts:
+        Z = X @ V
+        # each rank's model measured against the full model's outputs (computed once a part)
+        full = sf.factored_outputs(X, Z, A, B, mask, calibration=calibration)
+        if models is not None:
+            got = [sf.factored_sample_rss(X, X @ Vr, full, Ar, Br, mask, calibration=calibration)
+                   for Ar, Br, Vr in models]
+        else:
+            # V known: the truncations on the tokens projected on the half-sum's directions
+            proj = _ProjectedTokens(X, ws.null.metric, (U, W), _top_width(ranks, top))
+            got = [proj.sample_rss(A, B, min(int(r), top), Z, full, mask, None, calibration) for r in ranks]
+        for o, g in zip(out, got):
+            o.append(g)
+    return [np.concatenate(o) for o in out]
 
 
 def _truncated_model(ws, samples, value_map, rank, mask=None, calibration=DEFAULT_CALIBRATION):
-    """``(A, B, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` given its attention."""
-    X, Y = samples
+    """``(A, B, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` (a pair ``(X, Y)`` or
+    its parts) given its attention."""
     A, B = truncated_kernel(ws, rank)
-    V = value_map if value_map is not None else sf.value_map_given_kernel(X, Y, A, B, mask, calibration=calibration)
+    V = value_map if value_map is not None else sf.value_map_of_parts(samples, A, B, mask, calibration=calibration)
     return A, B, V
 
 
 def factored_operator(ws, samples, value_map, rank, mask=None, *, calibration=DEFAULT_CALIBRATION):
-    """``(K, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` (for ``predict``)."""
+    """``(K, V)`` of the rank-``rank`` truncation, V known or re-fitted on ``samples`` (a pair ``(X, Y)`` or its
+    parts; for ``predict``)."""
     A, B, V = _truncated_model(ws, samples, value_map, rank, mask, calibration)
     return A @ B.T, V

@@ -480,8 +480,8 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         if ws.inversion != self.factored_name:
             return None
         distances = rotary_output_distances if ws.inversion in ROTARY_NAMES else factored_output_distances
-        return distances(ws, self._in_memory(stats), self.value_map, ranks, self._mask(stats),
-                                         calibration=self.calibration)
+        return distances(ws, self._halves(stats), self.value_map, ranks, self._mask(stats),
+                         calibration=self.calibration)
 
     def curve_rank_limit(self, ws):
         """The factored run's half models have rank q and their half-sum at most 2q: nothing changes beyond."""
@@ -527,11 +527,6 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         """The kept samples as ``((X_odd, Y_odd), (X_even, Y_even))``."""
         return tuple(kept_half(stats, key) for key in ("samples_odd", "samples_even"))
 
-    def _in_memory(self, stats):
-        """The kept samples as one ``(X, Y)``."""
-        (X1, Y1), (X2, Y2) = self._halves(stats)
-        return np.concatenate([X1, X2]), np.concatenate([Y1, Y2])
-
     def _factored_ws(self, stats):
         """The factored statistic of these sums (fitted once per state of the sums, then cached)."""
         cached = getattr(self, "_factored_cache", None)
@@ -549,10 +544,10 @@ class SoftmaxLeastSquaresInversion(KeptSamplesMixin, QueryKeyInversion):
         if samples is None and self.default_run(stats) == self.factored_name:
             ws = self._factored_ws(stats)
             if ws.inversion in ROTARY_NAMES:
-                return rotary_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0],
+                return rotary_operator(ws, self._halves(stats), self.value_map, basis.shape[0],
                                        self._mask(stats), calibration=self.calibration)
             if ws.inversion == self.factored_name:
-                K, V = factored_operator(ws, self._in_memory(stats), self.value_map, basis.shape[0],
+                K, V = factored_operator(ws, self._halves(stats), self.value_map, basis.shape[0],
                                          self._mask(stats), calibration=self.calibration)
                 return SoftmaxOperator(K, V, causal=getattr(self, "causal", False))
         if self._on_prefix(stats, samples) and self.fit_possible(stats):

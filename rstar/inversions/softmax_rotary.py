@@ -412,32 +412,38 @@ def rotary_half_disagreement(ws, halves, value_map, mask=None, *, calibration=DE
 
 
 def _truncated_model(ws, samples, value_map, r, mask, calibration):
-    X, Y = samples
     A, B, rot = _half_sum_model(ws, r)
     V = (value_map if value_map is not None
-         else sf.value_map_given_kernel(X, Y, A, B, mask, calibration=calibration, rotary=rot))
+         else sf.value_map_of_parts(samples, A, B, mask, calibration=calibration, rotary=rot))
     return A, B, V, rot
 
 
 def rotary_output_distances(ws, samples, value_map, ranks, mask=None, *, calibration=DEFAULT_CALIBRATION):
     """Each sample's squared distance between the outputs of the half-sum truncated to width r and of the whole
-    half-sum (:func:`rstar.inversions.softmax_factored.factored_output_distances`, plane by plane)."""
-    X = samples[0]
+    half-sum (:func:`rstar.inversions.softmax_factored.factored_output_distances`, plane by plane; ``samples``
+    a pair ``(X, Y)`` or its parts, read part by part)."""
+    parts = sf.sample_parts(samples)
     top = ws.null.rotary.width
-    A, B, V, rot = _truncated_model(ws, samples, value_map, top, mask, calibration)
-    Z = X @ V
-    full = sf.factored_outputs(X, Z, A, B, mask, calibration=calibration, rotary=rot)
-    if value_map is None:
-        # V refitted at each width: the cut factors are needed for it
-        out = []
-        for r in ranks:
-            A, B, V, rot = _truncated_model(ws, samples, value_map, min(int(r), top), mask, calibration)
-            out.append(sf.factored_sample_rss(X, X @ V, full, A, B, mask, calibration=calibration, rotary=rot))
-        return out
-    # V known: the whole half-sum's value path serves every width; the widths cut it on projected tokens
-    A, B, rot = _stacked(ws.null.half_kernels, ws.null.rotary)
-    proj = _ProjectedTokens(X, ws.null.metric, ws.null.singular_vectors, _top_width(ranks, top))
-    return [proj.sample_rss(A, B, min(int(r), top), Z, full, mask, rot, calibration) for r in ranks]
+    A, B, V, rot = _truncated_model(ws, parts, value_map, top, mask, calibration)
+    # V refitted at each width: the cut factors are needed for it
+    models = None if value_map is not None else [_truncated_model(ws, parts, value_map, min(int(r), top), mask,
+                                                                  calibration) for r in ranks]
+    if models is None:
+        # V known: the whole half-sum's value path serves every width; the widths cut it on projected tokens
+        As, Bs, rots = _stacked(ws.null.half_kernels, ws.null.rotary)
+    out = [[] for _ in ranks]
+    for X, _ in parts:
+        Z = X @ V
+        full = sf.factored_outputs(X, Z, A, B, mask, calibration=calibration, rotary=rot)
+        if models is not None:
+            got = [sf.factored_sample_rss(X, X @ Vr, full, Ar, Br, mask, calibration=calibration, rotary=rr)
+                   for Ar, Br, Vr, rr in models]
+        else:
+            proj = _ProjectedTokens(X, ws.null.metric, ws.null.singular_vectors, _top_width(ranks, top))
+            got = [proj.sample_rss(As, Bs, min(int(r), top), Z, full, mask, rots, calibration) for r in ranks]
+        for o, g in zip(out, got):
+            o.append(g)
+    return [np.concatenate(o) for o in out]
 
 
 class RotarySoftmaxOperator:

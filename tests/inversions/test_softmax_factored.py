@@ -646,6 +646,27 @@ def test_truncations_on_projected_tokens_match_their_factors():
 
 
 @pytest.mark.parametrize("known", [True, False])
+def test_output_distances_and_operator_read_the_halves_as_the_joined_samples(known):
+    """The output distances and ``predict``'s operator read the kept halves part by part (no joined copy of the
+    samples): the same per-sample distances, in the halves' order, and the same refitted V as on the joined
+    samples."""
+    from rstar.inversions.softmax_factored import factored_operator, factored_output_distances
+
+    X, Y, teacher = _task(3, n=300)
+    est = RStarEstimator(value_map=teacher.value_map if known else None, causal=True).fit(X, Y)
+    ws, halves = est._whitened[1], est._inv._halves(est._stats)
+    Vi, mask = est._inv.value_map, sf.causal_mask(X.shape[1])
+    joined = tuple(np.concatenate(a) for a in zip(*halves))
+    ranks = [0, 1, 3, 5]
+    for g, w in zip(factored_output_distances(ws, halves, Vi, ranks, mask),
+                    factored_output_distances(ws, joined, Vi, ranks, mask)):
+        assert g.shape == (300,)
+        np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-12)
+    for a, b in zip(factored_operator(ws, halves, Vi, 3, mask), factored_operator(ws, joined, Vi, 3, mask)):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-12 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("known", [True, False])
 def test_factored_fit_on_torch_reads_what_numpy_reads(known):
     torch = pytest.importorskip("torch")
     X, Y, t = _task(3)

@@ -276,6 +276,26 @@ def test_cut_heads_on_projected_tokens_match_their_factors():
                                    rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("known", [True, False])
+def test_rotary_distances_and_operator_read_the_halves_as_the_joined_samples(known):
+    """The rotary output distances and operator read the halves part by part: as on the joined samples."""
+    from rstar.inversions.softmax_rotary import rotary_operator, rotary_output_distances
+
+    A, B = _head(rank=3)
+    X, Y, V = _task(A, B, n=300)
+    est = RStarEstimator(rotary=POS, causal=True, value_map=V if known else None, random_state=0).fit(X, Y)
+    ws, halves, Vi = est._whitened[1], est._inv._halves(est._stats), est._inv.value_map
+    joined = tuple(np.concatenate(a) for a in zip(*halves))
+    ranks = [0, 2, 4, 2 * P]
+    for g, w in zip(rotary_output_distances(ws, halves, Vi, ranks, MASK),
+                    rotary_output_distances(ws, joined, Vi, ranks, MASK)):
+        assert g.shape == (300,)
+        np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-12)
+    got, want = rotary_operator(ws, halves, Vi, 4, MASK), rotary_operator(ws, joined, Vi, 4, MASK)
+    np.testing.assert_allclose(got.V, want.V, rtol=1e-8, atol=1e-12 * np.abs(want.V).max())
+    np.testing.assert_allclose(got.predict(X[:5]), want.predict(X[:5]), rtol=1e-8, atol=1e-10)
+
+
 def test_causal_windows_cut_short_are_samples_of_the_same_head():
     """What the coarse stage rests on: a causal head's outputs at the first T' positions are the head applied to
     the first T' tokens alone; a bidirectional head's are not."""

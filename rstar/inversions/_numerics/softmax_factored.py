@@ -375,6 +375,22 @@ def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=None, *, calib
     return solve_psd(_ridged(gram, ridge), cross)
 
 
+def sample_parts(samples):
+    """``samples`` as a list of ``(X, Y)`` parts: one pair ``(X, Y)`` (arrays), or a sequence of such pairs (the
+    halves a fit keeps), read part by part so that no joined copy of them is made."""
+    return [samples] if isinstance(samples[0], np.ndarray) else list(samples)
+
+
+def value_map_of_parts(parts, A=None, B=None, mask=None, ridge=None, *, calibration=DEFAULT_CALIBRATION,
+                       rotary=None):
+    """:func:`value_map_given_kernel` on the samples of every ``(X, Y)`` part together (:func:`sample_parts`):
+    the normal equations summed part by part, the parts not joined."""
+    ridge = calibration.value_ridge if ridge is None else ridge
+    sums = [value_normal_equations(X, Y, A, B, mask, calibration=calibration, rotary=rotary)
+            for X, Y in sample_parts(parts)]
+    return solve_psd(_ridged(sum(g for g, _ in sums), ridge), sum(c for _, c in sums))
+
+
 def factored_eval_cost(n, T, d, d_v, rank, value_map_known=True, *, calibration=DEFAULT_CALIBRATION):
     """Multiply-adds of one loss-and-gradient evaluation on n samples (the line search's extra evaluations
     included): ``1.1 (4 n T d q + 2 n T^2 (q + d_v))``, plus ``2 n T d d_v + n T^2 d_v`` with V fitted (1.1 the
