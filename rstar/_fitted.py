@@ -64,8 +64,10 @@ class FittedOperatorMixin:
             return (rank, (rank, rank)) if return_interval else rank
         interval = tolerance_interval(curve, upper, rank, tolerance, int(gates_in["dim"]))
         floor = self.__dict__.get("risk_curve_floor_")
+        # with the floor's own margin at the curve's level, as the fit's reading counted it
         reach = None if floor is None else held_out_reach(upper if upper is not None else curve, floor,
-                                                          self.__dict__.get("risk_curve_floor_in_sample_"), tolerance)
+                                                          self.__dict__.get("risk_curve_floor_in_sample_"), tolerance,
+                                                          self.__dict__.get("_risk_curve_floor_margin", 0.0))
         gates = identifiability.tolerance_verdicts(tolerance=float(tolerance), rank=rank, held_out_reach=reach,
                                                    calibration=self._calibration(), **gates_in)
         for v in gates:

@@ -32,7 +32,7 @@ from .exceptions import InversionFallbackWarning
 from .inversions import choose_inversion, make_inversion
 from .inversions._numerics.rotary import RotaryPositions
 from .model_check import model_check
-from .risk import held_out_reach, tolerance_reading
+from .risk import floor_margin, held_out_reach, tolerance_reading
 from .rules import EnergyRule, MarchenkoPasturRule, NumericalRule, identifiability
 from .rules.split_half import split_half_counts
 from ._fitted import FittedOperatorMixin
@@ -71,7 +71,7 @@ _SHARED_CONSTRAINTS = {
 #: trailing underscore), cleared at every fit.
 _RISK_CURVE_ATTRIBUTES = ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_",
                           "risk_curve_distance_", "risk_curve_resolution_", "risk_curve_floor_",
-                          "risk_curve_floor_in_sample_")
+                          "risk_curve_floor_in_sample_", "risk_curve_floor_se_")
 
 
 def _budget_config(memory_budget, compute_budget, calibration):
@@ -294,7 +294,7 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
         self.noise_floor_rank_ = int(res.rank)
         self.noise_floor_interval_ = interval
         self.verdicts_ = list(gates) + [v for v in res.warnings if isinstance(v, identifiability.Verdict)]
-        for attr in _RISK_CURVE_ATTRIBUTES + ("_risk_curve_full_rank", "_tolerance_gates"):
+        for attr in _RISK_CURVE_ATTRIBUTES + ("_risk_curve_full_rank", "_tolerance_gates", "_risk_curve_floor_margin"):
             self.__dict__.pop(attr, None)
         rank = res.rank if self.rank is None else self.rank
         if self.tolerance is not None:
@@ -342,8 +342,10 @@ class _RankEstimator(StreamingFitMixin, FittedOperatorMixin, RegressorMixin, Bas
                                      noise_lower=int(res.rank_interval[0]), noise_upper=int(res.rank_interval[1]),
                                      floor_gap=(None if reading.risk_curve_floor_in_sample is None
                                                 else reading.risk_curve_floor - reading.risk_curve_floor_in_sample))
+        # the floor's own margin at the curve's level (rank_at_tolerance reads other tolerances with it)
+        self._risk_curve_floor_margin = floor_margin(reading.risk_curve_floor_se, self.tolerance_level)
         reach = held_out_reach(reading.risk_curve_upper, reading.risk_curve_floor, reading.risk_curve_floor_in_sample,
-                               self.tolerance)
+                               self.tolerance, self._risk_curve_floor_margin)
         gates = identifiability.tolerance_verdicts(tolerance=self.tolerance, rank=reading.rank, calibration=cal,
                                                    held_out_reach=reach, **self._tolerance_gates)
         _warn(_issued(gates), stacklevel=6)
@@ -673,6 +675,13 @@ _FITTED_DOC = """
         side, may understate the excess by up to their difference (on
         SmolLM2's noise-free heads, 0.0003–0.0105 of Var(Y) held out against
         at most 4e-5 in sample; ``benchmarks/curve_floor.py``). None elsewhere.
+    risk_curve_floor_se_ : float or None
+        Only with a ``tolerance``, where the curve is measured per sample:
+        the standard error of ``risk_curve_floor_`` over the samples. The
+        rank whose models hold the tolerance on their own held-out risk
+        (the upper end of ``rank_interval_`` where the fit did not identify
+        its statistic) counts it at ``tolerance_level``, beside the curve's
+        own margin. None elsewhere.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)

@@ -21,8 +21,8 @@ import numpy as np
 
 __all__ = ["centred_sums", "total_sum_of_squares", "operator_residual_sum", "relative_excess_risk",
            "excess_risk_standard_error", "excess_risk_fit_standard_error", "excess_risk_upper_bound",
-           "rank_at_tolerance", "held_out_reach", "rank_read_again", "tolerance_interval", "tolerance_reading",
-           "ToleranceReading"]
+           "rank_at_tolerance", "held_out_reach", "floor_margin", "rank_read_again", "tolerance_interval",
+           "tolerance_reading", "ToleranceReading"]
 
 
 
@@ -130,13 +130,16 @@ def rank_at_tolerance(curve, tolerance):
     return int(hits[0]) if hits.size else None
 
 
-def held_out_reach(upper, floor, floor_in_sample, tolerance):
-    """The smallest rank whose models' own held-out risk reaches ``tolerance``: ``upper[r] + floor <= tolerance``
-    (None where no rank of the curve does, or where the curve is not cross-fitted: ``floor_in_sample`` None).
+def held_out_reach(upper, floor, floor_in_sample, tolerance, floor_margin=0.0):
+    """The smallest rank whose models' own held-out risk reaches ``tolerance``:
+    ``upper[r] + floor + floor_margin <= tolerance`` (None where no rank of the curve does, or where the curve is
+    not cross-fitted: ``floor_in_sample`` None).
 
     A cross-fitted curve's excess is measured from the full models' held-out residual, ``floor``; adding it back
-    gives each rank-r model's own risk on samples it was not fitted on, relative to Var(Y) (with the curve's
-    confidence margin; the floor is added as measured). The best unconstrained model's risk is at least zero, so
+    gives each rank-r model's own risk on samples it was not fitted on, relative to Var(Y), with the curve's
+    confidence margin and the floor's own, ``floor_margin`` (the same quantile times the floor's standard error
+    over samples, ``risk_curve_floor_se``: the standard error of a sum is at most the sum of its terms', so the
+    two margins added bound the own risk's at that level). The best unconstrained model's risk is at least zero, so
     a rank-r model within the tolerance there has an excess within it over any floor: r*(tolerance) is at most
     this rank, whether or not the full model the curve subtracts was the best one, up to the held-out estimate's
     sampling error. An in-sample curve has no such bound (a model does better on its own samples). The curve is
@@ -147,12 +150,22 @@ def held_out_reach(upper, floor, floor_in_sample, tolerance):
     --------
     >>> held_out_reach([0.3, 0.04, 0.01, 0.0], 0.02, 0.0, 0.05)
     2
+    >>> held_out_reach([0.3, 0.04, 0.01, 0.0], 0.02, 0.0, 0.05, floor_margin=0.025)
+    3
     >>> held_out_reach([0.3, 0.04], 0.02, None, 0.05) is None
     True
     """
     if floor_in_sample is None:
         return None
-    return rank_at_tolerance(np.asarray(upper, dtype=float) + float(floor), tolerance)
+    return rank_at_tolerance(np.asarray(upper, dtype=float) + float(floor) + float(floor_margin), tolerance)
+
+
+def floor_margin(floor_se, level):
+    """The floor's confidence margin at ``level`` (:func:`excess_risk_upper_bound`'s quantile times
+    ``floor_se``; 0 where the floor's standard error is not known)."""
+    if floor_se is None:
+        return 0.0
+    return float(excess_risk_upper_bound([0.0], [float(floor_se)], level)[0])
 
 
 @dataclass
@@ -185,6 +198,9 @@ class ToleranceReading:
     full_rank : int or None
         d where the curve reached the rank beyond which its models no longer change without reaching the
         tolerance (only the full model is then known to reach it).
+    risk_curve_floor_se : float or None
+        Where the curve is measured per sample: the floor's standard error over the samples,
+        ``sqrt(n) std_i(RSS_i(full)) / TSS`` (:func:`held_out_reach`'s margin on it). None elsewhere.
     """
 
     rank: int
@@ -198,6 +214,7 @@ class ToleranceReading:
     risk_curve_floor_in_sample: object
     full_rank: object
     risk_curve_fit_se: object = None
+    risk_curve_floor_se: object = None
 
 
 def excess_risk_fit_standard_error(sample_rss, sample_rss_full, tss, blocks):
@@ -316,7 +333,9 @@ def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise
                             # known to reach it
                             full_rank=int(ws.dim) if len(curve) > limit else None,
                             risk_curve_fit_se=(None if blocks is None
-                                               else excess_risk_fit_standard_error(parts, full_parts, tss, blocks)))
+                                               else excess_risk_fit_standard_error(parts, full_parts, tss, blocks)),
+                            risk_curve_floor_se=(None if not per_sample else float(excess_risk_standard_error(
+                                [full_parts], np.zeros_like(full_parts), tss)[0])))
 
 
 def tolerance_interval(curve, upper, rank, tolerance, dim):

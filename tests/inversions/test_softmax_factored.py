@@ -208,6 +208,41 @@ def test_a_curve_against_an_unsettled_fit_reaches_the_class_bound_not_d():
     assert_warned(caught, "curve_against_unidentified_fit", bounds=(None, 12))
 
 
+def test_the_held_out_reach_counts_the_floor_s_own_sampling_error():
+    """The rank whose models hold the tolerance on their own held-out risk adds the floor the curve subtracts, and
+    that floor is a held-out estimate with an error of its own: the reach counts it at the curve's level
+    (``risk_curve_floor_se_``, the floor's standard error over the samples), so an interval that ends at the reach
+    does not end short of it by the floor's noise."""
+    from scipy.stats import norm
+
+    X, Y, teacher = _task(10, n=800)
+    cal = DEFAULT_CALIBRATION.replace(factored_max_iter=20)
+    est = RStarEstimator(value_map=teacher.value_map, max_rank=12, tolerance=0.1, calibration=cal)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est.fit(X, Y)
+    ws, halves = est._whitened[1], est._inv._halves(est._stats)
+    full = est._inv.rank_residual_samples(est._stats, ws, [None], halves)[0]
+    tss = total_sum_of_squares(tuple(a + b for a, b in zip(*(centred_sums(*h) for h in halves))))
+    assert np.isclose(est.risk_curve_floor_, full.sum() / tss)
+    se = np.sqrt(full.size) * full.std(ddof=1) / tss
+    assert np.isclose(est.risk_curve_floor_se_, se) and se > 0
+    margin = norm.ppf(1 - est.tolerance_level) * se
+    upper, floor, inside = est.risk_curve_upper_, est.risk_curve_floor_, est.risk_curve_floor_in_sample_
+    # a tolerance the planted rank's models' own held-out risk reaches without the floor's margin, and not with it
+    r = len(upper) - 1
+    assert r == 10 and margin > 0
+    tol = float(upper[r] + floor + margin / 2)
+    assert held_out_reach(upper, floor, inside, tol) == r
+    assert held_out_reach(upper, floor, inside, tol, margin) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rank, (lo, hi) = est.rank_at_tolerance(tol, return_interval=True)
+    # read at 10 off the curve, but those models are not known to hold it on their own: warned, up to the bound
+    assert rank == r and hi == 12
+    assert "curve_against_unidentified_fit" in reasons(caught)
+
+
 def test_tolerance_curve_and_predict_survive_pickle():
     X, Y, teacher = _task(3, seed=2)
     est = RStarEstimator(value_map=teacher.value_map, tolerance=0.05).fit(X, Y)
