@@ -5,7 +5,7 @@ heads reach the iteration cap at q = d_head with their split-half count still mo
 r*(ε) is then read off a curve measured against that fit, and the gate ``curve_against_unidentified_fit`` doubts
 it: the full model the curve subtracts may fall short, so the reading may be too small. Where the curve is
 cross-fitted, the rank read holds the tolerance on its own held-out risk — the curve's upper bound plus the floor it
-subtracts (:func:`rstar.risk.held_out_reach`) — or it does not; where it does, r*(ε) is at most that rank
+subtracts, with the floor's own margin (:func:`rstar.risk.held_out_reach`) — or it does not; where it does, r*(ε) is at most that rank
 whatever the full model was, and the gate lets the reading stand.
 
 For each MiniLM head asked for (T = 32, ``--n-samples`` fitted windows, as the README's ``rstar heads`` command;
@@ -51,7 +51,7 @@ def head_row(head, held):
     """One head's fit, readings and their held-out check."""
     from rstar import RStarEstimator
     from rstar.heads import truncation_rank
-    from rstar.risk import held_out_reach
+    from rstar.risk import floor_margin, held_out_reach
 
     est = RStarEstimator(device="auto", tolerance=min(TOLERANCES), value_map=head.value_map(), max_rank=head.d_head)
     started = time.perf_counter()
@@ -61,7 +61,10 @@ def head_row(head, held):
     in_sample = est.risk_curve_floor_in_sample_   # None where the fit fell back from the factored least squares
     row = dict(head=head.head, seconds=round(time.perf_counter() - started, 1), fit_reasons=_reasons(caught),
                inversion=est.inversion_, floor=float(est.risk_curve_floor_),
-               floor_in_sample=None if in_sample is None else float(in_sample))
+               floor_in_sample=None if in_sample is None else float(in_sample),
+               floor_se=None if est.risk_curve_floor_se_ is None else float(est.risk_curve_floor_se_))
+    # the reach as the fit's gates read it: the floor with its own margin at the curve's level
+    margin = floor_margin(est.risk_curve_floor_se_, est.tolerance_level)
     Y = held.Y
     tss = float(np.sum((Y - Y.reshape(-1, Y.shape[2]).mean(axis=0)) ** 2))
     for tol in TOLERANCES:
@@ -71,7 +74,7 @@ def head_row(head, held):
         excess = float(np.sum((est.predict(held.features(), rank=rank) - Y) ** 2)) / tss
         row[f"{tol:g}"] = dict(rank=int(rank), interval=[int(v) for v in interval], reasons=_reasons(caught),
                                reach=held_out_reach(est.risk_curve_upper_, est.risk_curve_floor_,
-                                                    est.risk_curve_floor_in_sample_, tol),
+                                                    est.risk_curve_floor_in_sample_, tol, margin),
                                held_out=excess, truncation=int(truncation_rank(head, tol)))
     return row
 
