@@ -176,6 +176,8 @@ def test_gpt2_style_is_causal_and_fitted_with_its_mask(ids):
     # the floor its curve subtracts (the half models held out) above their in-sample side: the head's output
     # carries no noise, so both are estimation error and fit
     assert 0 <= row["risk_curve_floor_in_sample"] < row["risk_curve_floor"] < 0.05
+    # and its standard error over the samples, which the held-out reach counts
+    assert 0 < row["risk_curve_floor_se"] < row["risk_curve_floor"]
     # the curve's error with the fits' own variability, rank by rank beside the sampling error and never below it:
     # the two halves' models differ, so at some rank their difference is the larger
     assert len(row["risk_curve_fit_se"]) == len(row["risk_curve_se"]) == len(row["risk_curve_point"])
