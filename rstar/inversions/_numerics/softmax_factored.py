@@ -370,9 +370,7 @@ def value_map_given_kernel(X, Y, A=None, B=None, mask=None, ridge=None, *, calib
     calibration's ``value_ridge``) keeps the ``d x d`` normal matrix invertible where the tokens span fewer than d
     directions.
     """
-    ridge = calibration.value_ridge if ridge is None else ridge
-    gram, cross = value_normal_equations(X, Y, A, B, mask, calibration=calibration, rotary=rotary)
-    return solve_psd(_ridged(gram, ridge), cross)
+    return value_map_of_parts((X, Y), A, B, mask, ridge, calibration=calibration, rotary=rotary)
 
 
 def sample_parts(samples):
