@@ -482,11 +482,12 @@ _COMMON_PARAMS_DOC = """
         the samples of a least-squares fit, or (half of it each) moment sums
         and ``d^2 x d^2`` matrices (:mod:`rstar.budgets`). A fit's working
         arrays come on top: on the factored least squares (n = 2000, T = 32,
-        d = 256, V known, a tolerance; samples 141 MiB) the traced peak was
-        1.7 times the samples (the class check's), and a fit on torch holds
-        float32 copies of X twice (X and its whitened ``X P``) and of Y
-        beside them, about 0.9 times the samples more here (resident: +292
-        MiB on numpy, +391 MiB on torch's CPU threads).
+        d = 256, V known, a tolerance; samples 141 MiB) the fit's own traced
+        peak was 1.7 times the samples, its kept copy included (the class
+        check's), and a fit on torch holds float32 copies of X twice (X and
+        its whitened ``X P``) and of Y beside them, about 0.7 times the
+        samples more here (resident: +293 MiB on numpy, +390 MiB on torch's
+        CPU threads; ``python benchmarks/fit_memory.py``).
     compute_budget : float or "auto", default="auto"
         Multiply-adds one least-squares fit or information matrix may cost
         (:mod:`rstar.budgets`). Beyond either budget

@@ -571,21 +571,19 @@ def factored_output_distances(ws, samples, value_map, ranks, mask=None, *, calib
     models = None if value_map is not None else [_truncated_model(ws, parts, value_map, min(top, r), mask,
                                                                   calibration) for r in ranks]
     U, _, W = ws.null.singular_vectors
-    out = [[] for _ in ranks]
-    for X, _ in parts:
+
+    def measure(X):
         Z = X @ V
         # each rank's model measured against the full model's outputs (computed once a part)
         full = sf.factored_outputs(X, Z, A, B, mask, calibration=calibration)
         if models is not None:
-            got = [sf.factored_sample_rss(X, X @ Vr, full, Ar, Br, mask, calibration=calibration)
-                   for Ar, Br, Vr in models]
-        else:
-            # V known: the truncations on the tokens projected on the half-sum's directions
-            proj = _ProjectedTokens(X, ws.null.metric, (U, W), _top_width(ranks, top))
-            got = [proj.sample_rss(A, B, min(int(r), top), Z, full, mask, None, calibration) for r in ranks]
-        for o, g in zip(out, got):
-            o.append(g)
-    return [np.concatenate(o) for o in out]
+            return [sf.factored_sample_rss(X, X @ Vr, full, Ar, Br, mask, calibration=calibration)
+                    for Ar, Br, Vr in models]
+        # V known: the truncations on the tokens projected on the half-sum's directions
+        proj = _ProjectedTokens(X, ws.null.metric, (U, W), _top_width(ranks, top))
+        return [proj.sample_rss(A, B, min(int(r), top), Z, full, mask, None, calibration) for r in ranks]
+
+    return sf.over_parts(parts, measure)
 
 
 def _truncated_model(ws, samples, value_map, rank, mask=None, calibration=DEFAULT_CALIBRATION):

@@ -431,19 +431,17 @@ def rotary_output_distances(ws, samples, value_map, ranks, mask=None, *, calibra
     if models is None:
         # V known: the whole half-sum's value path serves every width; the widths cut it on projected tokens
         As, Bs, rots = _stacked(ws.null.half_kernels, ws.null.rotary)
-    out = [[] for _ in ranks]
-    for X, _ in parts:
+
+    def measure(X):
         Z = X @ V
         full = sf.factored_outputs(X, Z, A, B, mask, calibration=calibration, rotary=rot)
         if models is not None:
-            got = [sf.factored_sample_rss(X, X @ Vr, full, Ar, Br, mask, calibration=calibration, rotary=rr)
-                   for Ar, Br, Vr, rr in models]
-        else:
-            proj = _ProjectedTokens(X, ws.null.metric, ws.null.singular_vectors, _top_width(ranks, top))
-            got = [proj.sample_rss(As, Bs, min(int(r), top), Z, full, mask, rots, calibration) for r in ranks]
-        for o, g in zip(out, got):
-            o.append(g)
-    return [np.concatenate(o) for o in out]
+            return [sf.factored_sample_rss(X, X @ Vr, full, Ar, Br, mask, calibration=calibration, rotary=rr)
+                    for Ar, Br, Vr, rr in models]
+        proj = _ProjectedTokens(X, ws.null.metric, ws.null.singular_vectors, _top_width(ranks, top))
+        return [proj.sample_rss(As, Bs, min(int(r), top), Z, full, mask, rots, calibration) for r in ranks]
+
+    return sf.over_parts(parts, measure)
 
 
 class RotarySoftmaxOperator:

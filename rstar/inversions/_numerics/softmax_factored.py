@@ -379,6 +379,12 @@ def sample_parts(samples):
     return [samples] if isinstance(samples[0], np.ndarray) else list(samples)
 
 
+def over_parts(parts, measure):
+    """``measure(X)`` (one per-sample array for each of several models) on each part's tokens, each model's arrays
+    concatenated over the parts in their order: every sample's values, the parts not joined."""
+    return [np.concatenate(column) for column in zip(*(measure(X) for X, _ in parts))]
+
+
 def value_map_of_parts(parts, A=None, B=None, mask=None, ridge=None, *, calibration=DEFAULT_CALIBRATION,
                        rotary=None):
     """:func:`value_map_given_kernel` on the samples of every ``(X, Y)`` part together (:func:`sample_parts`):
