@@ -212,7 +212,7 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated, predi
     for p in plan:
         key = (int(p["layer"]), int(p["head"]))
         real, row = realised[f"{key[0]},{key[1]}"], by_key[key]
-        point = se = fit_se = own = None
+        point = se = fit_se = own = own_fit_se = None
         if row.get("risk_curve_point") is not None and row.get("risk_curve_se") is not None:
             # the curve's point estimate at the rank (beyond where it was measured: its last value)
             k = min(int(p["rank"]), len(row["risk_curve_point"]) - 1)
@@ -224,9 +224,14 @@ def predicted_against_realised(plan, rows, realised, tolerance, truncated, predi
                 # the fit's own model: the point estimate with its floor moved in sample, by the gap rank_plan put
                 # between the plan's two predictions (rstar.heads.rank_plan: the floors' gap, at least 0)
                 own = point + float(fitted) - float(p["predicted_excess"])
+                if fit_se is not None and row.get("risk_curve_floor_fit_se") is not None:
+                    # it moves the curve by the floor, so it carries the floor's error too: each with the models'
+                    # own variability, added (the standard error of a sum is at most the sum of its terms')
+                    own_fit_se = fit_se + float(row["risk_curve_floor_fit_se"])
         out.append(dict(tolerance=tolerance, truncated=truncated, layer=key[0], head=key[1], rank=int(p["rank"]),
                         predicted=float(p[predicted_key]), predicted_point=point, predicted_se=se,
-                        predicted_fit_se=fit_se, predicted_own_model=own, warned=reading_warned(row, tolerance),
+                        predicted_fit_se=fit_se, predicted_own_model=own, predicted_own_model_fit_se=own_fit_se,
+                        warned=reading_warned(row, tolerance),
                         **real))
     return out
 
@@ -270,7 +275,8 @@ PREDICTED_HEADER = ["| ε | rank-r model | heads | realised (alone) ≤ predicte
                     "Σ floor (the fit's widest model, alone) | point estimate within 2 se (both) | "
                     "point estimate, floor moved in sample (the fit's own model's prediction): within 2 se (both) · "
                     "Σ predicted | the same two within 2 se, the fits' own variability in the curve's error "
-                    "(risk_curve_fit_se): point · floor moved |",
+                    "(risk_curve_fit_se; floor moved: plus the floor's, risk_curve_floor_fit_se): point · floor "
+                    "moved |",
                     "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
@@ -295,8 +301,8 @@ def predicted_rows(heads_cmp, tolerances, models):
                             if all(h.get("predicted_own_model") is not None for h in hs)
                             else " — |")
                          + (f" {within_point(hs, se='predicted_fit_se')} · "
-                            + (f"{within_point(hs, 'predicted_own_model', 'predicted_fit_se')} |"
-                               if all(h.get("predicted_own_model") is not None for h in hs) else "— |")
+                            + (f"{within_point(hs, 'predicted_own_model', 'predicted_own_model_fit_se')} |"
+                               if all(h.get("predicted_own_model_fit_se") is not None for h in hs) else "— |")
                             if all(h.get("predicted_fit_se") is not None for h in hs) else " — |"))
     return lines
 

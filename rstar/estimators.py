@@ -71,7 +71,8 @@ _SHARED_CONSTRAINTS = {
 #: trailing underscore), cleared at every fit.
 _RISK_CURVE_ATTRIBUTES = ("risk_curve_", "risk_curve_se_", "risk_curve_fit_se_", "risk_curve_upper_",
                           "risk_curve_distance_", "risk_curve_resolution_", "risk_curve_floor_",
-                          "risk_curve_floor_in_sample_", "risk_curve_floor_se_")
+                          "risk_curve_floor_in_sample_", "risk_curve_floor_se_",
+                          "risk_curve_floor_fit_se_")
 
 
 def _budget_config(memory_budget, compute_budget, calibration):
@@ -689,6 +690,16 @@ _FITTED_DOC = """
         (the upper end of ``rank_interval_`` where the fit did not identify
         its statistic) counts it at ``tolerance_level``, beside the curve's
         own margin. None elsewhere.
+    risk_curve_floor_fit_se_ : float or None
+        Only with a ``tolerance``, where the curve is cross-fitted and
+        measured per sample: that error with the full models' own
+        variability (each half's floor is scored by the other half's model;
+        their difference is one replicate of fit and measurement,
+        :func:`rstar.risk.excess_risk_fit_standard_error`), at least
+        ``risk_curve_floor_se_``. Where the halves' models generalise
+        unequally it is the larger: what ``predict``'s model leaves held out
+        is then known to no better than this. Reported, not read. None
+        elsewhere.
     n_columns_ : float
         Effective number of MP columns behind ``spectrum_``.
     components_ : ndarray of shape (``rank_``, T) or (``rank_``, d)

@@ -201,6 +201,12 @@ class ToleranceReading:
     risk_curve_floor_se : float or None
         Where the curve is measured per sample: the floor's standard error over the samples,
         ``sqrt(n) std_i(RSS_i(full)) / TSS`` (:func:`held_out_reach`'s margin on it). None elsewhere.
+    risk_curve_floor_fit_se : float or None
+        Where the curve is cross-fitted and measured per sample: the floor's standard error with the full models'
+        own variability (:func:`excess_risk_fit_standard_error` of the full models' residuals: each block's floor
+        is scored by the model fitted on the other block), at least ``risk_curve_floor_se``. What another model
+        fitted on these samples (``predict``'s, from both halves) may leave held out is uncertain by at least
+        this much; reported, not read.
     """
 
     rank: int
@@ -215,6 +221,7 @@ class ToleranceReading:
     full_rank: object
     risk_curve_fit_se: object = None
     risk_curve_floor_se: object = None
+    risk_curve_floor_fit_se: object = None
 
 
 def excess_risk_fit_standard_error(sample_rss, sample_rss_full, tss, blocks):
@@ -335,7 +342,9 @@ def tolerance_reading(inv, stats, ws, samples, tolerance, tolerance_level, noise
                             risk_curve_fit_se=(None if blocks is None
                                                else excess_risk_fit_standard_error(parts, full_parts, tss, blocks)),
                             risk_curve_floor_se=(None if not per_sample else float(excess_risk_standard_error(
-                                [full_parts], np.zeros_like(full_parts), tss)[0])))
+                                [full_parts], np.zeros_like(full_parts), tss)[0])),
+                            risk_curve_floor_fit_se=(None if blocks is None else float(excess_risk_fit_standard_error(
+                                [full_parts], np.zeros_like(full_parts), tss, blocks)[0])))
 
 
 def tolerance_interval(curve, upper, rank, tolerance, dim):

@@ -178,6 +178,8 @@ def test_gpt2_style_is_causal_and_fitted_with_its_mask(ids):
     assert 0 <= row["risk_curve_floor_in_sample"] < row["risk_curve_floor"] < 0.05
     # and its standard error over the samples, which the held-out reach counts
     assert 0 < row["risk_curve_floor_se"] < row["risk_curve_floor"]
+    # and with the full models' own variability, never below it
+    assert row["risk_curve_floor_se"] <= row["risk_curve_floor_fit_se"] < row["risk_curve_floor"]
     # the curve's error with the fits' own variability, rank by rank beside the sampling error and never below it:
     # the two halves' models differ, so at some rank their difference is the larger
     assert len(row["risk_curve_fit_se"]) == len(row["risk_curve_se"]) == len(row["risk_curve_point"])

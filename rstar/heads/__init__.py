@@ -286,7 +286,8 @@ def estimate_heads(layers, estimator=None, *, tolerances=DEFAULT_TOLERANCES, val
         ``risk_curve_fit_se`` that error with the fits' own variability (``risk_curve_fit_se_``), and
         ``risk_curve_floor`` and ``risk_curve_floor_in_sample`` the floor that curve subtracts and its in-sample
         side (``risk_curve_floor_``, ``risk_curve_floor_in_sample_``: their gap bounds how far the curve may
-        understate the excess), ``risk_curve_floor_se`` the floor's standard error (``risk_curve_floor_se_``);
+        understate the excess), ``risk_curve_floor_se`` the floor's standard error (``risk_curve_floor_se_``) and
+        ``risk_curve_floor_fit_se`` that error with the full models' own variability (``risk_curve_floor_fit_se_``);
         ``seconds`` is the head's wall-clock time (its fit, readings and truncation columns).
     """
     tolerances = tuple(float(t) for t in tolerances)
@@ -486,7 +487,8 @@ def _fit_head(layer, head, estimator, tolerances, value_map_known, truncation, n
         row[key] = None if value is None else [float(v) for v in np.asarray(value)[:head.d_head + 1]]
     for key, attr in (("risk_curve_floor", "risk_curve_floor_"),
                       ("risk_curve_floor_in_sample", "risk_curve_floor_in_sample_"),
-                      ("risk_curve_floor_se", "risk_curve_floor_se_")):
+                      ("risk_curve_floor_se", "risk_curve_floor_se_"),
+                      ("risk_curve_floor_fit_se", "risk_curve_floor_fit_se_")):
         value = None if row["risk_curve"] is None else getattr(est, attr, None)
         row[key] = None if value is None else float(value)
     sv = head.kernel_singular_values()

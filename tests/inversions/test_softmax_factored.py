@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 
-from rstar import RStarEstimator, UnidentifiableRankWarning
+from rstar import NumericalRankEstimator, RStarEstimator, UnidentifiableRankWarning
 from rstar.inversions._numerics import softmax_factored as sf
 from rstar.inversions._numerics.linalg import psd_power
 from rstar.budgets import CostBudget
@@ -241,6 +241,29 @@ def test_the_held_out_reach_counts_the_floor_s_own_sampling_error():
     # read at 10 off the curve, but those models are not known to hold it on their own: warned, up to the bound
     assert rank == r and hi == 12
     assert "curve_against_unidentified_fit" in reasons(caught)
+
+
+def test_the_floor_s_standard_error_with_the_full_models_own_variability():
+    """``risk_curve_floor_fit_se_``: each block's floor is scored by the full model fitted on the other block, so
+    the two blocks' mean residuals differ by the models' variability as well as the samples'; the floor's error
+    with it is ``n |m_1 - m_2| / 2`` relative to TSS, at least its sampling error (``risk_curve_floor_se_``)."""
+    X, Y, teacher = _task(10, n=800)
+    cal = DEFAULT_CALIBRATION.replace(factored_max_iter=20)
+    est = RStarEstimator(value_map=teacher.value_map, max_rank=12, tolerance=0.1, calibration=cal)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est.fit(X, Y)
+    ws, halves = est._whitened[1], est._inv._halves(est._stats)
+    full = est._inv.rank_residual_samples(est._stats, ws, [None], halves)[0]
+    tss = total_sum_of_squares(tuple(a + b for a, b in zip(*(centred_sums(*h) for h in halves))))
+    n1, n2 = est._inv.cross_fit_blocks(est._stats, ws)
+    assert n1 + n2 == full.size and n1 > 0 and n2 > 0
+    between = full.size * abs(full[:n1].mean() - full[n1:].mean()) / (2 * tss)
+    # the unsettled halves' models generalise unequally here: the models' own variability is the larger part
+    assert between > 2 * est.risk_curve_floor_se_
+    assert np.isclose(est.risk_curve_floor_fit_se_, between)
+    # a curve measured in sample (no cross-fitting) has no such estimate
+    assert NumericalRankEstimator(tolerance=0.05).fit(*_task(3, n=200)[:2]).risk_curve_floor_fit_se_ is None
 
 
 def test_tolerance_curve_and_predict_survive_pickle():
