@@ -1,8 +1,9 @@
 """What a factored least-squares fit holds beyond the samples its memory budget counts.
 
 ``memory_budget`` counts the samples a least-squares inversion keeps (``8 n T (d + d_v)`` bytes); the fit's working
-arrays come on top. This measures them on a planted softmax head (Gaussian tokens, rank 4, 10% noise, V known,
-``tolerance=0.01``: the fit, its risk curve and its class check), each back-end in its own process:
+arrays come on top. This measures them on a planted softmax head (Gaussian tokens, rank 4 or ``--rank``, 10% noise,
+V known, ``tolerance=0.01``: the fit, its risk curve and its class check, whose offset modulation uses as many
+query-key directions as the fit counts: real heads' fits count 20-32), each back-end in its own process:
 
 - ``traced``: the peak of ``tracemalloc`` over the fit (numpy's allocations, not torch's), above what was traced
   before it (the data);
@@ -12,7 +13,8 @@ arrays come on top. This measures them on a planted softmax head (Gaussian token
 
 Usage::
 
-    python benchmarks/fit_memory.py [--n-samples 2000] [--seq-len 32] [--n-features 256] [--devices cpu,auto]
+    python benchmarks/fit_memory.py [--n-samples 2000] [--seq-len 32] [--n-features 256] [--rank 4]
+                                    [--devices cpu,auto]
 """
 
 import argparse
@@ -65,6 +67,7 @@ def main():
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--n-features", type=int, default=256)
     p.add_argument("--value-dim", type=int, default=32)
+    p.add_argument("--rank", type=int, default=4, help="the planted head's query-key rank")
     p.add_argument("--devices", default="cpu,auto", help="comma-separated: cpu (numpy), auto (torch), cuda")
     p.add_argument("--measure", nargs=2, metavar=("FOLDER", "DEVICE"), help=argparse.SUPPRESS)
     p.add_argument("--make", metavar="FOLDER", help=argparse.SUPPRESS)
@@ -76,7 +79,7 @@ def main():
         from rstar.datasets import make_attention_task
 
         X, Y, teacher = make_attention_task(args.n_samples, seq_len=args.seq_len, n_features=args.n_features,
-                                            value_dim=args.value_dim, rank=4, noise=0.1, random_state=0,
+                                            value_dim=args.value_dim, rank=args.rank, noise=0.1, random_state=0,
                                             return_teacher=True)
         for name, array in (("X", X), ("Y", Y), ("V", teacher["value_map"])):
             np.save(os.path.join(args.make, f"{name}.npy"), array)
@@ -85,8 +88,9 @@ def main():
         # the task drawn in a process of its own: a child process starts with its parent's peak resident size
         subprocess.run([sys.executable, __file__, "--make", tmp, "--n-samples", str(args.n_samples), "--seq-len",
                         str(args.seq_len), "--n-features", str(args.n_features), "--value-dim",
-                        str(args.value_dim)], check=True)
-        print(f"n = {args.n_samples}, T = {args.seq_len}, d = {args.n_features}, d_v = {args.value_dim}, V known, "
+                        str(args.value_dim), "--rank", str(args.rank)], check=True)
+        print(f"n = {args.n_samples}, T = {args.seq_len}, d = {args.n_features}, d_v = {args.value_dim}, planted rank "
+              f"{args.rank}, V known, "
               "tolerance 1%; each fit in its own process\n")
         print("| device | inversion | rank | samples | traced peak above the data | resident peak above the data |")
         print("|---|---|---|---|---|---|")

@@ -52,7 +52,8 @@ from .calibration import DEFAULT_CALIBRATION
 from .inversions._numerics.linalg import solve_psd
 from .inversions.query_key import pseudo_inverse_fit
 
-__all__ = ["cross_fitted_class_check", "model_check", "no_attention_features", "operator_class_check",
+__all__ = ["cross_fitted_class_check", "direction_scale_sums", "model_check", "no_attention_features",
+           "operator_class_check",
            "modulation_correction", "offset_modulation_sums", "outside_span_residuals", "paired_excess",
            "position_pair_corrections"]
 
@@ -170,24 +171,42 @@ def offset_modulation_sums(coordinates, attention, Z, R, causal, chunk=64):
 def _direction_corrections(coordinates, attention, Z, weights, causal):
     """Each direction's correction ``sum_s a_ts c_{t-s,i} p_ti k_si (z_s - y_t)``, shape (k, n, T, d_v)."""
     P, Kc = coordinates
-    T = P.shape[1]
+    n, T, k = P.shape
     index, _ = _offset_index(T, causal)
     Yhat = attention @ Z
-    out = []
-    for i in range(P.shape[2]):
+    out = np.empty((k, n, T, Z.shape[2]))
+    for i in range(k):
         delta = attention * (P[:, :, i, None] * Kc[:, None, :, i]) * weights[i][index]
-        out.append(delta @ Z - delta.sum(axis=2, keepdims=True) * Yhat)
-    return np.stack(out)
+        out[i] = delta @ Z - delta.sum(axis=2, keepdims=True) * Yhat
+    return out
+
+
+def direction_scale_sums(coordinates, attention, Z, R, weights, causal,
+                         chunk_entries=DEFAULT_CALIBRATION.chunk_entries):
+    """The normal equations of one scale per direction fitted jointly on the directions' corrections
+    (:func:`_direction_corrections`): their Gram ``(k, k)`` and their products with the residuals ``(k,)``, summed
+    over chunks of samples whose k corrections hold at most ``chunk_entries`` entries (the calibration's), never the
+    k corrections of every sample at once (k times the values: 4 GiB at n = 1000, T = 128, d_v = 64, k = 64)."""
+    P = coordinates[0]
+    n, T, k = P.shape
+    gram, cross = np.zeros((k, k)), np.zeros(k)
+    step = max(1, int(chunk_entries) // max(k * T * Z.shape[2], 1))
+    for start in range(0, n, step):
+        part = slice(start, start + step)
+        flat = _direction_corrections(tuple(c[part] for c in coordinates), attention[part], Z[part], weights,
+                                      causal).reshape(k, -1)
+        gram += flat @ flat.T
+        cross += flat @ R[part].ravel()
+    return gram, cross
 
 
 def modulation_correction(coordinates, attention, Z, R, causal):
     """The offset-modulation weights ``(m, k)`` fitted on these samples: each direction's least squares
-    (:func:`offset_modulation_sums`), then one scale per direction fitted jointly on their corrections."""
+    (:func:`offset_modulation_sums`), then one scale per direction fitted jointly on their corrections
+    (:func:`direction_scale_sums`)."""
     G, C = offset_modulation_sums(coordinates, attention, Z, R, causal)
     weights = np.stack([solve_psd(G[i], C[i]) for i in range(G.shape[0])])              # (k, m)
-    parts = _direction_corrections(coordinates, attention, Z, weights, causal)         # (k, n, T, d_v)
-    flat = parts.reshape(parts.shape[0], -1)
-    scale = solve_psd(flat @ flat.T, flat @ R.ravel())
+    scale = solve_psd(*direction_scale_sums(coordinates, attention, Z, R, weights, causal))
     return (weights * scale[:, None]).T
 
 

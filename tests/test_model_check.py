@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rstar.model_check import offset_modulation_sums
+from rstar.model_check import direction_scale_sums, offset_modulation_sums
 
 
 def _attention(rng, n, T, causal):
@@ -41,3 +41,30 @@ def test_offset_modulation_sums_are_their_definition(causal):
                         G_ref[i, t - s + shift, t - u + shift] += phi_s * phi_u * e_s @ (Z[b, u] - Yhat[b, t])
     np.testing.assert_allclose(G, G_ref, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(C, C_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_direction_scale_sums_are_their_definition_over_chunks(causal):
+    """The joint scales' normal equations, ``gram[i, j] = sum <c_i, c_j>`` and ``cross[i] = sum <c_i, R>`` with
+    ``c_i[n, t] = sum_s a_ts w_{t-s,i} p_ti k_si (z_s - yhat_t)``, summed over chunks of samples (here of 1 and of
+    2 samples: the k corrections of every sample are never held at once) equal the same sums over all samples."""
+    rng = np.random.default_rng(4)
+    n, T, k, dv = 5, 4, 3, 2
+    P, K = rng.standard_normal((2, n, T, k))
+    A = _attention(rng, n, T, causal)
+    Z, R = rng.standard_normal((2, n, T, dv))
+    m = T if causal else 2 * T - 1
+    shift = 0 if causal else T - 1
+    W = rng.standard_normal((k, m))
+    Yhat = A @ Z
+    c = np.zeros((k, n, T, dv))
+    for b in range(n):
+        for t in range(T):
+            for s in range(T):
+                for i in range(k):
+                    c[i, b, t] += A[b, t, s] * W[i, t - s + shift] * P[b, t, i] * K[b, s, i] * (Z[b, s] - Yhat[b, t])
+    flat = c.reshape(k, -1)
+    for entries in (k * T * dv, 2 * k * T * dv, 10**6):
+        gram, cross = direction_scale_sums((P, K), A, Z, R, W, causal, chunk_entries=entries)
+        np.testing.assert_allclose(gram, flat @ flat.T, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(cross, flat @ R.ravel(), rtol=1e-10, atol=1e-12)
