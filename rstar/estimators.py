@@ -485,10 +485,12 @@ _COMMON_PARAMS_DOC = """
         arrays come on top: on the factored least squares (n = 2000, T = 32,
         d = 256, V known, a tolerance; samples 141 MiB) the fit's own traced
         peak was 1.7 times the samples, its kept copy included (the class
-        check's), and a fit on torch holds float32 copies of X twice (X and
-        its whitened ``X P``) and of Y beside them, about 0.7 times the
-        samples more here (resident: +293 MiB on numpy, +390 MiB on torch's
-        CPU threads; ``python benchmarks/fit_memory.py``).
+        check's), at a planted rank of 4 and of 24 alike (the class check
+        sums over chunks of samples whatever the rank), and a fit on torch
+        holds float32 copies of X twice (X and its whitened ``X P``) and of Y
+        beside them, about 0.7–1 times the samples more here (resident: +293
+        MiB on numpy, +390 MiB on torch's CPU threads at rank 4; +293 and
+        +429 MiB at rank 24; ``python benchmarks/fit_memory.py --rank R``).
     compute_budget : float or "auto", default="auto"
         Multiply-adds one least-squares fit or information matrix may cost
         (:mod:`rstar.budgets`). Beyond either budget
