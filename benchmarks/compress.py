@@ -168,9 +168,12 @@ def main(argv=None):
     targets = [float(t) for t in args.target.split(",") if t]
     # each --target's bisection: about log2 of the full width over one dimension a head, widths shared between the
     # targets measured once (an estimate for the time left; the count checked at the end leaves them out)
+    # the per-head comparisons (a forward pass per head cut: 40-60 s each on MiniLM where a plan's measurement takes
+    # seconds) timed at their own pace
+    n_realised = models * len(tol_plans) + len(own_plans) + (len(tol_plans) if args.students else 0)
     journal = Journal(Path(args.out) / "compress.partial.jsonl", record, args.resume,
                       n_steps + len(targets) * (int(np.ceil(np.log2((full_width + 1) / len(rows)))) + 1),
-                      kinds=dict(student=n_students))
+                      kinds=dict(student=n_students, realised=n_realised))
 
     model, tok = load_minilm()
     model.eval()
