@@ -884,13 +884,16 @@ class StreamingFitMixin:
             part = slice(start, start + step)
             self._inv.update(self._stats, X[part] / self._x_scale, Y[part] / self._y_scale)
 
-    def _check_enough_samples(self):
+    def _check_enough_samples(self, so_far=False):
+        """One line where the samples are too few for the inversion; ``so_far`` where more batches may follow
+        (partial_fit)."""
         n_total = self._stats["n"]
         need = self._inv.min_samples(*self._dims)
         if n_total < need:
-            raise ValueError(f"Found {n_total} sample(s) so far, but {type(self).__name__} needs at least {need} "
-                             f"samples for this inversion at T={self._dims[0]}, d={self._dims[1]} (got {n_total} "
-                             "sample(s)).")
+            found, more = ((f"{n_total} sample(s) so far", f"add batches of at least {need - n_total} more sample(s)")
+                           if so_far else (f"{n_total} sample(s)", "give more samples"))
+            raise ValueError(f"Found {found}, but {type(self).__name__} needs at least {need} samples for its "
+                             f"{self._inv.name} inversion at T={self._dims[0]}, d={self._dims[1]}: {more}.")
 
     def _fit_batch(self, X, Y, lazy=False):
         self._validate_params_()
@@ -913,7 +916,7 @@ class StreamingFitMixin:
                 self._shared_statistic = False
         self._update(X, Y)
         self._whitened = None
-        self._check_enough_samples()
+        self._check_enough_samples(so_far=lazy)
         if lazy:
             self._check_rank_params(self._inv.statistic_dim(*self._dims[:2]))
             for attr in _LAZY_FITTED:

@@ -128,6 +128,9 @@ def test_too_few_samples_for_the_inversion():
     # exact softmax with a known V: 3 * 4 * 3 equations < 256 unknowns
     with pytest.raises(ValueError, match="needs at least 23 samples"):
         SoftmaxInversionEstimator(value_map=np.eye(16)).fit(Xs, Ys)
+    # partial_fit: the samples so far, and how many more batches must bring
+    with pytest.raises(ValueError, match=r"Found 3 sample\(s\) so far, .* add batches of at least 4 more"):
+        RStarEstimator().partial_fit(Xs, Ys)
 
 
 # -- data that cannot identify r*, or lie outside the operator's class -------------------------------------------

@@ -537,5 +537,6 @@ def test_heads_refused_first_fit_leaves_no_row_file(tmp_path, capsys):
     for _ in range(2):
         assert cli.main(argv + ["--n-samples", "3"]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert last.startswith("rstar: error: Found 3 sample(s) so far") and "needs at least" in last
+        assert last.startswith("rstar: error: Found 3 sample(s), but") and "needs at least" in last
+        assert "so far" not in last   # one fit of every window: no batches to add
         assert not (out / "heads.jsonl").exists()
