@@ -208,13 +208,10 @@ def test_a_curve_against_an_unsettled_fit_reaches_the_class_bound_not_d():
     assert_warned(caught, "curve_against_unidentified_fit", bounds=(None, 12))
 
 
-def test_the_held_out_reach_counts_the_floor_s_own_sampling_error():
-    """The rank whose models hold the tolerance on their own held-out risk adds the floor the curve subtracts, and
-    that floor is a held-out estimate with an error of its own: the reach counts it at the curve's level
-    (``risk_curve_floor_se_``, the floor's standard error over the samples), so an interval that ends at the reach
-    does not end short of it by the floor's noise."""
-    from scipy.stats import norm
-
+@pytest.fixture(scope="module")
+def unsettled_floor_fit():
+    """A rank-10 head fitted with an iteration cap its halves do not settle within, a tolerance read off its curve:
+    the estimator, the full models' held-out residual per sample and the total sum of squares they are relative to."""
     X, Y, teacher = _task(10, n=800)
     cal = DEFAULT_CALIBRATION.replace(factored_max_iter=20)
     est = RStarEstimator(value_map=teacher.value_map, max_rank=12, tolerance=0.1, calibration=cal)
@@ -224,6 +221,17 @@ def test_the_held_out_reach_counts_the_floor_s_own_sampling_error():
     ws, halves = est._whitened[1], est._inv._halves(est._stats)
     full = est._inv.rank_residual_samples(est._stats, ws, [None], halves)[0]
     tss = total_sum_of_squares(tuple(a + b for a, b in zip(*(centred_sums(*h) for h in halves))))
+    return est, full, tss
+
+
+def test_the_held_out_reach_counts_the_floor_s_own_sampling_error(unsettled_floor_fit):
+    """The rank whose models hold the tolerance on their own held-out risk adds the floor the curve subtracts, and
+    that floor is a held-out estimate with an error of its own: the reach counts it at the curve's level
+    (``risk_curve_floor_se_``, the floor's standard error over the samples), so an interval that ends at the reach
+    does not end short of it by the floor's noise."""
+    from scipy.stats import norm
+
+    est, full, tss = unsettled_floor_fit
     assert np.isclose(est.risk_curve_floor_, full.sum() / tss)
     se = np.sqrt(full.size) * full.std(ddof=1) / tss
     assert np.isclose(est.risk_curve_floor_se_, se) and se > 0
@@ -243,19 +251,12 @@ def test_the_held_out_reach_counts_the_floor_s_own_sampling_error():
     assert "curve_against_unidentified_fit" in reasons(caught)
 
 
-def test_the_floor_s_standard_error_with_the_full_models_own_variability():
+def test_the_floor_s_standard_error_with_the_full_models_own_variability(unsettled_floor_fit):
     """``risk_curve_floor_fit_se_``: each block's floor is scored by the full model fitted on the other block, so
     the two blocks' mean residuals differ by the models' variability as well as the samples'; the floor's error
     with it is ``n |m_1 - m_2| / 2`` relative to TSS, at least its sampling error (``risk_curve_floor_se_``)."""
-    X, Y, teacher = _task(10, n=800)
-    cal = DEFAULT_CALIBRATION.replace(factored_max_iter=20)
-    est = RStarEstimator(value_map=teacher.value_map, max_rank=12, tolerance=0.1, calibration=cal)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        est.fit(X, Y)
-    ws, halves = est._whitened[1], est._inv._halves(est._stats)
-    full = est._inv.rank_residual_samples(est._stats, ws, [None], halves)[0]
-    tss = total_sum_of_squares(tuple(a + b for a, b in zip(*(centred_sums(*h) for h in halves))))
+    est, full, tss = unsettled_floor_fit
+    ws = est._whitened[1]
     n1, n2 = est._inv.cross_fit_blocks(est._stats, ws)
     assert n1 + n2 == full.size and n1 > 0 and n2 > 0
     between = full.size * abs(full[:n1].mean() - full[n1:].mean()) / (2 * tss)
