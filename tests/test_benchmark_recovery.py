@@ -256,8 +256,22 @@ def test_the_fit_s_own_model_is_predicted_with_the_floor_moved_in_sample():
                    dict(rows[1], risk_curve_fit_se=[0.01, 0.001])]
     with_fit = runs.predicted_against_realised(plan, fitted_rows, real, 0.01, "fit's model")
     assert with_fit[0]["predicted_fit_se"] == 0.003 and runs.within_point(with_fit[:1], se="predicted_fit_se") == 1
-    assert runs.predicted_rows(with_fit[:1], [0.01], ("fit's model",))[0].endswith("| 1 · 0.010 | 1 · 1 |")
+    # the prediction for the fit's own model moves the curve by the floor, so it carries the floor's error with the
+    # models' own variability too: without risk_curve_floor_fit_se it is not counted
+    assert with_fit[0]["predicted_own_model_fit_se"] is None
+    assert runs.predicted_rows(with_fit[:1], [0.01], ("fit's model",))[0].endswith("| 1 · 0.010 | 1 · — |")
     assert runs.predicted_rows(with_fit, [0.01], ("fit's model",))[0].endswith("| — | 2 · — |")
+    # with it (0.001 here) the two errors add: 0.003 + 0.001 at rank 2
+    floored = [dict(fitted_rows[0], risk_curve_floor_fit_se=0.001), fitted_rows[1]]
+    with_floor = runs.predicted_against_realised(plan, floored, real, 0.01, "fit's model")
+    assert with_floor[0]["predicted_own_model_fit_se"] == pytest.approx(0.004)
+    assert runs.predicted_rows(with_floor[:1], [0.01], ("fit's model",))[0].endswith("| 1 · 0.010 | 1 · 1 |")
+    # a head 0.0075 off its own model's prediction: beyond 2 se with the curve's variability alone
+    # (2 * hypot(0.0005, 0.003) = 0.0061), within it once the floor's is added (2 * hypot(0.0005, 0.004) = 0.0081)
+    far = {**real, "0,0": dict(real["0,0"], alone=0.010 + 0.0075)}
+    off = runs.predicted_against_realised(plan, floored, far, 0.01, "fit's model")[:1]
+    assert runs.within_point(off, "predicted_own_model", "predicted_fit_se") == 0
+    assert runs.within_point(off, "predicted_own_model", "predicted_own_model_fit_se") == 1
     kernel = runs.predicted_rows(runs.predicted_against_realised(plan, rows, real, 0.01, "head's kernel")[:1],
                                  [0.01], ("head's kernel",))[0]
     # a truncated kernel (rotary heads cut on both sides) is set against the same prediction where the row has the
