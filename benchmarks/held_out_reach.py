@@ -5,8 +5,8 @@ heads reach the iteration cap at q = d_head with their split-half count still mo
 r*(ε) is then read off a curve measured against that fit, and the gate ``curve_against_unidentified_fit`` doubts
 it: the full model the curve subtracts may fall short, so the reading may be too small. Where the curve is
 cross-fitted, the rank read holds the tolerance on its own held-out risk — the curve's upper bound plus the floor it
-subtracts, with the floor's own margin (:func:`rstar.risk.held_out_reach`) — or it does not; where it does, r*(ε) is at most that rank
-whatever the full model was, and the gate lets the reading stand.
+subtracts, with the floor's own margin (:func:`rstar.risk.held_out_reach`) — or it does not; where it does, r*(ε)
+is at most that rank whatever the full model was, and the gate lets the reading stand.
 
 For each MiniLM head asked for (T = 32, ``--n-samples`` fitted windows, as the README's ``rstar heads`` command;
 V known, ``tolerance=0.01``, ``max_rank=d_head``, ``device="auto"``), the readings at 1% and 5% with their
