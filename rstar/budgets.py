@@ -127,23 +127,27 @@ class CostBudget:
         The factored least squares' own allowance (its stages, segments and doublings); None: ``multiply_adds``.
         The estimators' ``compute_budget="auto"`` sets it to infinity, so that the factored fit stops on its
         split-half count or its iteration caps, not on a number that cannot scale with the problem.
+    reserved_bytes : int, default=0
+        The part of ``memory_bytes`` that passes over samples not kept hold beside the kept ones (a fit on dask
+        arrays: its workers' chunk temporaries); the samples kept get the rest.
     """
 
     memory_bytes: int = DEFAULT_CALIBRATION.memory_budget
     multiply_adds: float = DEFAULT_CALIBRATION.compute_budget
     fit_multiply_adds: float = None
+    reserved_bytes: int = 0
 
     def allows_array(self, entries):
         """Whether one float64 array of ``entries`` entries fits in half the memory budget."""
         return _FLOAT_BYTES * entries <= self.memory_bytes / 2
 
     def allows_samples(self, n, T, d, d_v):
-        """Whether ``n`` samples can be kept."""
-        return sample_bytes(n, T, d, d_v) <= self.memory_bytes
+        """Whether ``n`` samples can be kept (within the memory budget less ``reserved_bytes``)."""
+        return sample_bytes(n, T, d, d_v) <= self.memory_bytes - self.reserved_bytes
 
     def max_samples(self, T, d, d_v):
         """The most samples that can be kept (:meth:`allows_samples`)."""
-        return int(self.memory_bytes // sample_bytes(1, T, d, d_v))
+        return int(max(0, self.memory_bytes - self.reserved_bytes) // sample_bytes(1, T, d, d_v))
 
     def allows_kernel_matrix(self, d):
         """Whether a ``d^2 x d^2`` matrix fits in half the memory budget."""
@@ -164,10 +168,13 @@ class CostBudget:
 
     def describe(self):
         """The budget in words, for messages."""
+        memory = f"memory_budget={_bytes(self.memory_bytes)}"
+        if self.reserved_bytes:
+            memory += f" ({_bytes(self.reserved_bytes)} of it for the dask workers' chunks)"
         if self.fit_scales:
-            return (f"memory_budget={_bytes(self.memory_bytes)}, compute_budget='auto' ({self.multiply_adds:.3g} "
+            return (f"{memory}, compute_budget='auto' ({self.multiply_adds:.3g} "
                     "multiply-adds to choose the inversion; the factored fit to its iteration caps)")
-        return f"memory_budget={_bytes(self.memory_bytes)}, compute_budget={self.multiply_adds:.3g} multiply-adds"
+        return f"{memory}, compute_budget={self.multiply_adds:.3g} multiply-adds"
 
 
 def _bytes(n):

@@ -23,6 +23,7 @@ materialised, for the inversions that need them in memory).
 """
 
 import copy
+import dataclasses
 import os
 
 import numpy as np
@@ -456,12 +457,18 @@ def _worker_entries(inv):
     """Float entries one dask worker's update may hold at once: the calibration's ``update_chunk_entries``, and
     at most the memory budget shared by the scheduler's workers (each holding a rescaled step and its
     temporaries: half each). A 781 MiB lazily generated array (T = 32, d = 16, chunks of 5000 samples, two
-    threads) fitted with ``memory_budget=2**26`` peaked at 420 MiB of traced memory with whole rescaled chunks."""
+    threads) fitted with ``memory_budget=2**26`` peaked at 420 MiB of traced memory with whole rescaled chunks.
+    The later passes' chunks are the calibration's ``chunk_temporaries`` times smaller, so that they hold half
+    the budget, and the samples kept get the other half (the fit's ``CostBudget.reserved_bytes``)."""
+    budget = inv.budget.memory_bytes // (8 * 2 * _workers())
+    return max(1, min(inv.calibration.update_chunk_entries, budget))
+
+
+def _workers():
+    """The dask scheduler's workers reading chunks side by side (its ``num_workers``, else the cores)."""
     import dask
 
-    workers = int(dask.config.get("num_workers", None) or os.cpu_count() or 1)
-    budget = inv.budget.memory_bytes // (8 * 2 * max(workers, 1))
-    return max(1, min(inv.calibration.update_chunk_entries, budget))
+    return max(1, int(dask.config.get("num_workers", None) or os.cpu_count() or 1))
 
 
 def _merge_all(parts):
@@ -560,11 +567,14 @@ def place_samples(stats, samples, inversion, budget, dims):
     """After a pass over ``samples`` that kept none: keep them in ``stats`` as ``partial_fit`` would (all within
     the memory budget, or the first ones within the compute budget where the inversion keeps a prefix), or
     leave them to be read in passes where the inversion can (:class:`rstar.inversions.Capabilities`).
+    The samples kept stay within ``budget.max_samples`` (the memory budget less what it reserves for the passes).
     Returns whether the inversion reads them in passes."""
     if "samples_odd" not in stats:
         return False
     n = stats["n"]
-    capacity = sample_capacity(stats) if "sample_budget_bytes" in stats else budget.max_samples(*dims)
+    capacity = budget.max_samples(*dims)
+    if "sample_budget_bytes" in stats:
+        capacity = min(capacity, sample_capacity(stats))
     if n <= capacity:
         # within the budget: keep them, as partial_fit would
         stats["samples_odd"], stats["samples_even"] = samples.halves()
@@ -754,8 +764,12 @@ class StreamingFitMixin:
         samples.chunk_entries = self._config["calibration"].chunk_entries
         if isinstance(samples, DaskSamples):
             # the workers read chunks side by side: their temporaries share the memory budget
-            samples.chunk_entries = min(samples.chunk_entries, _worker_entries(self._inv)
-                                         // self._config["calibration"].chunk_temporaries)
+            temporaries = self._config["calibration"].chunk_temporaries
+            samples.chunk_entries = min(samples.chunk_entries, _worker_entries(self._inv) // temporaries)
+            # ... and the passes after this one run beside the samples kept, which get the rest of the budget
+            # (the inversion's choice counts the same)
+            self._budget = dataclasses.replace(
+                self._budget, reserved_bytes=8 * _workers() * temporaries * samples.chunk_entries)
         passes = place_samples(self._stats, samples, self._inv, self._budget, self._dims)
         self._samples_read_in_passes = passes
         self._check_enough_samples()
