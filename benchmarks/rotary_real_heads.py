@@ -101,6 +101,11 @@ def _fit_row(head, held, args):
                 risk_curve_floor=float(est.risk_curve_floor_),
                 risk_curve_floor_in_sample=(None if est.risk_curve_floor_in_sample_ is None
                                             else float(est.risk_curve_floor_in_sample_)),
+                # the floor's standard errors: over samples, and with the full half models' own variability (a
+                # prediction of the fit's own model moves the curve by the floor, so it carries this error too)
+                **{key: None if getattr(est, attr, None) is None else float(getattr(est, attr))
+                   for key, attr in (("risk_curve_floor_se", "risk_curve_floor_se_"),
+                                     ("risk_curve_floor_fit_se", "risk_curve_floor_fit_se_"))},
                 warnings=sorted({str(w.message) for w in caught}))
 
 
