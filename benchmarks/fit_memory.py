@@ -11,10 +11,15 @@ query-key directions as the fit counts: real heads' fits count 20-32), each back
   the fit starts (the data loaded from ``.npy`` files, read in place, and torch imported where the fit uses it):
   what the whole fit added, torch's tensors included.
 
+With ``--rotary D_HEAD`` the planted head is a causal rotary one (a Llama-family head: RoPE at the frequencies
+``10000^(-2p / D_HEAD)``, D_HEAD = ``--value-dim`` wide, its query-key width ``--rank``, 5% noise), fitted as
+``rstar heads`` fits them (``causal=True``, ``rotary=``, ``max_rank=D_HEAD``, V known, ``tolerance=0.01``): the
+largest sizes issue 39 names (d = 2048, T = 512, d_head = 128).
+
 Usage::
 
     python benchmarks/fit_memory.py [--n-samples 2000] [--seq-len 32] [--n-features 256] [--rank 4]
-                                    [--devices cpu,auto]
+                                    [--devices cpu,auto] [--rotary D_HEAD]
 """
 
 import argparse
@@ -44,7 +49,15 @@ def measure(folder, device):
 
     from rstar import RStarEstimator
 
+    import time
+
     X, Y, V = (np.load(os.path.join(folder, f"{name}.npy")) for name in ("X", "Y", "V"))
+    params = dict(value_map=V, device=device, tolerance=0.01)
+    if os.path.exists(os.path.join(folder, "theta.npy")):
+        from rstar import RotaryPositions
+
+        rot = RotaryPositions.from_frequencies(np.load(os.path.join(folder, "theta.npy")), X.shape[1])
+        params.update(causal=True, rotary=rot, max_rank=V.shape[1])
     if device != "cpu":
         import torch  # noqa: F401  (imported before the baseline, as a fit on torch would)
     before = _resident_mib()
@@ -52,13 +65,40 @@ def measure(folder, device):
         raise RuntimeError(f"the process peaked at {_peak_mib():.0f} MiB before the fit ({before:.0f} MiB now)")
     tracemalloc.start()
     traced_before = tracemalloc.get_traced_memory()[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        est = RStarEstimator(value_map=V, device=device, tolerance=0.01).fit(X, Y)
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = RStarEstimator(**params).fit(X, Y)
+    seconds = time.perf_counter() - started
     traced = (tracemalloc.get_traced_memory()[1] - traced_before) / 2**20
     tracemalloc.stop()
     return dict(device=device, inversion=est.inversion_, rank=int(est.rank_), traced_mib=round(traced, 1),
+                interval=[int(v) for v in est.rank_interval_], seconds=round(seconds, 1),
+                warned=any(w.category.__name__ == "UnidentifiableRankWarning" for w in caught),
                 resident_mib=round(_peak_mib() - before, 1), samples_mib=round((X.nbytes + Y.nbytes) / 2**20, 1))
+
+
+def planted_rotary_head(n, T, d, d_head, width, seed=0):
+    """``(X, Y, V, theta)``: Gaussian tokens through a causal rotary head of query-key width ``width`` at RoPE's
+    frequencies ``theta`` (logits of standard deviation about 2), 5% noise on Y."""
+    from rstar import RotaryPositions
+    from rstar.inversions._numerics.rotary import rotate
+
+    rng = np.random.default_rng(seed)
+    theta = 10000.0 ** (-2.0 * np.arange(d_head // 2) / d_head)
+    rot = RotaryPositions.from_frequencies(theta, T)
+    X = rng.standard_normal((n, T, d))
+    A = rng.standard_normal((d, width)) @ rng.standard_normal((width, d_head)) / np.sqrt(d * width)
+    B = rng.standard_normal((d, width)) @ rng.standard_normal((width, d_head)) / np.sqrt(width)
+    V = rng.standard_normal((d, d_head)) / np.sqrt(d)
+    keep = np.tril(np.ones((T, T), dtype=bool))
+    Y = np.empty((n, T, d_head))
+    for i in range(n):
+        L = np.where(keep, 4 * rotate(X[i] @ A, rot) @ rotate(X[i] @ B, rot).T / np.sqrt(d), -np.inf)
+        P = np.exp(L - L.max(axis=1, keepdims=True))
+        Y[i] = (P / P.sum(axis=1, keepdims=True)) @ (X[i] @ V)
+    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
+    return X, Y, V, theta
 
 
 def main():
@@ -69,11 +109,20 @@ def main():
     p.add_argument("--value-dim", type=int, default=32)
     p.add_argument("--rank", type=int, default=4, help="the planted head's query-key rank")
     p.add_argument("--devices", default="cpu,auto", help="comma-separated: cpu (numpy), auto (torch), cuda")
+    p.add_argument("--rotary", type=int, default=None, metavar="D_HEAD",
+                   help="plant a causal rotary head D_HEAD wide (V of d x D_HEAD: --value-dim is set to it)")
     p.add_argument("--measure", nargs=2, metavar=("FOLDER", "DEVICE"), help=argparse.SUPPRESS)
     p.add_argument("--make", metavar="FOLDER", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
         print(json.dumps(measure(*args.measure)))
+        return
+    if args.rotary is not None:
+        args.value_dim = args.rotary
+    if args.make and args.rotary is not None:
+        X, Y, V, theta = planted_rotary_head(args.n_samples, args.seq_len, args.n_features, args.rotary, args.rank)
+        for name, array in (("X", X), ("Y", Y), ("V", V), ("theta", theta)):
+            np.save(os.path.join(args.make, f"{name}.npy"), array)
         return
     if args.make:
         from rstar.datasets import make_attention_task
@@ -88,12 +137,15 @@ def main():
         # the task drawn in a process of its own: a child process starts with its parent's peak resident size
         subprocess.run([sys.executable, __file__, "--make", tmp, "--n-samples", str(args.n_samples), "--seq-len",
                         str(args.seq_len), "--n-features", str(args.n_features), "--value-dim",
-                        str(args.value_dim), "--rank", str(args.rank)], check=True)
-        print(f"n = {args.n_samples}, T = {args.seq_len}, d = {args.n_features}, d_v = {args.value_dim}, planted rank "
-              f"{args.rank}, V known, "
+                        str(args.value_dim), "--rank", str(args.rank)]
+                       + ([] if args.rotary is None else ["--rotary", str(args.rotary)]), check=True)
+        what = "" if args.rotary is None else f"a causal rotary head (d_head = {args.rotary}), "
+        print(f"n = {args.n_samples}, T = {args.seq_len}, d = {args.n_features}, d_v = {args.value_dim}, {what}planted "
+              f"rank {args.rank}, V known, "
               "tolerance 1%; each fit in its own process\n")
-        print("| device | inversion | rank | samples | traced peak above the data | resident peak above the data |")
-        print("|---|---|---|---|---|---|")
+        print("| device | inversion | rank (interval, warned) | seconds | samples | traced peak above the data | "
+              "resident peak above the data |")
+        print("|---|---|---|---|---|---|---|")
         for device in args.devices.split(","):
             out = subprocess.run([sys.executable, __file__, "--measure", tmp, device], capture_output=True,
                                  text=True)
@@ -101,7 +153,8 @@ def main():
                 sys.exit(f"the {device} fit failed: {out.stderr.strip().splitlines()[-1]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
             s = row["samples_mib"]
-            print(f"| {device} | {row['inversion']} | {row['rank']} | {s} MiB | {row['traced_mib']} MiB "
+            print(f"| {device} | {row['inversion']} | {row['rank']} ({row['interval'][0]}, {row['interval'][1]}"
+                  f"{', warned' if row['warned'] else ''}) | {row['seconds']} | {s} MiB | {row['traced_mib']} MiB "
                   f"({row['traced_mib'] / s:.2f}x) | {row['resident_mib']} MiB ({row['resident_mib'] / s:.2f}x) |")
 
 

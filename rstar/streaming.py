@@ -924,6 +924,9 @@ class StreamingFitMixin:
                 raise ValueError("this estimator read its samples in passes (fit_batches or dask arrays) and did "
                                  "not keep them, so partial_fit cannot add to its least-squares fit: call "
                                  "fit_batches again with every batch.")
+            if getattr(getattr(self, "_budget", None), "reserved_bytes", 0):
+                # a dask fit's samples kept beside its passes; partial_fit reads no passes: the whole budget again
+                self._budget = dataclasses.replace(self._budget, reserved_bytes=0)
             if self._shared_statistic:
                 # the sums came from another estimator (fit_from): continue from a copy
                 self._stats = copy.deepcopy(self._stats)

@@ -414,6 +414,10 @@ def test_a_dask_fit_keeps_samples_within_the_budget_its_workers_chunks_leave():
     alone = make().fit(X[:kept], Y[:kept])
     assert est.rank_ == alone.rank_ == 2 and est.inversion_ == alone.inversion_ == "softmax_least_squares"
     np.testing.assert_allclose(est.spectrum_, alone.spectrum_, rtol=1e-8, atol=1e-10 * alone.spectrum_[0])
+    # partial_fit reads no passes: batches added after it have the whole budget again
+    assert est._budget.reserved_bytes > 0
+    est.partial_fit(X[:50], Y[:50])
+    assert est._budget.reserved_bytes == 0 and est._budget.max_samples(16, 8, 8) == 512
 
 
 def test_kept_samples_are_joined_once_and_shared():
