@@ -477,7 +477,7 @@ class Calibration:
         "a 781 MiB lazily generated dask array (T = 32, d = 16, chunks of 5000, two threads), "
         "memory_budget=2**26: the fit peaked 50 MiB above a plain dask reduction's 285 MiB of traced memory "
         "(three runs alike), with the samples it keeps in the half of the budget the workers' steps leave "
-        "(62-83 MiB above when they were kept to the whole budget; 420 MiB in all before the chunks were "
+        "(44-83 MiB above when they were kept to the whole budget; 420 MiB in all before the chunks were "
         "rescaled step by step and shared the budget)")
     max_cached_weights: int = _value(
         2**23, "memory chunks", "count0",

@@ -392,8 +392,8 @@ def test_dask_chunk_work_never_copies_a_whole_chunk():
 def test_a_dask_fit_keeps_samples_within_the_budget_its_workers_chunks_leave():
     """Over both budgets, a dask fit keeps a prefix of its samples and then reads every chunk again (its noise
     and model-check sums) beside it: the prefix gets the memory budget less the workers' chunk temporaries, and
-    the choice's warning names the count kept. (Keeping the whole budget put the 781 MiB benchmark 82 MiB over a
-    plain dask reduction with memory_budget=64 MiB; `python benchmarks/speed.py --dask-memory`.)"""
+    the choice's warning names the count kept. (Keeping the whole budget put the 781 MiB benchmark up to 82 MiB over
+    a plain dask reduction with memory_budget=64 MiB; `python benchmarks/speed.py --dask-memory`.)"""
     import dask
 
     from rstar.calibration import DEFAULT_CALIBRATION as cal
