@@ -491,6 +491,8 @@ _COMMON_PARAMS_DOC = """
         beside them, about 0.7–1 times the samples more here (resident: +293
         MiB on numpy, +390 MiB on torch's CPU threads at rank 4; +293 and
         +429 MiB at rank 24; ``python benchmarks/fit_memory.py --rank R``).
+        On dask arrays the workers' chunk steps hold half of it and the
+        samples kept get the other half (the choice's warning says how many).
     compute_budget : float or "auto", default="auto"
         Multiply-adds one least-squares fit or information matrix may cost
         (:mod:`rstar.budgets`). Beyond either budget
