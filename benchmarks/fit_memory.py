@@ -12,7 +12,8 @@ query-key directions as the fit counts: real heads' fits count 20-32), each back
   what the whole fit added, torch's tensors included.
 
 With ``--rotary D_HEAD`` the planted head is a causal rotary one (a Llama-family head: RoPE at the frequencies
-``10000^(-2p / D_HEAD)``, D_HEAD = ``--value-dim`` wide, its query-key width ``--rank``, 5% noise), fitted as
+``10000^(-2p / D_HEAD)``, D_HEAD = ``--value-dim`` wide, its query-key width ``--rank``:
+:func:`rstar.datasets.make_attention_task` with ``causal=True, rotary=...``), fitted as
 ``rstar heads`` fits them (``causal=True``, ``rotary=``, ``max_rank=D_HEAD``, V known, ``tolerance=0.01``): the
 largest sizes issue 39 names (d = 2048, T = 512, d_head = 128).
 
@@ -78,29 +79,6 @@ def measure(folder, device):
                 resident_mib=round(_peak_mib() - before, 1), samples_mib=round((X.nbytes + Y.nbytes) / 2**20, 1))
 
 
-def planted_rotary_head(n, T, d, d_head, width, seed=0):
-    """``(X, Y, V, theta)``: Gaussian tokens through a causal rotary head of query-key width ``width`` at RoPE's
-    frequencies ``theta`` (logits of standard deviation about 2), 5% noise on Y."""
-    from rstar import RotaryPositions
-    from rstar.inversions._numerics.rotary import rotate
-
-    rng = np.random.default_rng(seed)
-    theta = 10000.0 ** (-2.0 * np.arange(d_head // 2) / d_head)
-    rot = RotaryPositions.from_frequencies(theta, T)
-    X = rng.standard_normal((n, T, d))
-    A = rng.standard_normal((d, width)) @ rng.standard_normal((width, d_head)) / np.sqrt(d * width)
-    B = rng.standard_normal((d, width)) @ rng.standard_normal((width, d_head)) / np.sqrt(width)
-    V = rng.standard_normal((d, d_head)) / np.sqrt(d)
-    keep = np.tril(np.ones((T, T), dtype=bool))
-    Y = np.empty((n, T, d_head))
-    for i in range(n):
-        L = np.where(keep, 4 * rotate(X[i] @ A, rot) @ rotate(X[i] @ B, rot).T / np.sqrt(d), -np.inf)
-        P = np.exp(L - L.max(axis=1, keepdims=True))
-        Y[i] = (P / P.sum(axis=1, keepdims=True)) @ (X[i] @ V)
-    Y += 0.05 * Y.std() * rng.standard_normal(Y.shape)
-    return X, Y, V, theta
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n-samples", type=int, default=2000)
@@ -119,18 +97,19 @@ def main():
         return
     if args.rotary is not None:
         args.value_dim = args.rotary
-    if args.make and args.rotary is not None:
-        X, Y, V, theta = planted_rotary_head(args.n_samples, args.seq_len, args.n_features, args.rotary, args.rank)
-        for name, array in (("X", X), ("Y", Y), ("V", V), ("theta", theta)):
-            np.save(os.path.join(args.make, f"{name}.npy"), array)
-        return
     if args.make:
+        from rstar import RotaryPositions
         from rstar.datasets import make_attention_task
 
+        rotary = theta = None
+        if args.rotary is not None:   # RoPE's frequencies over a head of D_HEAD coordinates
+            theta = 10000.0 ** (-2.0 * np.arange(args.rotary // 2) / args.rotary)
+            rotary = RotaryPositions.from_frequencies(theta, args.seq_len)
         X, Y, teacher = make_attention_task(args.n_samples, seq_len=args.seq_len, n_features=args.n_features,
                                             value_dim=args.value_dim, rank=args.rank, noise=0.1, random_state=0,
-                                            return_teacher=True)
-        for name, array in (("X", X), ("Y", Y), ("V", teacher["value_map"])):
+                                            causal=rotary is not None, rotary=rotary, return_teacher=True)
+        arrays = [("X", X), ("Y", Y), ("V", teacher["value_map"])] + ([] if theta is None else [("theta", theta)])
+        for name, array in arrays:
             np.save(os.path.join(args.make, f"{name}.npy"), array)
         return
     with tempfile.TemporaryDirectory() as tmp:
